@@ -1,0 +1,116 @@
+"""The GGML tensor types: ids as GGUF stores them, and each one's block layout.
+
+Every GGML format stores a row as a run of fixed-size blocks; a block holds
+`block_elems` weights in `block_bytes` bytes.  Sizes are known for every GGML
+type so that a file can be opened and its unsupported tensors *named*; only the
+types in SUPPORTED have kernels.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class GGMLType(IntEnum):
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q8_1 = 9
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    Q8_K = 15
+    IQ2_XXS = 16
+    IQ2_XS = 17
+    IQ3_XXS = 18
+    IQ1_S = 19
+    IQ4_NL = 20
+    IQ3_S = 21
+    IQ2_S = 22
+    IQ4_XS = 23
+    I8 = 24
+    I16 = 25
+    I32 = 26
+    I64 = 27
+    F64 = 28
+    IQ1_M = 29
+    BF16 = 30
+    TQ1_0 = 34
+    TQ2_0 = 35
+    MXFP4 = 39
+
+
+# (block_elems, block_bytes) for every GGML type, as in ggml.c's type_traits.
+BLOCK_LAYOUT: dict[GGMLType, tuple[int, int]] = {
+    GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.BF16: (1, 2),
+    GGMLType.Q4_0: (32, 18),    # f16 d, 16 B nibbles
+    GGMLType.Q4_1: (32, 20),    # f16 d, f16 m, 16 B nibbles
+    GGMLType.Q5_0: (32, 22),    # f16 d, 4 B high bits, 16 B nibbles
+    GGMLType.Q5_1: (32, 24),    # f16 d, f16 m, 4 B high bits, 16 B nibbles
+    GGMLType.Q8_0: (32, 34),    # f16 d, 32 int8
+    GGMLType.Q8_1: (32, 36),
+    GGMLType.Q2_K: (256, 84), GGMLType.Q3_K: (256, 110),
+    GGMLType.Q4_K: (256, 144),  # f16 d, f16 dmin, 12 B 6-bit scales/mins, 128 B nibbles
+    GGMLType.Q5_K: (256, 176),  # f16 d, f16 dmin, 12 B scales, 32 B high bits, 128 B nibbles
+    GGMLType.Q6_K: (256, 210),  # 128 B low nibbles, 64 B high 2 bits, 16 int8 scales, f16 d
+    GGMLType.Q8_K: (256, 292),
+    GGMLType.IQ2_XXS: (256, 66), GGMLType.IQ2_XS: (256, 74), GGMLType.IQ3_XXS: (256, 98),
+    GGMLType.IQ1_S: (256, 50), GGMLType.IQ4_NL: (32, 18), GGMLType.IQ3_S: (256, 110),
+    GGMLType.IQ2_S: (256, 82), GGMLType.IQ4_XS: (256, 136),
+    GGMLType.I8: (1, 1), GGMLType.I16: (1, 2), GGMLType.I32: (1, 4), GGMLType.I64: (1, 8),
+    GGMLType.F64: (1, 8), GGMLType.IQ1_M: (256, 56), GGMLType.TQ1_0: (256, 54),
+    GGMLType.TQ2_0: (256, 66), GGMLType.MXFP4: (32, 17),
+}
+
+SUPPORTED = frozenset({
+    GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0,
+    GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
+})
+
+TYPE_INFO = {t: BLOCK_LAYOUT[t] for t in SUPPORTED}
+
+
+class UnsupportedQuantType(ValueError):
+    """A tensor's type has no kernel here (or is not a GGML type at all)."""
+
+    def __init__(self, qtype, tensor: str = "?"):
+        try:
+            label = GGMLType(int(qtype)).name
+        except ValueError:
+            label = f"unknown type id {int(qtype)}"
+        supported = ", ".join(t.name for t in sorted(SUPPORTED))
+        super().__init__(f"tensor '{tensor}' uses quantization type {label}, which Llamba does not "
+                         f"support (supported: {supported})")
+        self.qtype, self.tensor = qtype, tensor
+
+
+def type_name(qtype: int) -> str:
+    try:
+        return GGMLType(int(qtype)).name
+    except ValueError:
+        return f"type{int(qtype)}"
+
+
+def row_nbytes(qtype: int, ncols: int, tensor: str = "?") -> int:
+    """Bytes of one row of `ncols` weights; the row length must be whole blocks."""
+    try:
+        elems, nbytes = BLOCK_LAYOUT[GGMLType(int(qtype))]
+    except (ValueError, KeyError):
+        raise UnsupportedQuantType(qtype, tensor) from None
+    if ncols % elems:
+        raise ValueError(f"tensor '{tensor}': row of {ncols} values is not a whole number of "
+                         f"{type_name(qtype)} blocks ({elems})")
+    return ncols // elems * nbytes
+
+
+def tensor_nbytes(qtype: int, shape: tuple[int, ...], tensor: str = "?") -> int:
+    """Bytes of a whole tensor of numpy-order `shape` (last axis = contiguous row)."""
+    rows = 1
+    for d in shape[:-1]:
+        rows *= int(d)
+    return rows * row_nbytes(qtype, int(shape[-1]), tensor)
