@@ -1,0 +1,13 @@
+"""What a model is: configs and one short file per architecture family."""
+from .config import SUPPORTED_ARCHS, ModelConfig, UnsupportedArchitecture, config_from_gguf
+
+
+def model_class(arch: str):
+    if arch in ("llama", "qwen2"):
+        from .llama import Llama
+        return Llama
+    if arch == "gemma3":
+        from .gemma3 import Gemma3
+        return Gemma3
+    raise UnsupportedArchitecture(f"model architecture '{arch}' is not supported "
+                                  f"(supported: {', '.join(SUPPORTED_ARCHS)})")

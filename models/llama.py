@@ -1,0 +1,51 @@
+"""Llama-family decoder: llama (SmolLM2, Llama 3, Mistral) and qwen2 (QKV bias).
+
+Written once against the Backend ops; the Backend decides where it runs.
+Weights are named as in GGUF files (`blk.{i}.attn_q.weight`, ...).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig, theta: float) -> np.ndarray:
+    dim = cfg.rope_dim or cfg.head_dim
+    return (1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)).astype(np.float32)
+
+
+class Llama:
+    def __init__(self, cfg: ModelConfig, w: dict):
+        self.cfg = cfg
+        self.tok_embd = w["token_embd.weight"]
+        self.output_norm = w["output_norm.weight"]
+        self.output = w.get("output.weight", self.tok_embd)
+        self.layers = [_layer(w, i) for i in range(cfg.n_layers)]
+        self.inv_freq = rope_inv_freq(cfg, cfg.rope_theta)
+
+    def forward(self, b, step):
+        """Run one step: `step.tokens` enter, logits for `step.logit_rows` leave."""
+        cfg = self.cfg
+        x = b.embed(self.tok_embd, step.tokens)
+        for i, L in enumerate(self.layers):
+            h = b.rmsnorm(x, L["attn_norm"], cfg.rms_eps)
+            q, k, v = b.matmuls(h, (L["attn_q"], L["attn_k"], L["attn_v"]),
+                                (L.get("attn_q.bias"), L.get("attn_k.bias"), L.get("attn_v.bias")))
+            q = b.heads(q, cfg.n_heads)
+            k = b.heads(k, cfg.n_kv_heads)
+            b.rope(q, step, self.inv_freq, cfg.rope_neox)
+            b.rope(k, step, self.inv_freq, cfg.rope_neox)
+            a = b.attention(q, k, b.heads(v, cfg.n_kv_heads), i, step)
+            b.matmul_add(a, L["attn_output"], x)
+            h = b.rmsnorm(x, L["ffn_norm"], cfg.rms_eps)
+            g, u = b.matmuls(h, (L["ffn_gate"], L["ffn_up"]))
+            b.glu(g, u, "silu")
+            b.matmul_add(g, L["ffn_down"], x)
+        x = b.rmsnorm(b.rows(x, step.logit_rows), self.output_norm, cfg.rms_eps)
+        return b.logits(x, self.output)
+
+
+def _layer(w: dict, i: int) -> dict:
+    p = f"blk.{i}."
+    return {k[len(p):].removesuffix(".weight"): v for k, v in w.items() if k.startswith(p)}
