@@ -1,0 +1,30 @@
+"""Backends run the model's ops: `cpu` (Numba) and `cuda` (CuPy).
+
+A model file calls only the ops of `Backend` (see cpu.py for the reference
+implementation); it never learns which backend runs it.
+"""
+from __future__ import annotations
+
+
+class DeviceUnavailable(RuntimeError):
+    """The asked-for device cannot be used; the message says why in one line."""
+
+
+def make_backend(device: str = "cpu", *, threads: int | None = None, announce=None):
+    """`cpu`, `cuda` or `auto` (the GPU when CuPy finds one, else the CPU, said aloud)."""
+    if device == "cpu":
+        from .cpu import CPUBackend
+        return CPUBackend(threads=threads)
+    if device in ("cuda", "gpu", "auto"):
+        try:
+            from .cuda import CUDABackend, probe
+            probe()
+            return CUDABackend()
+        except (ImportError, DeviceUnavailable) as e:
+            if device != "auto":
+                raise DeviceUnavailable(str(e)) from None
+            if announce:
+                announce(f"device auto: using the CPU ({e})")
+            from .cpu import CPUBackend
+            return CPUBackend(threads=threads)
+    raise ValueError(f"unknown device '{device}' (use cpu, cuda or auto)")

@@ -1,0 +1,162 @@
+"""The CPU backend: numpy arrays, Numba kernels, quantized matmuls from quant/.
+
+Every op writes into buffers from a per-step arena: the same sequence of ops asks
+for the same buffers in the same order each step, so a decode step allocates
+nothing once warm.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numba
+import numpy as np
+
+import quant
+from quant import GGMLType, QTensor
+
+from . import cpu_kernels as K
+
+
+class _Arena:
+    """Step-scoped buffers, handed out in call order and reused across steps."""
+
+    def __init__(self):
+        self.bufs: list[np.ndarray] = []
+        self.i = 0
+
+    def reset(self):
+        self.i = 0
+
+    def get(self, shape, dtype=np.float32) -> np.ndarray:
+        i = self.i
+        self.i += 1
+        if i < len(self.bufs):
+            b = self.bufs[i]
+            if b.shape == shape and b.dtype == dtype:
+                return b
+            b = self.bufs[i] = np.empty(shape, dtype)
+            return b
+        b = np.empty(shape, dtype)
+        self.bufs.append(b)
+        return b
+
+
+class CPUKVStorage:
+    """K and V pools per layer: [n_slots, kv_heads, head_dim] as f16 bits (uint16)."""
+
+    def __init__(self, n_layers, n_slots, n_kv_heads, head_dim):
+        shape = (n_slots, n_kv_heads, head_dim)
+        self.k = [np.zeros(shape, np.uint16) for _ in range(n_layers)]
+        self.v = [np.zeros(shape, np.uint16) for _ in range(n_layers)]
+        self.bytes_per_token = n_layers * 2 * n_kv_heads * head_dim * 2
+
+    def copy_block(self, src: int, dst: int, block_size: int) -> None:
+        s, d = slice(src * block_size, (src + 1) * block_size), slice(dst * block_size, (dst + 1) * block_size)
+        for pool in (*self.k, *self.v):
+            pool[d] = pool[s]
+
+
+class CPUBackend:
+    name = "cpu"
+
+    def __init__(self, threads: int | None = None):
+        if threads:
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        self.threads = numba.get_num_threads()
+        self.arena = _Arena()
+        self.kv: CPUKVStorage | None = None
+        self.device_name = f"CPU ({os.cpu_count()} cores, {self.threads} threads)"
+
+    # ---- set-up ----------------------------------------------------------------
+    def upload(self, t: QTensor):
+        """Weights stay as they are in the file (memory-mapped blocks); 1-D tensors
+        (norms, biases) become float32 vectors."""
+        if len(t.shape) == 1:
+            return quant.dequantize(t).astype(np.float32).reshape(-1)
+        return t
+
+    def alloc_kv(self, n_layers, n_slots, n_kv_heads, head_dim):
+        self.kv = CPUKVStorage(n_layers, n_slots, n_kv_heads, head_dim)
+        return self.kv
+
+    def begin_step(self, step):
+        self.arena.reset()
+
+    def to_host(self, x) -> np.ndarray:
+        return x
+
+    # ---- ops ----------------------------------------------------------------
+    def embed(self, W, ids, scale: float = 1.0):
+        x = quant.dequantize_rows(W, np.asarray(ids))
+        if scale != 1.0:
+            x *= np.float32(scale)
+        return x
+
+    def rmsnorm(self, x, w, eps):
+        out = self.arena.get(x.shape)
+        d = x.shape[-1]
+        K.rmsnorm(x.reshape(-1, d), w, np.float32(eps), out.reshape(-1, d))
+        return out
+
+    def heads(self, x, n_heads):
+        return x.reshape(x.shape[0], n_heads, -1)
+
+    def matmul(self, x, W, bias=None):
+        out = self.arena.get((x.shape[0], W.shape[0]))
+        quant.matmul(_rows2d(x), W, out)
+        if bias is not None:
+            out += bias
+        return out
+
+    def matmuls(self, x, Ws, biases=None):
+        x = _rows2d(x)
+        outs = [self.arena.get((x.shape[0], W.shape[0])) for W in Ws]
+        quant.matmul_multi(x, list(Ws), outs)
+        if biases:
+            for o, bias in zip(outs, biases):
+                if bias is not None:
+                    o += bias
+        return outs
+
+    def matmul_add(self, x, W, acc):
+        K.add_inplace(acc, self.matmul(x, W))
+
+    def add(self, x, y):
+        K.add_inplace(x, y)
+
+    def glu(self, g, u, kind):
+        (K.silu_mul if kind == "silu" else K.gelu_mul)(g, u)
+        return g
+
+    def rope(self, x, step, inv_freq, neox, pos_scale=1.0):
+        K.rope(x, step.positions, inv_freq, neox, np.float32(pos_scale))
+
+    def rows(self, x, idx):
+        return x[idx]
+
+    def logits(self, x, W):
+        out = np.empty((x.shape[0], W.shape[0]), np.float32)   # outlives the step: not from the arena
+        quant.matmul(_rows2d(x), W, out)
+        return out
+
+    def attention(self, q, k, v, layer, step):
+        n, h, d = q.shape
+        kv = self.kv
+        K.kv_write(k, v, kv.k[layer], kv.v[layer], step.slots)
+        kvh = k.shape[1]
+        g = h // kvh
+        splits = step.attn_splits
+        part_m = self.arena.get((n, kvh, splits, g))
+        part_l = self.arena.get((n, kvh, splits, g))
+        part_acc = self.arena.get((n, kvh, splits, g, d))
+        out = self.arena.get((n, h, d))
+        K.paged_attention(q, kv.k[layer], kv.v[layer], step.block_size, step.block_tables,
+                          step.seq_of_token, step.positions, step.window(layer),
+                          np.float32(step.attn_scale), splits, part_m, part_l, part_acc, out)
+        return out.reshape(n, h * d)
+
+
+def _rows2d(x):
+    x = x.reshape(x.shape[0], -1)
+    return x if x.flags.c_contiguous else np.ascontiguousarray(x)
