@@ -1,0 +1,201 @@
+"""`python -m runtime`: generate, chat, tokenize, perplexity, bench, info."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from . import __version__
+
+
+def _add_model(p, positional=False):
+    if positional:
+        p.add_argument("model", nargs="?", default=None, help="a .gguf file, a checkpoint folder or a catalog name")
+    else:
+        p.add_argument("-m", "--model", default=None,
+                       help="a .gguf file, a checkpoint folder or a catalog name (default smollm2-135m)")
+
+
+def _add_engine(p):
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (default min(4096, model's))")
+
+
+def _add_sampling(p):
+    p.add_argument("--temp", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="llamba-cli", description="Llamba: local LLM inference")
+    ap.add_argument("--version", action="version", version=f"llamba {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="continue a raw prompt")
+    _add_model(g); _add_engine(g); _add_sampling(g)
+    g.add_argument("-p", "--prompt", required=True)
+    g.add_argument("-n", "--n-predict", type=int, default=128)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--json", action="store_true")
+
+    c = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    _add_model(c); _add_engine(c); _add_sampling(c)
+    c.add_argument("--system", default=None)
+    c.add_argument("-n", "--n-predict", type=int, default=1024)
+
+    t = sub.add_parser("tokenize", help="print token ids as JSON")
+    _add_model(t)
+    t.add_argument("text", nargs="?")
+    t.add_argument("--jsonl", default=None, help="file with one JSON string per line")
+    t.add_argument("--no-bos", action="store_true")
+
+    pp = sub.add_parser("perplexity", help="llama.cpp-style perplexity of a text file")
+    _add_model(pp); _add_engine(pp)
+    pp.add_argument("-f", "--file", required=True)
+    pp.add_argument("--chunks", type=int, default=0)
+    pp.add_argument("--json", action="store_true")
+
+    b = sub.add_parser("bench", help="llama-bench-style speed test")
+    _add_model(b); _add_engine(b)
+    b.add_argument("-p", "--n-prompt", type=int, default=512)
+    b.add_argument("-n", "--n-gen", type=int, default=128)
+    b.add_argument("-r", "--repetitions", type=int, default=3)
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--peer", default=None, help="python of a venv with llama-cpp-python: bench it side by side")
+
+    i = sub.add_parser("info", help="architecture, parameters, tensor types, KV bytes per token")
+    _add_model(i, positional=True)
+    i.add_argument("--json", action="store_true")
+    return ap
+
+
+def _engine(args):
+    from .engine import Engine
+    return Engine(args.model, device=args.device, n_ctx=args.ctx_size, threads=args.threads,
+                  announce=lambda m: print(m, file=sys.stderr))
+
+
+def _params(args):
+    from .sampling import SamplingParams
+    return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty, seed=args.seed)
+
+
+def cmd_generate(args) -> int:
+    from .generate import Generation
+    eng = _engine(args)
+    ids = eng.tokenizer.encode(args.prompt)
+    gen = Generation(eng, ids, _params(args), max_tokens=args.n_predict, stop=tuple(args.stop))
+    if args.json:
+        gen.run()
+        st = gen.stats
+        out = {"ids": gen.ids, "text": gen.text, "prompt_tokens": st.prompt_tokens,
+               "prompt_tokens_per_s": round(st.prompt_tokens_per_s, 2),
+               "tokens_per_s": round(st.tokens_per_s, 2), "stop_reason": st.stop_reason,
+               "kv_cache": eng.stats()}
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        sys.stdout.write(args.prompt)
+        for piece in gen:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        st = gen.stats
+        print(f"\n\n[{st.prompt_tokens} prompt tokens at {st.prompt_tokens_per_s:.1f} t/s, "
+              f"{st.generated_tokens} generated at {st.tokens_per_s:.1f} t/s, stop: {st.stop_reason}]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .chat import ChatSession
+    eng = _engine(args)
+    chat = ChatSession(eng, system=args.system, params=_params(args), max_tokens=args.n_predict)
+    print("Chatting with", eng.loaded.path.name, "— empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not user.strip():
+            return 0
+        for piece in chat.send(user):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        st = chat.last_stats
+        print(f"\n[{st.generated_tokens} tokens, {st.tokens_per_s:.1f} t/s]", file=sys.stderr)
+
+
+def cmd_tokenize(args) -> int:
+    from .loader import load_model
+    tok = load_model(args.model).tokenizer
+    add_bos = False if args.no_bos else None
+    if args.jsonl:
+        with open(args.jsonl, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    print(json.dumps(tok.encode(json.loads(line), add_bos=add_bos)))
+    else:
+        if args.text is None:
+            raise SystemExit("tokenize: give TEXT or --jsonl FILE")
+        print(json.dumps(tok.encode(args.text, add_bos=add_bos)))
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    from .perplexity import perplexity
+    eng = _engine(args)
+    with open(args.file, encoding="utf-8") as f:
+        text = f.read()
+    res = perplexity(eng, text, n_ctx=args.ctx_size or 512, max_chunks=args.chunks,
+                     progress=None if args.json else lambda i, n, p: print(f"[{i}/{n}] {p:.4f}", file=sys.stderr))
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"PPL = {res['ppl']:.4f} +/- {res['stderr']:.4f}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+    return run_bench(args)
+
+
+def cmd_info(args) -> int:
+    from .loader import load_model
+    from quant import type_name
+    lm = load_model(args.model)
+    cfg = lm.config
+    types = {}
+    for t in lm.tensors.values():
+        types[type_name(t.qtype)] = types.get(type_name(t.qtype), 0) + 1
+    kv_per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
+    info = {"path": str(lm.path), "name": cfg.name, "architecture": cfg.arch, "parameters": lm.n_params,
+            "weight_bytes": lm.weight_bytes, "tensor_types": types, "context_length": cfg.context_length,
+            "layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim, "vocab": cfg.vocab_size, "kv_bytes_per_token": kv_per_token}
+    if args.json:
+        print(json.dumps(info))
+    else:
+        for k, v in info.items():
+            print(f"{k:>20}: {v}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = globals()["cmd_" + args.cmd]
+    try:
+        return handler(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except (FileNotFoundError, ValueError, RuntimeError, KeyError, OSError, MemoryError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {msg}", file=sys.stderr)
+        return 1

@@ -1,0 +1,124 @@
+"""The token loop: prefill a prompt, then sample, decode and stream text until
+EOS/end-of-turn, a stop string, max_tokens, a stop request, or a full context.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .engine import ContextOverflow, Engine
+from .kv_cache import Sequence
+from .sampling import Sampler, SamplingParams
+
+
+@dataclass
+class GenStats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    generate_seconds: float = 0.0
+    stop_reason: str = ""
+    speculative: dict = field(default_factory=dict)
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        computed = self.prompt_tokens - self.reused_tokens
+        return computed / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        # the first token comes from the prefill's logits; the rest from decode steps
+        n = self.generated_tokens - 1
+        return n / self.generate_seconds if self.generate_seconds and n > 0 else 0.0
+
+
+class Generation:
+    """Iterate to get text pieces as they are decoded; `.ids`, `.text`, `.stats` after."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams | None = None,
+                 max_tokens: int = 128, stop: tuple[str, ...] = (), seq: Sequence | None = None,
+                 should_stop=None, on_step=None):
+        self.engine, self.prompt_ids = engine, list(prompt_ids)
+        self.params = params or SamplingParams()
+        self.max_tokens, self.stop = max_tokens, tuple(s for s in stop if s)
+        self.seq = seq
+        self.should_stop = should_stop or (lambda: False)
+        self.on_step = on_step
+        self.ids: list[int] = []
+        self.text = ""
+        self.stats = GenStats()
+
+    def __iter__(self):
+        eng = self.engine
+        tok = eng.tokenizer
+        sampler = Sampler(self.params)
+        seq = self.seq or eng.new_sequence()
+        self.seq = seq
+        st = self.stats
+        st.prompt_tokens = len(self.prompt_ids)
+        t0 = time.perf_counter()
+        logits = eng.prefill(seq, self.prompt_ids)
+        st.reused_tokens = seq.reused_tokens
+        st.prompt_seconds = time.perf_counter() - t0
+        history = list(self.prompt_ids)
+        stream = tok.stream()
+        pending = ""            # text held back while it could still begin a stop string
+        t1 = time.perf_counter()
+        while True:
+            nxt = sampler.sample(logits, history)
+            if nxt in tok.stop_ids:
+                st.stop_reason = "eos"
+                break
+            self.ids.append(nxt)
+            history.append(nxt)
+            st.generated_tokens = len(self.ids)
+            pending += stream.feed(nxt)
+            hit = self._find_stop(pending)
+            if hit is not None:
+                pending = pending[:hit]
+                st.stop_reason = "stop"
+            emit, pending = self._split_safe(pending) if hit is None else (pending, "")
+            if emit:
+                self.text += emit
+                yield emit
+            if hit is not None:
+                break
+            if len(self.ids) >= self.max_tokens:
+                st.stop_reason = "length"
+                break
+            if self.should_stop():
+                st.stop_reason = "cancelled"
+                break
+            try:
+                logits = eng.step([seq], [[nxt]])[0]
+            except ContextOverflow:
+                st.stop_reason = "context"
+                break
+            st.generate_seconds = time.perf_counter() - t1
+            if self.on_step:
+                self.on_step(self)
+        st.generate_seconds = time.perf_counter() - t1
+        tail = pending + (stream.flush() if st.stop_reason != "stop" else "")
+        if tail:
+            self.text += tail
+            yield tail
+
+    def _find_stop(self, text: str):
+        hits = [text.find(s) for s in self.stop if s in text]
+        return min(hits) if hits else None
+
+    def _split_safe(self, text: str) -> tuple[str, str]:
+        """Emit all but a tail that is a prefix of some stop string."""
+        keep = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    keep = max(keep, k)
+                    break
+        return (text[:len(text) - keep], text[len(text) - keep:]) if keep else (text, "")
+
+    def run(self) -> "Generation":
+        for _ in self:
+            pass
+        return self

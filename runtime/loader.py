@@ -1,0 +1,72 @@
+"""Turn a MODEL argument (a .gguf path, a checkpoint folder or a catalog name)
+into a config, a dict of weight tensors in their stored block layout, and a
+tokenizer.  Nothing is dequantized here: tensors are views into the memory map.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from models import ModelConfig, config_from_gguf
+from models.catalog import CATALOG, DEFAULT_MODEL
+from quant import QTensor, UnsupportedQuantType
+
+from .gguf_file import GGUFError, GGUFFile
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    tensors: dict          # name -> QTensor
+    tokenizer: object
+    metadata: dict = field(default_factory=dict)
+    chat_template: str | None = None
+
+    @property
+    def n_params(self) -> int:
+        n = 0
+        for t in self.tensors.values():
+            k = 1
+            for d in t.shape:
+                k *= d
+            n += k
+        return n
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def resolve_model_path(model: str | None, progress=None) -> Path:
+    """A path as given, or a catalog name fetched into the cache on first use."""
+    model = model or DEFAULT_MODEL
+    if model in CATALOG:
+        from .download import fetch
+        return fetch(model, progress=progress)
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model not found: {model} (not a file, folder or catalog name: "
+                                f"{', '.join(CATALOG)})")
+    return p
+
+
+def load_model(model: str | Path | None, progress=None) -> LoadedModel:
+    path = resolve_model_path(str(model) if model else None, progress)
+    if path.is_dir():
+        from .safetensors_loader import load_checkpoint   # issue 8 fills this seam
+        return load_checkpoint(path)
+    return load_gguf(path)
+
+
+def load_gguf(path: Path) -> LoadedModel:
+    from .tokenizer import Tokenizer
+    g = GGUFFile(path)
+    shapes = {n: t.shape for n, t in g.tensors.items()}
+    cfg = config_from_gguf(g.metadata, shapes)
+    tensors = {}
+    for name, info in g.tensors.items():
+        tensors[name] = QTensor.from_file_bytes(name, info.ggml_type, info.shape, g.tensor_bytes(name))
+    tok = Tokenizer.from_gguf(g.metadata)
+    return LoadedModel(path=path, config=cfg, tensors=tensors, tokenizer=tok, metadata=g.metadata,
+                       chat_template=g.metadata.get("tokenizer.chat_template"))
