@@ -94,8 +94,7 @@ class Engine:
             seq_of_token=np.concatenate(owner), block_tables=tables,
             logit_rows=np.asarray(rows, np.int64), block_size=self.block_size,
             attn_scale=self.attn_scale, attn_splits=self._splits(n, ctx), windows=self.windows)
-        self.backend.begin_step(step)
-        logits = self.backend.to_host(self.model.forward(self.backend, step))
+        logits = self.backend.forward(self.model, step)
         for seq, toks in zip(seqs, new_tokens):
             self.cache.commit(seq, toks)
         return logits

@@ -80,11 +80,10 @@ class CPUBackend:
         self.kv = CPUKVStorage(n_layers, n_slots, n_kv_heads, head_dim)
         return self.kv
 
-    def begin_step(self, step):
+    def forward(self, model, step) -> np.ndarray:
+        """Run the model's forward for one step; logits come back as a host array."""
         self.arena.reset()
-
-    def to_host(self, x) -> np.ndarray:
-        return x
+        return model.forward(self, step)
 
     # ---- ops ----------------------------------------------------------------
     def embed(self, W, ids, scale: float = 1.0):
