@@ -29,3 +29,28 @@ def f32_to_f16(typingctx, x):
             v = builder.fptrunc(v, ir.FloatType())
         return builder.bitcast(builder.fptrunc(v, ir.HalfType()), ir.IntType(16))
     return types.uint16(x), codegen
+
+
+@intrinsic
+def bits_to_f32(typingctx, bits):
+    """Reinterpret 32 integer bits as float32 (a bf16 is the top half of these bits)."""
+    if not isinstance(bits, types.Integer):
+        return None
+    def codegen(context, builder, sig, args):
+        raw = args[0]
+        if bits.bitwidth > 32:
+            raw = builder.trunc(raw, ir.IntType(32))
+        elif bits.bitwidth < 32:
+            raw = builder.zext(raw, ir.IntType(32))
+        return builder.bitcast(raw, ir.FloatType())
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def f32_to_bits(typingctx, x):
+    """Reinterpret a float32 as its uint32 bits."""
+    if not isinstance(x, types.Float) or x.bitwidth != 32:
+        return None
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(x), codegen

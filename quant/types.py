@@ -9,12 +9,17 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+QK = 32        # elements per block of the "legacy" formats (Q4_0 .. Q8_0)
+QK_K = 256     # elements per super-block of the K-quants
+
 
 class GGMLType(IntEnum):
     F32 = 0
     F16 = 1
     Q4_0 = 2
     Q4_1 = 3
+    Q4_2 = 4          # retired in 2023; listed so old files get a named error
+    Q4_3 = 5          # retired in 2023
     Q5_0 = 6
     Q5_1 = 7
     Q8_0 = 8
@@ -40,9 +45,17 @@ class GGMLType(IntEnum):
     F64 = 28
     IQ1_M = 29
     BF16 = 30
+    Q4_0_4_4 = 31     # retired: llama.cpp repacks Q4_0 at load time since 2024
+    Q4_0_4_8 = 32
+    Q4_0_8_8 = 33
     TQ1_0 = 34
     TQ2_0 = 35
+    IQ4_NL_4_4 = 36   # retired
+    IQ4_NL_4_8 = 37
+    IQ4_NL_8_8 = 38
     MXFP4 = 39
+    NVFP4 = 40
+    Q1_0 = 41
 
 
 # (block_elems, block_bytes) for every GGML type, as in ggml.c's type_traits.
@@ -64,8 +77,23 @@ BLOCK_LAYOUT: dict[GGMLType, tuple[int, int]] = {
     GGMLType.IQ2_S: (256, 82), GGMLType.IQ4_XS: (256, 136),
     GGMLType.I8: (1, 1), GGMLType.I16: (1, 2), GGMLType.I32: (1, 4), GGMLType.I64: (1, 8),
     GGMLType.F64: (1, 8), GGMLType.IQ1_M: (256, 56), GGMLType.TQ1_0: (256, 54),
-    GGMLType.TQ2_0: (256, 66), GGMLType.MXFP4: (32, 17),
+    GGMLType.TQ2_0: (256, 66), GGMLType.MXFP4: (32, 17), GGMLType.NVFP4: (64, 36),
+    GGMLType.Q1_0: (128, 18),
 }
+
+# Byte layout of one block of each supported type (little-endian; f16 = IEEE half):
+#   Q4_0  f16 d | u8 qs[16]             x[j] = d*((qs[j]&15)-8), x[j+16] = d*((qs[j]>>4)-8)
+#   Q4_1  f16 d | f16 m | u8 qs[16]     x[j] = d*(qs[j]&15) + m, x[j+16] = d*(qs[j]>>4) + m
+#   Q5_0  f16 d | u32 qh | u8 qs[16]    bit j of qh is the 5th bit of element j; x = d*(q-16)
+#   Q5_1  f16 d | f16 m | u32 qh | u8 qs[16]                          x = d*q + m
+#   Q8_0  f16 d | i8 qs[32]                                           x = d*q
+#   Q4_K  f16 d | f16 dmin | u8 scales[12] | u8 qs[128]: 8 sub-blocks of 32 with 6-bit
+#         scale sc and min mn packed in `scales`; 64-element group g is qs[32g:32g+32],
+#         low nibbles = sub-block 2g, high = 2g+1.               x = d*sc*q - dmin*mn
+#   Q5_K  f16 d | f16 dmin | u8 scales[12] | u8 qh[32] | u8 qs[128]: as Q4_K, and bit s
+#         of qh[l] is the 5th bit of element l of sub-block s
+#   Q6_K  u8 ql[128] | u8 qh[64] | i8 scales[16] | f16 d: 16 sub-blocks of 16;
+#         half h (128 elements) uses ql[64h:64h+64], qh[32h:32h+32]; x = d*sc*(q-32)
 
 SUPPORTED = frozenset({
     GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0,
@@ -87,6 +115,7 @@ class UnsupportedQuantType(ValueError):
         super().__init__(f"tensor '{tensor}' uses quantization type {label}, which Llamba does not "
                          f"support (supported: {supported})")
         self.qtype, self.tensor = qtype, tensor
+        self.tensor_name = tensor
 
 
 def type_name(qtype: int) -> str:
@@ -114,3 +143,14 @@ def tensor_nbytes(qtype: int, shape: tuple[int, ...], tensor: str = "?") -> int:
     for d in shape[:-1]:
         rows *= int(d)
     return rows * row_nbytes(qtype, int(shape[-1]), tensor)
+
+
+def as_supported_type(qtype, tensor: str = "?") -> GGMLType:
+    """int / GGMLType / gguf.GGMLQuantizationType -> GGMLType, or UnsupportedQuantType."""
+    try:
+        t = GGMLType(int(qtype))
+    except (ValueError, TypeError):
+        raise UnsupportedQuantType(qtype, tensor) from None
+    if t not in SUPPORTED:
+        raise UnsupportedQuantType(t, tensor)
+    return t

@@ -1,0 +1,258 @@
+"""Block-by-block dequantization of GGML rows to float32.
+
+The per-type row decoders follow the arithmetic order of gguf-py's
+`gguf.quants.dequantize` (and of ggml's dequantize_row_*), operation for
+operation and without fast-math, so the results are bit-identical to it.  The
+matmul kernels use their own fused decoding; these are for dequantize(),
+embedding lookups (dequantize_rows) and the large-batch matmul path.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .half import bits_to_f32, f16_to_f32
+from .tensor import QTensor
+from .types import GGMLType, QK, QK_K
+
+F32 = np.float32
+
+
+@njit(inline="always")
+def _h(src, o):
+    """f16 at byte offset o, as float32."""
+    return f16_to_f32(np.uint16(np.uint16(src[o]) | (np.uint16(src[o + 1]) << np.uint16(8))))
+
+
+@njit(inline="always")
+def _u32(src, o):
+    return (np.uint32(src[o]) | (np.uint32(src[o + 1]) << np.uint32(8))
+            | (np.uint32(src[o + 2]) << np.uint32(16)) | (np.uint32(src[o + 3]) << np.uint32(24)))
+
+
+@njit(inline="always")
+def scale_min_k4(j, src, o):
+    """6-bit (scale, min) of sub-block j from the 12 packed bytes at src[o:o+12]."""
+    if j < 4:
+        return src[o + j] & 63, src[o + j + 4] & 63
+    sc = (src[o + j + 4] & 0xF) | ((src[o + j - 4] >> 6) << 4)
+    mn = (src[o + j + 4] >> 4) | ((src[o + j] >> 6) << 4)
+    return sc, mn
+
+
+@njit(cache=True)
+def deq_row_q4_0(src, dst):
+    for b in range(dst.size // QK):
+        o = b * 18
+        d = _h(src, o)
+        for j in range(16):
+            q = src[o + 2 + j]
+            dst[b * QK + j] = d * F32(np.int32(q & 15) - 8)
+            dst[b * QK + j + 16] = d * F32(np.int32(q >> 4) - 8)
+
+
+@njit(cache=True)
+def deq_row_q4_1(src, dst):
+    for b in range(dst.size // QK):
+        o = b * 20
+        d = _h(src, o)
+        m = _h(src, o + 2)
+        for j in range(16):
+            q = src[o + 4 + j]
+            dst[b * QK + j] = d * F32(q & 15) + m
+            dst[b * QK + j + 16] = d * F32(q >> 4) + m
+
+
+@njit(cache=True)
+def deq_row_q5_0(src, dst):
+    for b in range(dst.size // QK):
+        o = b * 22
+        d = _h(src, o)
+        qh = _u32(src, o + 2)
+        for j in range(16):
+            q = src[o + 6 + j]
+            h0 = np.int32((qh >> np.uint32(j)) & np.uint32(1)) << 4
+            h1 = np.int32((qh >> np.uint32(j + 16)) & np.uint32(1)) << 4
+            dst[b * QK + j] = d * F32((np.int32(q & 15) | h0) - 16)
+            dst[b * QK + j + 16] = d * F32((np.int32(q >> 4) | h1) - 16)
+
+
+@njit(cache=True)
+def deq_row_q5_1(src, dst):
+    for b in range(dst.size // QK):
+        o = b * 24
+        d = _h(src, o)
+        m = _h(src, o + 2)
+        qh = _u32(src, o + 4)
+        for j in range(16):
+            q = src[o + 8 + j]
+            h0 = np.int32((qh >> np.uint32(j)) & np.uint32(1)) << 4
+            h1 = np.int32((qh >> np.uint32(j + 16)) & np.uint32(1)) << 4
+            dst[b * QK + j] = d * F32(np.int32(q & 15) | h0) + m
+            dst[b * QK + j + 16] = d * F32(np.int32(q >> 4) | h1) + m
+
+
+@njit(cache=True)
+def deq_row_q8_0(src, dst):
+    for b in range(dst.size // QK):
+        o = b * 34
+        d = _h(src, o)
+        for j in range(32):
+            dst[b * QK + j] = F32(np.int8(src[o + 2 + j])) * d
+
+
+@njit(cache=True)
+def deq_row_q4_k(src, dst):
+    for b in range(dst.size // QK_K):
+        o = b * 144
+        d = _h(src, o)
+        dmin = _h(src, o + 2)
+        for g in range(4):
+            sc0, m0 = scale_min_k4(2 * g, src, o + 4)
+            sc1, m1 = scale_min_k4(2 * g + 1, src, o + 4)
+            d0 = d * F32(sc0)
+            dm0 = dmin * F32(m0)
+            d1 = d * F32(sc1)
+            dm1 = dmin * F32(m1)
+            base = b * QK_K + g * 64
+            for l in range(32):
+                q = src[o + 16 + g * 32 + l]
+                dst[base + l] = d0 * F32(q & 15) - dm0
+                dst[base + 32 + l] = d1 * F32(q >> 4) - dm1
+
+
+@njit(cache=True)
+def deq_row_q5_k(src, dst):
+    for b in range(dst.size // QK_K):
+        o = b * 176
+        d = _h(src, o)
+        dmin = _h(src, o + 2)
+        for g in range(4):
+            sc0, m0 = scale_min_k4(2 * g, src, o + 4)
+            sc1, m1 = scale_min_k4(2 * g + 1, src, o + 4)
+            d0 = d * F32(sc0)
+            dm0 = dmin * F32(m0)
+            d1 = d * F32(sc1)
+            dm1 = dmin * F32(m1)
+            base = b * QK_K + g * 64
+            for l in range(32):
+                q = src[o + 48 + g * 32 + l]
+                h = src[o + 16 + l]
+                q0 = np.int32(q & 15) | (np.int32((h >> (2 * g)) & 1) << 4)
+                q1 = np.int32(q >> 4) | (np.int32((h >> (2 * g + 1)) & 1) << 4)
+                dst[base + l] = d0 * F32(q0) - dm0
+                dst[base + 32 + l] = d1 * F32(q1) - dm1
+
+
+@njit(cache=True)
+def deq_row_q6_k(src, dst):
+    for b in range(dst.size // QK_K):
+        o = b * 210
+        d = _h(src, o + 208)
+        for half in range(2):
+            ql = o + half * 64
+            qh = o + 128 + half * 32
+            sc = o + 192 + half * 8
+            base = b * QK_K + half * 128
+            for l in range(32):
+                i = l // 16
+                a = src[ql + l]
+                c = src[ql + l + 32]
+                h = src[qh + l]
+                q1 = (np.int32(a & 15) | (np.int32(h & 3) << 4)) - 32
+                q2 = (np.int32(c & 15) | (np.int32((h >> 2) & 3) << 4)) - 32
+                q3 = (np.int32(a >> 4) | (np.int32((h >> 4) & 3) << 4)) - 32
+                q4 = (np.int32(c >> 4) | (np.int32((h >> 6) & 3) << 4)) - 32
+                dst[base + l] = (d * F32(np.int8(src[sc + i]))) * F32(q1)
+                dst[base + l + 32] = (d * F32(np.int8(src[sc + i + 2]))) * F32(q2)
+                dst[base + l + 64] = (d * F32(np.int8(src[sc + i + 4]))) * F32(q3)
+                dst[base + l + 96] = (d * F32(np.int8(src[sc + i + 6]))) * F32(q4)
+
+
+@njit(cache=True)
+def deq_row_f16(src, dst):
+    for i in range(dst.size):
+        dst[i] = _h(src, 2 * i)
+
+
+@njit(cache=True)
+def deq_row_bf16(src, dst):
+    for i in range(dst.size):
+        u = (np.uint32(src[2 * i]) | (np.uint32(src[2 * i + 1]) << np.uint32(8))) << np.uint32(16)
+        dst[i] = bits_to_f32(u)
+
+
+@njit(cache=True)
+def deq_row_f32(src, dst):
+    for i in range(dst.size):
+        dst[i] = bits_to_f32(_u32(src, 4 * i))
+
+
+@njit(cache=True)
+def deq_row(qt, src, dst):
+    """Decode one row of type id qt (bytes src) into dst (float32, row length)."""
+    if qt == 12:
+        deq_row_q4_k(src, dst)
+    elif qt == 14:
+        deq_row_q6_k(src, dst)
+    elif qt == 3:
+        deq_row_q4_1(src, dst)
+    elif qt == 6:
+        deq_row_q5_0(src, dst)
+    elif qt == 8:
+        deq_row_q8_0(src, dst)
+    elif qt == 2:
+        deq_row_q4_0(src, dst)
+    elif qt == 7:
+        deq_row_q5_1(src, dst)
+    elif qt == 13:
+        deq_row_q5_k(src, dst)
+    elif qt == 1:
+        deq_row_f16(src, dst)
+    elif qt == 30:
+        deq_row_bf16(src, dst)
+    else:
+        deq_row_f32(src, dst)
+
+
+@njit(parallel=True, cache=True)
+def deq_rows_kernel(qt, data, rows, out):
+    """out[i] = decoded row rows[i] of data."""
+    for i in prange(rows.size):
+        deq_row(qt, data[rows[i]], out[i])
+
+
+@njit(parallel=True, cache=True)
+def deq_range_kernel(qt, data, r0, out):
+    """out[i] = decoded row r0 + i of data (a tile of consecutive rows)."""
+    for i in prange(out.shape[0]):
+        deq_row(qt, data[r0 + i], out[i])
+
+
+_NP_FLOAT = {GGMLType.F32: np.float32, GGMLType.F16: np.float16}
+
+
+def dequantize(qt: QTensor) -> np.ndarray:
+    """The whole tensor as float32 of qt.shape (for tests and odd paths; matmul never does this)."""
+    t = qt.qtype
+    if t == GGMLType.F32:
+        return qt.data.view(np.float32).reshape(qt.shape).copy()
+    if t == GGMLType.F16:
+        return qt.data.view(np.float16).astype(np.float32).reshape(qt.shape)
+    out = np.empty((qt.rows, qt.cols), np.float32)
+    if qt.rows:
+        deq_range_kernel(int(t), qt.data, 0, out)
+    return out.reshape(qt.shape)
+
+
+def dequantize_rows(qt: QTensor, rows) -> np.ndarray:
+    """float32 [len(rows), cols]: only the listed rows are read (embedding lookup)."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if rows.size and (rows.min() < 0 or rows.max() >= qt.rows):
+        raise IndexError(f"tensor {qt.name!r}: row index out of range [0, {qt.rows})")
+    if qt.qtype in (GGMLType.F32, GGMLType.F16):
+        return qt.data[rows].view(_NP_FLOAT[qt.qtype]).astype(np.float32)
+    out = np.empty((rows.size, qt.cols), np.float32)
+    if rows.size:
+        deq_rows_kernel(int(qt.qtype), qt.data, rows, out)
+    return out

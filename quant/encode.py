@@ -1,0 +1,273 @@
+"""float32 -> GGML block encoders, bit-compatible with llama.cpp's reference
+quantizers (quantize_row_q8_0_ref, quantize_row_q4_0_ref, quantize_row_q4_K_ref
+with make_qkx2_quants), so files written with them load in llama.cpp and
+match what its own converter would write.
+
+Bit-compatibility rests on doing the same float32 operations in the same
+order, without fast-math (no reassociation, no FMA contraction):
+* every literal is a float32, because in Numba float32 op float64 -> float64;
+* `nearest_int` is ggml's magic-number rounding (round half to even),
+  `roundf` rounds half away from zero, `(int8_t)` casts truncate;
+* f32 -> f16 is round-to-nearest-even (LLVM fptrunc), like GGML_FP32_TO_FP16.
+Rows are independent, so the kernels run in parallel over rows.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .half import f16_to_f32, f32_to_f16
+from .types import QK, QK_K, GGMLType, row_nbytes, type_name
+
+F32 = np.float32
+_MAGIC = F32(12582912.0)   # 1.5 * 2**23: adding it rounds a float32 to an integer, ties to even
+
+
+@njit(inline="always")
+def _nearest_int(v):
+    return np.int32(F32(v + _MAGIC) - _MAGIC)
+
+
+@njit(inline="always")
+def _roundf(v):
+    # half away from zero; float64 holds |v| + 0.5 exactly for any float32 v
+    a = math.floor(abs(np.float64(v)) + 0.5)
+    return -a if v < 0 else a
+
+
+@njit(inline="always")
+def _put_f16(dst, o, v):
+    h = f32_to_f16(F32(v))
+    dst[o] = np.uint8(h & np.uint16(0xFF))
+    dst[o + 1] = np.uint8(h >> np.uint16(8))
+
+
+@njit(parallel=True, cache=True)
+def encode_q8_0(x, out):
+    M, K = x.shape
+    for r in prange(M):
+        src = x[r]
+        dst = out[r]
+        for b in range(K // QK):
+            amax = F32(0.0)
+            for j in range(QK):
+                amax = max(amax, abs(src[b * QK + j]))
+            d = amax / F32(127.0)
+            idv = F32(1.0) / d if d != F32(0.0) else F32(0.0)
+            o = b * 34
+            _put_f16(dst, o, d)
+            for j in range(QK):
+                dst[o + 2 + j] = np.uint8(np.int64(_roundf(src[b * QK + j] * idv)) & 0xFF)
+
+
+@njit(parallel=True, cache=True)
+def encode_q4_0(x, out):
+    M, K = x.shape
+    for r in prange(M):
+        src = x[r]
+        dst = out[r]
+        for b in range(K // QK):
+            amax = F32(0.0)
+            vmax = F32(0.0)
+            for j in range(QK):
+                v = src[b * QK + j]
+                if amax < abs(v):
+                    amax = abs(v)
+                    vmax = v
+            d = vmax / F32(-8.0)
+            idv = F32(1.0) / d if d != F32(0.0) else F32(0.0)
+            o = b * 18
+            _put_f16(dst, o, d)
+            for j in range(16):
+                x0 = src[b * QK + j] * idv
+                x1 = src[b * QK + 16 + j] * idv
+                q0 = min(15, np.int32(F32(x0 + F32(8.5))))   # (int8_t) cast truncates
+                q1 = min(15, np.int32(F32(x1 + F32(8.5))))
+                dst[o + 2 + j] = np.uint8(q0 | (q1 << 4))
+
+
+@njit(cache=True)
+def _make_qkx2_quants(x, xo, weights, L, lo, Laux):
+    """make_qkx2_quants(32, 15, x+xo, weights, L+lo, &min, Laux, -1, 0.1, 20, false).
+    Returns (scale, the_min)."""
+    n = 32
+    nmax = 15
+    rmin = F32(-1.0)
+    rdelta = F32(0.1)
+    nstep = 20
+    vmin = x[xo]
+    vmax = x[xo]
+    sum_w = weights[0]
+    sum_x = sum_w * x[xo]
+    for i in range(1, n):
+        v = x[xo + i]
+        if v < vmin:
+            vmin = v
+        if v > vmax:
+            vmax = v
+        w = weights[i]
+        sum_w += w
+        sum_x += w * v
+    if vmin > F32(0.0):
+        vmin = F32(0.0)
+    if vmax == vmin:
+        for i in range(n):
+            L[lo + i] = 0
+        return F32(0.0), -vmin
+    iscale = F32(nmax) / (vmax - vmin)
+    scale = F32(1.0) / iscale
+    best_error = F32(0.0)
+    for i in range(n):
+        l = _nearest_int(iscale * (x[xo + i] - vmin))
+        l = max(0, min(nmax, l))
+        L[lo + i] = l
+        diff = scale * F32(l) + vmin - x[xo + i]
+        diff = diff * diff
+        best_error += weights[i] * diff
+    for s in range(nstep + 1):
+        iscale = (rmin + rdelta * F32(s) + F32(nmax)) / (vmax - vmin)
+        sum_l = F32(0.0)
+        sum_l2 = F32(0.0)
+        sum_xl = F32(0.0)
+        for i in range(n):
+            l = _nearest_int(iscale * (x[xo + i] - vmin))
+            l = max(0, min(nmax, l))
+            Laux[i] = l
+            w = weights[i]
+            fl = F32(l)
+            sum_l += w * fl
+            sum_l2 += w * fl * fl
+            sum_xl += w * fl * x[xo + i]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        if D > F32(0.0):
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            if this_min > F32(0.0):
+                this_min = F32(0.0)
+                this_scale = sum_xl / sum_l2
+            cur_error = F32(0.0)
+            for i in range(n):
+                diff = this_scale * F32(Laux[i]) + this_min - x[xo + i]
+                diff = diff * diff
+                cur_error += weights[i] * diff
+            if cur_error < best_error:
+                for i in range(n):
+                    L[lo + i] = Laux[i]
+                best_error = cur_error
+                scale = this_scale
+                vmin = this_min
+    return scale, -vmin
+
+
+@njit(parallel=True, cache=True)
+def encode_q4_k(x, out):
+    M, K = x.shape
+    nb = K // QK_K
+    for r in prange(M):
+        # per-row temporaries (an encoder, not a hot loop)
+        L = np.empty(QK_K, np.int32)
+        Laux = np.empty(32, np.int32)
+        weights = np.empty(32, np.float32)
+        scales = np.empty(8, np.float32)
+        mins = np.empty(8, np.float32)
+        src = x[r]
+        dst = out[r]
+        for b in range(nb):
+            xo = b * QK_K
+            o = b * 144
+            max_scale = F32(0.0)
+            max_min = F32(0.0)
+            for j in range(8):
+                sum_x2 = F32(0.0)
+                for l in range(32):
+                    v = src[xo + 32 * j + l]
+                    sum_x2 += v * v
+                av_x = F32(math.sqrt(sum_x2 / F32(32.0)))
+                for l in range(32):
+                    weights[l] = av_x + abs(src[xo + 32 * j + l])
+                sc, mn = _make_qkx2_quants(src, xo + 32 * j, weights, L, 32 * j, Laux)
+                scales[j] = sc
+                mins[j] = mn
+                if sc > max_scale:
+                    max_scale = sc
+                if mn > max_min:
+                    max_min = mn
+            inv_scale = F32(63.0) / max_scale if max_scale > F32(0.0) else F32(0.0)
+            inv_min = F32(63.0) / max_min if max_min > F32(0.0) else F32(0.0)
+            for j in range(8):
+                ls = min(63, _nearest_int(inv_scale * scales[j]) & 0xFF)   # uint8_t then MIN
+                lm = min(63, _nearest_int(inv_min * mins[j]) & 0xFF)
+                if j < 4:
+                    dst[o + 4 + j] = ls
+                    dst[o + 4 + j + 4] = lm
+                else:
+                    dst[o + 4 + j + 4] = (ls & 0xF) | ((lm & 0xF) << 4)
+                    dst[o + 4 + j - 4] |= (ls >> 4) << 6
+                    dst[o + 4 + j] |= (lm >> 4) << 6
+            _put_f16(dst, o, max_scale / F32(63.0))
+            _put_f16(dst, o + 2, max_min / F32(63.0))
+            dd = f16_to_f32(np.uint16(dst[o]) | (np.uint16(dst[o + 1]) << np.uint16(8)))
+            dmin = f16_to_f32(np.uint16(dst[o + 2]) | (np.uint16(dst[o + 3]) << np.uint16(8)))
+            for j in range(8):
+                if j < 4:
+                    sc = dst[o + 4 + j] & 63
+                    m = dst[o + 4 + j + 4] & 63
+                else:
+                    sc = (dst[o + 4 + j + 4] & 0xF) | ((dst[o + 4 + j - 4] >> 6) << 4)
+                    m = (dst[o + 4 + j + 4] >> 4) | ((dst[o + 4 + j] >> 6) << 4)
+                d = dd * F32(sc)
+                if d == F32(0.0):
+                    continue   # keeps make_qkx2_quants' L, as the reference does
+                dm = dmin * F32(m)
+                for ii in range(32):
+                    l = _nearest_int((src[xo + 32 * j + ii] + dm) / d)
+                    L[32 * j + ii] = max(0, min(15, l))
+            for g in range(4):
+                for l in range(32):
+                    dst[o + 16 + 32 * g + l] = np.uint8(L[64 * g + l] | (L[64 * g + l + 32] << 4))
+
+
+def _bf16_bytes(x):
+    # ggml_compute_fp32_to_bf16: quiet NaNs, otherwise round to nearest even
+    u = x.view(np.uint32).astype(np.uint64)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+    r = np.where(nan, (u >> 16) | 64, r)
+    return r.astype(np.uint16).view(np.uint8)
+
+
+ENCODERS = {GGMLType.Q8_0: encode_q8_0, GGMLType.Q4_0: encode_q4_0, GGMLType.Q4_K: encode_q4_k}
+
+
+def quantize(x: np.ndarray, qtype) -> np.ndarray:
+    """float32 [M, K] (or [K]) -> uint8 [M, row_nbytes] in GGML layout of qtype.
+
+    Encoders exist for Q8_0, Q4_0, Q4_K (llama.cpp-reference-exact) and the
+    float types F32, F16, BF16."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim == 1:
+        x = x.reshape(1, -1)
+    if x.ndim != 2:
+        raise ValueError(f"quantize: x must be 1-D or 2-D, got shape {x.shape}")
+    x = np.ascontiguousarray(x)
+    try:
+        t = GGMLType(int(qtype))
+    except ValueError:
+        t = None
+    M, K = x.shape
+    if t == GGMLType.F32:
+        return x.view(np.uint8).reshape(M, K * 4).copy()
+    if t == GGMLType.F16:
+        return x.astype(np.float16).view(np.uint8).reshape(M, K * 2)
+    if t == GGMLType.BF16:
+        return _bf16_bytes(x).reshape(M, K * 2)
+    enc = ENCODERS.get(t)
+    if enc is None:
+        raise ValueError(f"quantize: no encoder for GGML type {type_name(qtype)} "
+                         f"(have F32, F16, BF16, {', '.join(e.name for e in ENCODERS)})")
+    out = np.zeros((M, row_nbytes(t, K, "quantize input")), np.uint8)
+    if M:
+        enc(x, out)
+    return out

@@ -1,0 +1,128 @@
+"""Encoders: bit-identical to gguf-py (Q8_0, Q4_0, F16, BF16, F32) and to
+llama.cpp's quantize_row_q4_K_ref (via ctypes when a libggml-base is found),
+and dequant(quant(x)) within the error each format allows."""
+import ctypes
+import glob
+import os
+
+import numpy as np
+import pytest
+
+from quant import GGMLType, QTensor, dequantize, quantize
+
+gguf = pytest.importorskip("gguf")
+
+
+def _inputs(rng):
+    x = (rng.standard_normal((24, 512)) * rng.uniform(1e-3, 30, (24, 1))).astype(np.float32)
+    x[0, :64] = 0                       # all-zero blocks
+    x[1] = np.abs(x[1])                 # one-signed rows (Q4_K min clamped to 0)
+    x[2, ::5] = 0
+    x[3] = rng.standard_t(2, 512)       # heavy tails
+    x[4, 7] = 1e4                       # an outlier
+    x[5, :32] = 0.5                     # constant block
+    return x
+
+
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q8_0", "Q4_0"])
+def test_matches_gguf(name, rng):
+    x = _inputs(rng)
+    ours = quantize(x, GGMLType[name])
+    ref = gguf.quants.quantize(x, gguf.GGMLQuantizationType[name]).view(np.uint8).reshape(ours.shape)
+    np.testing.assert_array_equal(ours, ref)
+
+
+def _ggml_base():
+    cands = [os.environ.get("LLAMBA_GGML_BASE", "")]
+    cands += glob.glob("/work/peer-venv/lib/python3*/site-packages/**/libggml-base.so", recursive=True)
+    try:
+        import llama_cpp
+        cands += glob.glob(os.path.join(os.path.dirname(llama_cpp.__file__), "**", "libggml-base.*"),
+                           recursive=True)
+    except Exception:
+        pass
+    for c in cands:
+        if c and os.path.exists(c):
+            try:
+                lib = ctypes.CDLL(c)
+                lib.quantize_row_q4_K_ref
+                return lib
+            except (OSError, AttributeError):
+                continue
+    pytest.skip("llama.cpp's libggml-base not found (set LLAMBA_GGML_BASE or install llama-cpp-python)")
+
+
+@pytest.mark.parametrize("name, fn", [("Q4_K", "quantize_row_q4_K_ref"),
+                                      ("Q4_0", "quantize_row_q4_0_ref"),
+                                      ("Q8_0", "quantize_row_q8_0_ref")])
+def test_matches_llama_cpp_reference(name, fn, rng):
+    f = getattr(_ggml_base(), fn)
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    f.restype = None
+    x = _inputs(rng)
+    ours = quantize(x, GGMLType[name])
+    ref = np.zeros_like(ours)
+    f(x.ctypes.data, ref.ctypes.data, x.size)
+    np.testing.assert_array_equal(ours, ref)
+
+
+def _blocks(a, n):
+    return a.reshape(a.shape[0], -1, n)
+
+
+def test_q8_0_error_bound(rng):
+    # q = round(x/d), stored scale d16 = f16(d): |x - q*d16| <= d/2 + 127*|d - d16|
+    x = _inputs(rng)
+    y = dequantize(QTensor("x", GGMLType.Q8_0, x.shape, quantize(x, GGMLType.Q8_0)))
+    d = np.abs(_blocks(x, 32)).max(-1, keepdims=True).astype(np.float64) / 127
+    d16 = d.astype(np.float16).astype(np.float64)
+    bound = d / 2 + 127 * np.abs(d - d16) + 1e-6 * np.abs(_blocks(x, 32))
+    assert np.all(np.abs(_blocks(x, 32) - _blocks(y, 32)) <= bound)
+
+
+def test_q4_0_error_bound(rng):
+    # d = max/-8 with max the signed extreme; q = trunc(x/d + 8.5) clipped to 15:
+    # |x - (q-8)*d16| <= |d| (|d|/2 except where 8 is clipped to 7) + 8*|d - d16|
+    x = _inputs(rng)
+    y = dequantize(QTensor("x", GGMLType.Q4_0, x.shape, quantize(x, GGMLType.Q4_0)))
+    xb = _blocks(x, 32).astype(np.float64)
+    d = np.abs(xb).max(-1, keepdims=True) / 8
+    d16 = d.astype(np.float16).astype(np.float64)
+    err = np.abs(xb - _blocks(y, 32))
+    assert np.all(err <= d + 8 * np.abs(d - d16) + 1e-6 * np.abs(xb))
+    assert np.mean(err <= d / 2 * 1.01 + 8 * np.abs(d - d16)) > 0.97
+
+
+def test_q4_k_error_bound(rng):
+    # Every element inside its sub-block's grid [-dmin*m, -dmin*m + 15*d*sc] is
+    # rounded to the nearest grid point: error <= d*sc/2.  Overall, Gaussian
+    # rows keep a relative RMS error under 10% (4.5 bits per weight).
+    x = (rng.standard_normal((32, 1024))).astype(np.float32)
+    q = quantize(x, GGMLType.Q4_K)
+    y = dequantize(QTensor("x", GGMLType.Q4_K, x.shape, q))
+    # grid of each sub-block from the dequantized codes 0 and 15
+    zero = np.zeros((1, 256), np.uint8)
+    grid_lo = np.empty((32, 32)); step = np.empty((32, 32))
+    for r in range(32):
+        for b in range(4):
+            blk = q[r, b * 144:(b + 1) * 144].copy()
+            blk[16:] = 0
+            lo = dequantize(QTensor("b", GGMLType.Q4_K, (1, 256), blk))[0]
+            blk[16:] = 0x11
+            one = dequantize(QTensor("b", GGMLType.Q4_K, (1, 256), blk))[0]
+            grid_lo[r, b * 8:(b + 1) * 8] = lo[::32]
+            step[r, b * 8:(b + 1) * 8] = (one - lo)[::32]
+    xb, yb = _blocks(x, 32).astype(np.float64), _blocks(y, 32)
+    lo, st = grid_lo[..., None], step[..., None]
+    inside = (xb >= lo) & (xb <= lo + 15 * st)
+    err = np.abs(xb - yb)
+    assert inside.mean() > 0.95
+    allowed = np.broadcast_to(st / 2 * (1 + 1e-5) + 1e-6, err.shape)
+    assert np.all(err[inside] <= allowed[inside])
+    rel = np.sqrt(((x - y) ** 2).mean(1) / (x ** 2).mean(1))
+    assert rel.max() < 0.10
+
+
+def test_unsupported_encoder():
+    with pytest.raises(ValueError, match="Q5_K"):
+        quantize(np.zeros((1, 256), np.float32), GGMLType.Q5_K)

@@ -1,0 +1,94 @@
+"""matmul(x, W) = x @ W.T against dequantize-then-float64 matmul.
+
+Stated tolerance, per output element y[r, m] (a rigorous bound, not a fit):
+* float activations (F32/F16/BF16 weights, large batches, any path that keeps
+  x in float32): |y - ref| <= 1e-5 * sum_k |x[r,k] * W[m,k]|, float32
+  accumulation error with margin.
+* 8-bit activations (quantized weights on the small-batch path, when
+  quant.matmul_cpu.uses_q8_activations says so): x is rounded to int8 in blocks
+  of 32 with step d_b = amax_b / 127, so each x element moves by at most d_b/2:
+  |y - ref| <= sum_b d_b/2 * sum_{k in b} |W[m,k]|  + the float term above.
+"""
+import numpy as np
+import pytest
+
+import quant
+from quant import TYPE_INFO, GGMLType, QTensor, dequantize, matmul, matmul_into, matmul_multi
+from quant.matmul_cpu import uses_q8_activations, BATCH_INVARIANT_MAX_ROWS, Scratch
+from conftest import random_weight_bytes, real_tensors
+
+TYPES = list(TYPE_INFO)
+
+
+def _bound(x, Wd, qtype):
+    x64 = x.astype(np.float64)
+    bound = 1e-5 * (np.abs(x64) @ np.abs(Wd).T) + 1e-30
+    if uses_q8_activations(qtype, x.shape[0]):
+        n, K = x.shape
+        amax = np.abs(x64).reshape(n, K // 32, 32).max(-1)               # [n, nb]
+        wabs = np.abs(Wd).reshape(Wd.shape[0], K // 32, 32).sum(-1)      # [M, nb]
+        bound += (amax / 127 / 2) @ wabs.T
+    return bound
+
+
+def _check(x, W, y):
+    Wd = dequantize(W).astype(np.float64)
+    ref = x.astype(np.float64) @ Wd.T
+    bound = _bound(x, Wd, W.qtype)
+    worst = np.max(np.abs(y - ref) / bound)
+    assert worst <= 1.0, f"{W.qtype.name} n={x.shape[0]}: error {worst:.3g} x the stated bound"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 4, 64])
+def test_matches_float64_reference(qtype, n, rng):
+    M, K = 48, 512
+    W = QTensor("w", qtype, (M, K), random_weight_bytes(rng, qtype, M, K))
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    _check(x, W, matmul(x, W))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_batch_invariance(qtype, rng):
+    """Row r's result is bit-identical for any n <= BATCH_INVARIANT_MAX_ROWS,
+    whatever the other rows hold (speculative decoding's greedy exactness)."""
+    M, K = 40, 256 if TYPE_INFO[qtype][0] == 256 else 96
+    W = QTensor("w", qtype, (M, K), random_weight_bytes(rng, qtype, M, K))
+    probe = rng.standard_normal((1, K)).astype(np.float32)
+    alone = matmul(probe, W)[0].copy()
+    for n in range(2, BATCH_INVARIANT_MAX_ROWS + 1):
+        x = (rng.standard_normal((n, K)) * rng.uniform(0.01, 100, (n, 1))).astype(np.float32)
+        r = rng.integers(n)
+        x[r] = probe[0]
+        np.testing.assert_array_equal(matmul(x, W)[r], alone, err_msg=f"n={n}, row {r}")
+
+
+def test_real_weights(rng):
+    for model in ("SmolLM2-135M-Instruct-Q4_1.gguf", "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf"):
+        for name, qtype, shape, raw in real_tensors(model, max_rows=64):
+            W = QTensor(name, qtype, shape, raw)
+            for n in (1, 4):
+                x = rng.standard_normal((n, shape[1])).astype(np.float32)
+                _check(x, W, matmul(x, W))
+
+
+def test_entry_points_agree(rng):
+    K = 256
+    Ws = [QTensor(f"w{i}", t, (M, K), random_weight_bytes(rng, t, M, K))
+          for i, (t, M) in enumerate([(GGMLType.Q4_K, 24), (GGMLType.Q8_0, 8), (GGMLType.Q6_K, 16)])]
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    expect = [matmul(x, W) for W in Ws]
+    outs = [np.full((3, W.shape[0]), np.nan, np.float32) for W in Ws]
+    assert all(o is r for o, r in zip(outs, matmul_multi(x, Ws, outs)))
+    for o, e in zip(outs, expect):
+        np.testing.assert_array_equal(o, e)
+    scratch = Scratch()
+    out = np.empty((3, 24), np.float32)
+    matmul_into(x, Ws[0], out, scratch)
+    np.testing.assert_array_equal(out, expect[0])
+    np.testing.assert_array_equal(matmul(x[1], Ws[0]), expect[0][1])     # 1-D x
+    strided = np.empty((3, 48), np.float32)[:, ::2]                       # non-contiguous out
+    matmul(x, Ws[0], strided)
+    np.testing.assert_array_equal(strided, expect[0])
+    with pytest.raises(ValueError, match="w0"):
+        matmul(np.zeros((1, 128), np.float32), Ws[0])
