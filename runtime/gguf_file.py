@@ -75,6 +75,26 @@ class _Cursor:
                             f"but only {self.size - self.pos} bytes remain")
         return n
 
+    def _string_array(self, n: int, what: str) -> list[str]:
+        # the hot path of opening a model (vocabularies of 50k-260k strings): kept lean
+        buf, size, pos = self.buf, self.size, self.pos
+        unpack = struct.Struct("<Q").unpack_from
+        out = []
+        append = out.append
+        for i in range(n):
+            if pos + 8 > size:
+                self.pos = pos
+                self.need(8, f"{what}[{i}] length")
+            ln = unpack(buf, pos)[0]
+            pos += 8
+            if ln > size - pos:
+                self.pos = pos
+                self.need(ln, f"{what}[{i}]")
+            append(str(buf[pos:pos + ln], "utf-8", "replace"))
+            pos += ln
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, what: str):
         if vtype in _SCALARS:
             fmt, n = _SCALARS[vtype]
@@ -91,7 +111,7 @@ class _Cursor:
                 return arr
             if etype == _STRING:
                 n = self.count(what + " length", 8)
-                return [self.string(f"{what}[{i}]") for i in range(n)]
+                return self._string_array(n, what)
             if etype == _ARRAY:
                 n = self.count(what + " length", 12)
                 return [self.value(_ARRAY, f"{what}[{i}]") for i in range(n)]
