@@ -51,11 +51,15 @@ def resolve_model_path(model: str | None, progress=None) -> Path:
     return p
 
 
-def load_model(model: str | Path | None, progress=None) -> LoadedModel:
+def load_model(model: str | Path | None, progress=None, quant: str | None = None) -> LoadedModel:
+    """quant ("none", "int8", "int4"): quantize a checkpoint folder's weights on load."""
     path = resolve_model_path(str(model) if model else None, progress)
     if path.is_dir():
-        from .safetensors_loader import load_checkpoint   # issue 8 fills this seam
-        return load_checkpoint(path)
+        from .safetensors_loader import load_checkpoint
+        return load_checkpoint(path, quant=quant)
+    if quant not in (None, "none"):
+        raise ValueError(f"--quant {quant} applies to safetensors checkpoint folders; {path.name} is a GGUF "
+                         f"file and keeps its own quantization")
     return load_gguf(path)
 
 

@@ -1,0 +1,209 @@
+"""Hugging Face checkpoints described in our terms: `config.json` -> ModelConfig,
+HF tensor names -> GGUF tensor names, and the layout fixes that llama.cpp's
+converter applies (so a checkpoint loads into the same model code as a GGUF).
+
+Layout differences between an HF checkpoint and a GGUF file:
+* llama: q/k rows are permuted.  HF rotates the two halves of each head
+  (rotate_half); GGUF/llama.cpp rotates adjacent pairs, so its converter
+  reorders each head's rows [0, d/2, 1, d/2+1, ...].  Our llama model runs the
+  GGUF (pair) form, so q/k are permuted on load.  qwen2 and gemma3 run NeoX
+  rope (halves) and need nothing.
+* gemma3: HF computes RMSNorm as x * (1 + w) and stores w; GGUF stores 1 + w.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from .config import SUPPORTED_ARCHS, ModelConfig, UnsupportedArchitecture
+
+# HF model_type -> GGUF architecture name
+_ARCH_OF_MODEL_TYPE = {
+    "llama": "llama", "mistral": "llama", "smollm": "llama",
+    "qwen2": "qwen2",
+    "gemma3": "gemma3", "gemma3_text": "gemma3",
+}
+
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+# the norm after attention feeds the FFN in llama/qwen2 but is a post-norm in gemma3
+_LAYER_NAMES_BY_ARCH = {
+    "llama": {"post_attention_layernorm": "ffn_norm"},
+    "qwen2": {"post_attention_layernorm": "ffn_norm"},
+    "gemma3": {"post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+}
+
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# wrappers around the text model in multimodal checkpoints (e.g. Gemma3ForConditionalGeneration)
+_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
+# tensors a checkpoint may hold that the model does not use
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|vision_tower\.|multi_modal_projector\.|"
+                      r"^model\.vision|^vision_model\.)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder we cannot read; the message names the file and the problem."""
+
+
+def hf_arch(hf: dict) -> str:
+    """GGUF architecture name for a config.json, or UnsupportedArchitecture."""
+    mt = hf.get("model_type")
+    archs = hf.get("architectures") or []
+    arch = _ARCH_OF_MODEL_TYPE.get(mt)
+    if arch is None:
+        raise UnsupportedArchitecture(
+            f"checkpoint architecture '{mt or (archs[0] if archs else '?')}' is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHS)}; config.json model_type "
+            f"{', '.join(sorted(_ARCH_OF_MODEL_TYPE))})")
+    return arch
+
+
+def text_config(hf: dict) -> dict:
+    """The language model's part of a (possibly multimodal) config.json."""
+    if "text_config" in hf and isinstance(hf["text_config"], dict) and "num_hidden_layers" not in hf:
+        inner = dict(hf["text_config"])
+        inner.setdefault("model_type", hf.get("model_type"))
+        return inner
+    return hf
+
+
+def _rope(hf: dict, kind: str | None = None) -> dict:
+    """rope parameters in transformers 4 (rope_theta + rope_scaling) or 5
+    (rope_parameters, per attention kind for gemma3) spelling."""
+    rp = hf.get("rope_parameters")
+    if isinstance(rp, dict) and kind and isinstance(rp.get(kind), dict):
+        rp = rp[kind]
+    out = dict(rp) if isinstance(rp, dict) and "rope_theta" in rp else {}
+    if "rope_theta" not in out and "rope_theta" in hf:
+        out["rope_theta"] = hf["rope_theta"]
+    rs = hf.get("rope_scaling")
+    if isinstance(rs, dict) and "rope_type" not in out:
+        out.update({k: v for k, v in rs.items() if k not in out})
+        if "type" in rs and "rope_type" not in out:
+            out["rope_type"] = rs["type"]
+    return out
+
+
+def config_from_hf(hf: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
+    """ModelConfig from config.json; tensor_shapes uses GGUF names (see gguf_name)."""
+    arch = hf_arch(hf)
+    hf = text_config(hf)
+
+    def need(key):
+        if hf.get(key) is None:
+            raise CheckpointError(f"config.json lacks '{key}'")
+        return hf[key]
+
+    d_model = int(need("hidden_size"))
+    n_heads = int(need("num_attention_heads"))
+    n_kv = int(hf.get("num_key_value_heads") or n_heads)
+    head_dim = int(hf.get("head_dim") or d_model // n_heads)
+    emb = tensor_shapes.get("token_embd.weight")
+    vocab = int(emb[0]) if emb else int(need("vocab_size"))
+    rope = _rope(hf, "full_attention" if arch == "gemma3" else None)
+    rope_type = rope.get("rope_type", "default")
+    if arch != "gemma3" and rope_type not in ("default", None):
+        raise CheckpointError(f"rope scaling type '{rope_type}' is not supported for {arch}")
+    cfg = ModelConfig(
+        arch=arch, n_layers=int(need("num_hidden_layers")), d_model=d_model,
+        d_ff=int(need("intermediate_size")), n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+        vocab_size=vocab, context_length=int(hf.get("max_position_embeddings") or 2048),
+        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_neox=arch in ("qwen2", "gemma3"),
+        rope_dim=head_dim,
+        qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
+        tied_output="output.weight" not in tensor_shapes,
+        name=str(hf.get("_name_or_path") or hf.get("_model_name_or_path") or ""),
+        extra={"hf_config": hf},
+    )
+    if arch == "gemma3":
+        cfg.sliding_window = int(hf.get("sliding_window") or 512)
+        cfg.sliding_pattern = int(hf.get("sliding_window_pattern") or 6)
+        local = _rope(hf, "sliding_attention")
+        cfg.rope_theta_local = float(hf.get("rope_local_base_freq") or local.get("rope_theta", 10000.0))
+        if rope_type == "linear":
+            cfg.rope_scale = float(rope.get("factor", 1.0))
+        elif rope_type not in ("default", None):
+            raise CheckpointError(f"rope scaling type '{rope_type}' is not supported for gemma3")
+        cfg.embed_scale = d_model ** 0.5
+        qpas = hf.get("query_pre_attn_scalar")
+        cfg.attn_scale = float(qpas) ** -0.5 if qpas else 0.0
+    return cfg
+
+
+def gguf_name(hf_name: str, arch: str) -> str | None:
+    """GGUF tensor name for an HF tensor name; None for tensors the model does not use.
+    Raises CheckpointError for a tensor we do not know (better than silently
+    running a model with a missing piece)."""
+    for p in _PREFIXES:
+        if hf_name.startswith(p):
+            hf_name = "model." + hf_name[len(p):] if not hf_name.startswith("language_model.lm_head") \
+                else hf_name[len(p):]
+            break
+    if _IGNORED.search(hf_name):
+        return None
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    m = _LAYER_RE.match(hf_name)
+    if m:
+        i, part, kind = m.groups()
+        ours = _LAYER_NAMES_BY_ARCH[arch].get(part) or _LAYER_NAMES.get(part)
+        if ours:
+            return f"blk.{i}.{ours}.{kind}"
+    raise CheckpointError(f"tensor '{hf_name}' is not part of a {arch} model as Llamba knows it")
+
+
+def needs_qk_permute(arch: str) -> bool:
+    return arch == "llama"
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """HF (rotate-half) q/k rows -> GGUF (adjacent-pair) order, as llama.cpp's
+    converter does; n_heads is the q head count for q and the kv count for k.
+    Works on weights [n_heads*d, K] and biases [n_heads*d]."""
+    rows = w.shape[0]
+    return (w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def is_norm(gguf_tensor_name: str) -> bool:
+    return gguf_tensor_name.endswith("norm.weight")
+
+
+def fix_layout(name: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """float32 tensor in HF layout -> GGUF layout, for GGUF tensor `name`."""
+    if needs_qk_permute(cfg.arch):
+        if ".attn_q." in name:
+            w = permute_qk(w, cfg.n_heads)
+        elif ".attn_k." in name:
+            w = permute_qk(w, cfg.n_kv_heads)
+    if cfg.arch == "gemma3" and is_norm(name):
+        w = w + np.float32(1.0)
+    return w
+
+
+def layout_changes(name: str, cfg: ModelConfig) -> bool:
+    """Whether fix_layout changes tensor `name` (otherwise it can stay as stored)."""
+    if needs_qk_permute(cfg.arch) and (".attn_q." in name or ".attn_k." in name):
+        return True
+    return cfg.arch == "gemma3" and is_norm(name)
