@@ -15,12 +15,9 @@ import numpy as np
 from models import model_class
 
 from .backend import make_backend
-from .kv_cache import CacheFull, PagedKVCache, Sequence
+from .context import ContextOverflow, check_policy, rope_for_layer, shift_amount
+from .kv_cache import RELEASED, CacheFull, LayerGroup, PagedKVCache, Sequence
 from .loader import LoadedModel, load_model
-
-
-class ContextOverflow(RuntimeError):
-    """A sequence would grow past the context length."""
 
 
 @dataclass
@@ -30,21 +27,35 @@ class Step:
     positions: np.ndarray      # int32 [N]
     slots: np.ndarray          # int32 [N] cache slot of each new token
     seq_of_token: np.ndarray   # int32 [N] row of block_tables for each token
-    block_tables: np.ndarray   # int32 [S, max_blocks]
+    block_tables: np.ndarray   # int32 [S, max_blocks] (layer group 0)
     logit_rows: np.ndarray     # int64 rows of the batch whose logits are wanted
     block_size: int
     attn_scale: float
     attn_splits: int
     windows: list = field(default_factory=list)   # per layer; 0 = full attention
+    # Layer groups (kv_cache.LayerGroup): layers of one group share a block table.
+    # Gemma 3 has two (global, sliding-window); other models one.  `slots` and
+    # `block_tables` above are group 0's; a backend reads a layer's own through
+    # slots_for(layer) / tables_for(layer).  Table entries released by a sliding
+    # window are 0 and lie outside the window, so attention never reads them.
+    layer_group: list = field(default_factory=list)      # per layer: group index
+    group_slots: np.ndarray | None = None                # int32 [n_groups, N]
+    group_tables: list = field(default_factory=list)     # per group: int32 [S, max_blocks]
 
     def window(self, layer: int) -> int:
         return self.windows[layer]
+
+    def slots_for(self, layer: int) -> np.ndarray:
+        return self.group_slots[self.layer_group[layer]] if self.layer_group else self.slots
+
+    def tables_for(self, layer: int) -> np.ndarray:
+        return self.group_tables[self.layer_group[layer]] if self.layer_group else self.block_tables
 
 
 class Engine:
     def __init__(self, model: str | LoadedModel, *, device: str = "cpu", n_ctx: int = 0,
                  block_size: int = 16, cache_blocks: int = 0, threads: int | None = None,
-                 announce=None):
+                 announce=None, cache_type: str = "f16", overflow: str = "stop"):
         self.backend = make_backend(device, threads=threads, announce=announce)
         lm = model if isinstance(model, LoadedModel) else load_model(model)
         self.loaded = lm
@@ -54,10 +65,20 @@ class Engine:
         self.n_ctx = min(n_ctx or 4096, cfg.context_length)
         self.block_size = block_size
         n_blocks = cache_blocks or 2 * math.ceil(self.n_ctx / block_size)
-        storage = self.backend.alloc_kv(cfg.n_layers, n_blocks * block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.cache = PagedKVCache(n_blocks, block_size, storage.bytes_per_token,
-                                  copy_block=lambda s, d: storage.copy_block(s, d, block_size))
+        self.cache_type = cache_type
+        self.overflow = check_policy(overflow)
+        self.storage = storage = self.backend.alloc_kv(cfg.n_layers, n_blocks * block_size, cfg.n_kv_heads,
+                                                       cfg.head_dim, cache_type=cache_type)
         self.windows = [cfg.sliding_window if cfg.is_local_layer(i) else 0 for i in range(cfg.n_layers)]
+        # one block table per distinct window: sliding-window layers release old blocks
+        per_layer = storage.bytes_per_token // cfg.n_layers
+        groups = []
+        for w in sorted(set(self.windows)):
+            layers = [i for i in range(cfg.n_layers) if self.windows[i] == w]
+            groups.append(LayerGroup("global" if w == 0 else f"window{w}", layers, w, per_layer * len(layers)))
+        self.layer_group = [next(gi for gi, g in enumerate(groups) if i in g.layers) for i in range(cfg.n_layers)]
+        self.cache = PagedKVCache(n_blocks, block_size, groups=groups, cache_type=cache_type,
+                                  copy_block=lambda s, d, gi: storage.copy_block(s, d, block_size, groups[gi].layers))
         self.attn_scale = cfg.attn_scale or 1.0 / math.sqrt(cfg.head_dim)
 
     # ---- sequences ---------------------------------------------------------------
@@ -73,8 +94,10 @@ class Engine:
         sequence, or every new row when all_logits (speculative verification)."""
         for seq, toks in zip(seqs, new_tokens):
             if len(seq) + len(toks) > self.n_ctx:
-                raise ContextOverflow(f"context full: {len(seq)} + {len(toks)} tokens exceed the "
-                                      f"context length {self.n_ctx}")
+                if self.overflow != "shift":
+                    raise ContextOverflow(f"context full: {len(seq)} + {len(toks)} tokens exceed the "
+                                          f"context length {self.n_ctx}")
+                self.shift(seq, shift_amount(len(seq), seq.keep, len(toks), self.n_ctx))
         slots, positions, owner, rows = [], [], [], []
         n = 0
         for i, (seq, toks) in enumerate(zip(seqs, new_tokens)):
@@ -84,16 +107,21 @@ class Engine:
             rows.extend(range(n, n + len(toks)) if all_logits else [n + len(toks) - 1])
             n += len(toks)
         max_blocks = max(len(s.blocks) for s in seqs)
-        tables = np.zeros((len(seqs), max_blocks), np.int32)
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.blocks)] = s.blocks
+        group_tables = []
+        for gi in range(len(self.cache.groups)):
+            tables = np.zeros((len(seqs), max_blocks), np.int32)
+            for i, s in enumerate(seqs):
+                tables[i, :len(s.tables[gi])] = s.tables[gi]
+            group_tables.append(np.maximum(tables, 0))    # RELEASED (-1) -> 0, never read
+        group_slots = np.concatenate(slots, axis=1)
         ctx = max(len(s) + len(t) for s, t in zip(seqs, new_tokens))
         step = Step(
             tokens=np.concatenate([np.asarray(t, np.int32) for t in new_tokens]),
-            positions=np.concatenate(positions), slots=np.concatenate(slots),
-            seq_of_token=np.concatenate(owner), block_tables=tables,
+            positions=np.concatenate(positions), slots=group_slots[0],
+            seq_of_token=np.concatenate(owner), block_tables=group_tables[0],
             logit_rows=np.asarray(rows, np.int64), block_size=self.block_size,
-            attn_scale=self.attn_scale, attn_splits=self._splits(n, ctx), windows=self.windows)
+            attn_scale=self.attn_scale, attn_splits=self._splits(n, ctx), windows=self.windows,
+            layer_group=self.layer_group, group_slots=group_slots, group_tables=group_tables)
         logits = self.backend.forward(self.model, step)
         for seq, toks in zip(seqs, new_tokens):
             self.cache.commit(seq, toks)
@@ -112,15 +140,28 @@ class Engine:
         """Feed a prompt (reusing cached prefix blocks) and return the last token's logits."""
         if not seq.tokens and tokens:
             self.cache.reuse_prefix(seq, tokens)
-        if tokens[:len(seq)] != seq.tokens:
+        fed = seq.history          # equals seq.tokens unless a context shift dropped some
+        if tokens[:len(fed)] != fed:
             raise ValueError("prompt does not continue the sequence's cached tokens")
-        if len(seq) == len(tokens):           # all cached: recompute the last token for its logits
-            self.cache.truncate(seq, len(tokens) - 1)
-        todo = tokens[len(seq):]
+        if len(fed) == len(tokens):           # all cached: recompute the last token for its logits
+            self.cache.truncate(seq, len(seq) - 1)
+        todo = tokens[len(seq.history):]
         logits = None
         for i in range(0, len(todo), chunk):
             logits = self.step([seq], [todo[i:i + chunk]])
         return logits[0]
 
+    def shift(self, seq: Sequence, n_discard: int) -> None:
+        """Context shift: drop n_discard tokens after seq.keep, re-rotating the rest's keys."""
+        ropes = [rope_for_layer(self.config, i) for i in range(self.config.n_layers)]
+
+        def move(gi, src, dst, delta):
+            for layer in self.cache.groups[gi].layers:
+                inv_freq, neox, pos_scale = ropes[layer]
+                self.storage.shift(layer, src, dst, delta, inv_freq, neox, pos_scale)
+        self.cache.shift(seq, n_discard, move)
+
     def stats(self) -> dict:
+        """KV-cache accounting: bytes/blocks in use, held for prefix reuse and free,
+        tokens per sequence, bytes per token of this model and cache type."""
         return self.cache.stats().as_dict()

@@ -42,19 +42,53 @@ class _Arena:
         return b
 
 
+CACHE_TYPES = ("f16", "q8_0")
+
+
+def kv_bytes_per_token_layer(n_kv_heads: int, head_dim: int, cache_type: str = "f16") -> int:
+    """Bytes one token's K and V take in one layer."""
+    if cache_type == "f16":
+        return 2 * n_kv_heads * head_dim * 2
+    if cache_type == "q8_0":
+        if head_dim % K.QK8:
+            raise ValueError(f"q8_0 KV cache needs head_dim divisible by {K.QK8} (got {head_dim})")
+        return 2 * n_kv_heads * (head_dim + 2 * head_dim // K.QK8)
+    raise ValueError(f"unknown KV cache type '{cache_type}' (choose from {', '.join(CACHE_TYPES)})")
+
+
 class CPUKVStorage:
-    """K and V pools per layer: [n_slots, kv_heads, head_dim] as f16 bits (uint16)."""
+    """K and V pools per layer: [n_slots, kv_heads, head_dim] as f16 bits (uint16), or
+    for q8_0 as int8 plus one f16 scale per 32 values ([n_slots, kv_heads, head_dim/32])."""
 
-    def __init__(self, n_layers, n_slots, n_kv_heads, head_dim):
+    def __init__(self, n_layers, n_slots, n_kv_heads, head_dim, cache_type="f16"):
+        self.cache_type = cache_type
+        self.bytes_per_token_layer = kv_bytes_per_token_layer(n_kv_heads, head_dim, cache_type)
+        self.bytes_per_token = n_layers * self.bytes_per_token_layer
+        self.quantized = cache_type == "q8_0"
         shape = (n_slots, n_kv_heads, head_dim)
-        self.k = [np.zeros(shape, np.uint16) for _ in range(n_layers)]
-        self.v = [np.zeros(shape, np.uint16) for _ in range(n_layers)]
-        self.bytes_per_token = n_layers * 2 * n_kv_heads * head_dim * 2
+        dtype = np.int8 if self.quantized else np.uint16
+        # np.zeros maps pages lazily: blocks never handed out cost no memory
+        self.k = [np.zeros(shape, dtype) for _ in range(n_layers)]
+        self.v = [np.zeros(shape, dtype) for _ in range(n_layers)]
+        if self.quantized:
+            sshape = (n_slots, n_kv_heads, head_dim // K.QK8)
+            self.k_scale = [np.zeros(sshape, np.uint16) for _ in range(n_layers)]
+            self.v_scale = [np.zeros(sshape, np.uint16) for _ in range(n_layers)]
+        else:
+            none = np.zeros((1, 1, 1), np.uint16)
+            self.k_scale = self.v_scale = [none] * n_layers
 
-    def copy_block(self, src: int, dst: int, block_size: int) -> None:
+    def copy_block(self, src: int, dst: int, block_size: int, layers=None) -> None:
         s, d = slice(src * block_size, (src + 1) * block_size), slice(dst * block_size, (dst + 1) * block_size)
-        for pool in (*self.k, *self.v):
-            pool[d] = pool[s]
+        for i in (range(len(self.k)) if layers is None else layers):
+            for pool in (self.k[i], self.v[i]) + ((self.k_scale[i], self.v_scale[i]) if self.quantized else ()):
+                pool[d] = pool[s]
+
+    def shift(self, layer: int, src, dst, delta: int, inv_freq, neox: bool, pos_scale: float = 1.0) -> None:
+        """Context shift: move one layer's K/V from slots src to dst, keys re-rotated by delta positions."""
+        K.kv_shift(self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer], self.quantized,
+                   np.asarray(src, np.int32), np.asarray(dst, np.int32), int(delta),
+                   np.asarray(inv_freq, np.float32), bool(neox), np.float32(pos_scale))
 
 
 class CPUBackend:
@@ -76,8 +110,8 @@ class CPUBackend:
             return quant.dequantize(t).astype(np.float32).reshape(-1)
         return t
 
-    def alloc_kv(self, n_layers, n_slots, n_kv_heads, head_dim):
-        self.kv = CPUKVStorage(n_layers, n_slots, n_kv_heads, head_dim)
+    def alloc_kv(self, n_layers, n_slots, n_kv_heads, head_dim, cache_type="f16"):
+        self.kv = CPUKVStorage(n_layers, n_slots, n_kv_heads, head_dim, cache_type)
         return self.kv
 
     def forward(self, model, step) -> np.ndarray:
@@ -142,18 +176,28 @@ class CPUBackend:
     def attention(self, q, k, v, layer, step):
         n, h, d = q.shape
         kv = self.kv
-        K.kv_write(k, v, kv.k[layer], kv.v[layer], step.slots)
+        slots, tables = step.slots_for(layer), step.tables_for(layer)
+        K.kv_write(k, v, kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.quantized, slots)
         kvh = k.shape[1]
         g = h // kvh
         splits = step.attn_splits
-        part_m = self.arena.get((n, kvh, splits, g))
-        part_l = self.arena.get((n, kvh, splits, g))
-        part_acc = self.arena.get((n, kvh, splits, g, d))
+        tile_t0 = self.arena.get((n,), np.int32)
+        tile_n = self.arena.get((n,), np.int32)
+        n_tiles = K.attention_tiles(step.seq_of_token, step.positions, ATTN_TILE, tile_t0, tile_n)
+        pshape = (n, kvh, splits, g) if splits > 1 else (1, 1, 1, 1)
+        part_m = self.arena.get(pshape)
+        part_l = self.arena.get(pshape)
+        part_acc = self.arena.get(pshape + ((d,) if splits > 1 else (1,)))
         out = self.arena.get((n, h, d))
-        K.paged_attention(q, kv.k[layer], kv.v[layer], step.block_size, step.block_tables,
-                          step.seq_of_token, step.positions, step.window(layer),
-                          np.float32(step.attn_scale), splits, part_m, part_l, part_acc, out)
+        K.paged_attention(q, kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.quantized,
+                          step.block_size, tables, step.seq_of_token, step.positions, step.window(layer),
+                          np.float32(step.attn_scale), splits, tile_t0, tile_n, n_tiles,
+                          part_m, part_l, part_acc, out)
         return out.reshape(n, h * d)
+
+
+# queries per prefill tile: each K/V block is converted once per tile and kv head
+ATTN_TILE = 16
 
 
 def _rows2d(x):

@@ -81,78 +81,199 @@ def add_inplace(x, y):
             x[i, j] += y[i, j]
 
 
+# ---- KV cache: write, attention, shift ---------------------------------------------
+#
+# K/V pools are [n_slots, KVH, D] per layer, slot = block * block_size + offset.
+# f16 cache: uint16 f16 bits.  q8_0 cache: int8 values plus one f16 scale per 32
+# values ([n_slots, KVH, D // 32] uint16), the GGML Q8_0 layout split in two arrays
+# so the int8 rows stay contiguous.  Kernels take a `quantized` flag and both pool
+# kinds compile from the same source (the branch is per block, not per value).
+
+QK8 = 32
+# fastmath without nnan/ninf: attention masks with -inf and must compare against it
+_JIT_INF = dict(cache=True, nogil=True, fastmath={"reassoc", "contract", "arcp", "nsz", "afn"})
+
+
+@nb.njit(inline="always")
+def _q8_store(x, pool, scales, s, h):
+    d = x.shape[0]
+    for b0 in range(0, d, QK8):
+        amax = np.float32(0.0)
+        for j in range(b0, b0 + QK8):
+            a = abs(x[j])
+            if a > amax:
+                amax = a
+        dq = amax / np.float32(127.0)
+        inv = np.float32(1.0) / dq if dq > 0 else np.float32(0.0)
+        scales[s, h, b0 // QK8] = f32_to_f16(dq)
+        for j in range(b0, b0 + QK8):
+            v = x[j] * inv      # round half away from zero, as GGML's roundf
+            pool[s, h, j] = np.int8(int(v + np.float32(0.5)) if v >= 0 else -int(np.float32(0.5) - v))
+
+
+@nb.njit(inline="always")
+def _load_row(pool, scales, quantized, s, h, out, r):
+    """out[r, :] = K or V row (slot s, kv head h) as float32."""
+    d = out.shape[1]
+    if quantized:
+        for b0 in range(0, d, QK8):
+            dq = f16_to_f32(np.uint16(scales[s, h, b0 // QK8]))
+            for j in range(b0, b0 + QK8):
+                out[r, j] = np.float32(pool[s, h, j]) * dq
+    else:
+        for j in range(d):
+            out[r, j] = f16_to_f32(np.uint16(pool[s, h, j]))
+
+
 @nb.njit(**_JIT)
-def kv_write(k, v, k_pool, v_pool, slots):
-    """Store the new tokens' K and V (f32 [N, KVH, D]) as f16 bits at their cache slots."""
+def kv_write(k, v, k_pool, v_pool, k_scale, v_scale, quantized, slots):
+    """Store the new tokens' K and V (f32 [N, KVH, D]) at their cache slots
+    (f16 bits, or q8_0 values + scales when quantized)."""
     n, kvh, d = k.shape
     for t in range(n):
         s = slots[t]
         for h in range(kvh):
-            for j in range(d):
-                k_pool[s, h, j] = f32_to_f16(k[t, h, j])
-                v_pool[s, h, j] = f32_to_f16(v[t, h, j])
+            if quantized:
+                _q8_store(k[t, h], k_pool, k_scale, s, h)
+                _q8_store(v[t, h], v_pool, v_scale, s, h)
+            else:
+                for j in range(d):
+                    k_pool[s, h, j] = f32_to_f16(k[t, h, j])
+                    v_pool[s, h, j] = f32_to_f16(v[t, h, j])
 
 
-@nb.njit(parallel=True, **_JIT)
-def paged_attention(q, k_pool, v_pool, block_size, block_tables, seq_of_token, positions, window,
-                    scale, n_splits, part_m, part_l, part_acc, out):
-    """Tiled attention with an online softmax over a paged f16 KV cache.
+@nb.njit(**_JIT)
+def attention_tiles(seq_of_token, positions, max_tile, tile_t0, tile_n):
+    """Cut the step's tokens into query tiles: runs of consecutive positions of
+    one sequence, at most max_tile long.  Returns the number of tiles."""
+    n = seq_of_token.shape[0]
+    nt = 0
+    t = 0
+    while t < n:
+        e = t + 1
+        while (e < n and e - t < max_tile and seq_of_token[e] == seq_of_token[t]
+               and positions[e] == positions[e - 1] + 1):
+            e += 1
+        tile_t0[nt] = t
+        tile_n[nt] = e - t
+        nt += 1
+        t = e
+    return nt
 
-    q [N, H, D]; pools [n_slots, KVH, D] (uint16 f16 bits, slot = block*block_size + offset);
-    token t of sequence seq_of_token[t] at position positions[t] attends to cache
-    positions max(0, pos-window+1)..pos (window 0 = all).  Work is split over
-    (token, kv head, context split): each item keeps a running max / sum / weighted
-    V for its GQA group of query heads, so every K and V row is converted once per
-    group, and a final pass merges the splits (flash-decoding).  No score matrix.
-    part_m, part_l [N, KVH, n_splits, G] and part_acc [N, KVH, n_splits, G, D] are scratch.
+
+@nb.njit(parallel=True, **_JIT_INF)
+def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, block_tables,
+                    seq_of_token, positions, window, scale, n_splits, tile_t0, tile_n, n_tiles,
+                    part_m, part_l, part_acc, out):
+    """Causal-tiled attention with an online softmax over a paged KV cache.
+
+    q [N, H, D]; token t of sequence seq_of_token[t] at position positions[t]
+    attends to cache positions max(0, pos-window+1)..pos (window 0 = all).
+
+    Work items are (query tile, kv head, context split).  An item holds the
+    tile's queries of one GQA group as a [tile*G, D] matrix, walks the keys one
+    cache block at a time (each K/V block converted to f32 once per item, not once
+    per query or per head), computes the [tile*G, block] scores, and folds them
+    into a running max / sum / weighted V with one rescale per block.  Memory is
+    O(tile*G*(D + block)) per item: no N x N score matrix.  Decode (tile of one
+    token over a long context) splits the context across items, and a second pass
+    merges their partial softmax results (flash-decoding); part_m, part_l
+    [N, KVH, n_splits, G] and part_acc [N, KVH, n_splits, G, D] hold those partials
+    (unused when n_splits == 1: items then write `out` directly).
     """
     n, h, d = q.shape
     kvh = k_pool.shape[1]
     g = h // kvh
-    for it in nb.prange(n * kvh * n_splits):
-        t = it // (kvh * n_splits)
+    per_tile = kvh * n_splits
+    for it in nb.prange(n_tiles * per_tile):
+        # zig-zag over tiles so that contiguous chunks of items (one per thread)
+        # mix short early tiles with long late ones under causal masking
+        k_ = it // per_tile
+        ti = k_ // 2 if k_ % 2 == 0 else n_tiles - 1 - k_ // 2
         kh = (it // n_splits) % kvh
         sp = it % n_splits
-        pos = positions[t]
+        t0 = tile_t0[ti]
+        nq = tile_n[ti]
+        p0 = positions[t0]
+        p_last = p0 + nq - 1
         lo = 0
-        if window > 0 and pos - window + 1 > 0:
-            lo = pos - window + 1
-        chunk = (pos + 1 - lo + n_splits - 1) // n_splits
+        if window > 0 and p0 - window + 1 > 0:
+            lo = p0 - window + 1
+        hi = p_last + 1
+        span = hi - lo
+        chunk = (span + n_splits - 1) // n_splits
+        chunk = (chunk + block_size - 1) // block_size * block_size
         j0 = lo + sp * chunk
-        j1 = min(pos + 1, j0 + chunk)
-        table = block_tables[seq_of_token[t]]
-        m = part_m[t, kh, sp]
-        l = part_l[t, kh, sp]
-        acc = part_acc[t, kh, sp]
-        qs = np.empty((g, d), np.float32)
-        kf = np.empty(d, np.float32)
-        vf = np.empty(d, np.float32)
-        for gi in range(g):
-            m[gi] = -np.inf
-            l[gi] = 0.0
+        j1 = min(hi, j0 + chunk)
+        table = block_tables[seq_of_token[t0]]
+        rows = nq * g
+        qs = np.empty((rows, d), np.float32)
+        acc = np.zeros((rows, d), np.float32)
+        m = np.full(rows, -np.inf, np.float32)
+        l = np.zeros(rows, np.float32)
+        kf = np.empty((block_size, d), np.float32)
+        vf = np.empty((block_size, d), np.float32)
+        sc = np.empty((rows, block_size), np.float32)
+        for r in range(rows):
             for x in range(d):
-                acc[gi, x] = 0.0
-                qs[gi, x] = q[t, kh * g + gi, x] * scale
-        for j in range(j0, j1):
-            slot = table[j // block_size] * block_size + j % block_size
-            for x in range(d):
-                kf[x] = f16_to_f32(k_pool[slot, kh, x])
-                vf[x] = f16_to_f32(v_pool[slot, kh, x])
-            for gi in range(g):
-                s = np.float32(0.0)
+                qs[r, x] = q[t0 + r // g, kh * g + r % g, x] * scale
+        j = j0
+        while j < j1:
+            blk = j // block_size
+            jb_end = min(j1, (blk + 1) * block_size)
+            nk = jb_end - j
+            base = table[blk] * block_size + (j - blk * block_size)
+            for c in range(nk):
+                _load_row(k_pool, k_scale, quantized, base + c, kh, kf, c)
+                _load_row(v_pool, v_scale, quantized, base + c, kh, vf, c)
+            for r in range(rows):
+                pos = p0 + r // g
+                klo = 0
+                if window > 0:
+                    klo = pos - window + 1
+                mb = -np.inf
+                for c in range(nk):
+                    kp = j + c
+                    if kp > pos or kp < klo:
+                        sc[r, c] = -np.inf
+                        continue
+                    s = np.float32(0.0)
+                    for x in range(d):
+                        s += qs[r, x] * kf[c, x]
+                    sc[r, c] = s
+                    if s > mb:
+                        mb = s
+                if mb == -np.inf:
+                    continue
+                if mb > m[r]:
+                    corr = np.exp(m[r] - mb)
+                    m[r] = mb
+                    l[r] *= corr
+                    for x in range(d):
+                        acc[r, x] *= corr
+                mr = m[r]
+                for c in range(nk):
+                    if sc[r, c] == -np.inf:
+                        continue
+                    p = np.exp(sc[r, c] - mr)
+                    l[r] += p
+                    for x in range(d):
+                        acc[r, x] += p * vf[c, x]
+            j = jb_end
+        for r in range(rows):
+            t = t0 + r // g
+            gi = r % g
+            if n_splits == 1:
+                inv = np.float32(1.0) / l[r] if l[r] > 0 else np.float32(0.0)
                 for x in range(d):
-                    s += qs[gi, x] * kf[x]
-                if s > m[gi]:
-                    corr = np.exp(m[gi] - s)
-                    l[gi] = l[gi] * corr + 1.0
-                    for x in range(d):
-                        acc[gi, x] = acc[gi, x] * corr + vf[x]
-                    m[gi] = s
-                else:
-                    p = np.exp(s - m[gi])
-                    l[gi] += p
-                    for x in range(d):
-                        acc[gi, x] += p * vf[x]
+                    out[t, kh * g + gi, x] = acc[r, x] * inv
+            else:
+                part_m[t, kh, sp, gi] = m[r]
+                part_l[t, kh, sp, gi] = l[r]
+                for x in range(d):
+                    part_acc[t, kh, sp, gi, x] = acc[r, x]
+    if n_splits == 1:
+        return
     # merge the context splits of each (token, query head)
     for it in nb.prange(n * kvh):
         t = it // kvh
@@ -176,3 +297,38 @@ def paged_attention(q, k_pool, v_pool, block_size, block_tables, seq_of_token, p
             inv = np.float32(1.0) / tot
             for x in range(d):
                 o[x] *= inv
+
+
+@nb.njit(**_JIT)
+def kv_shift(k_pool, v_pool, k_scale, v_scale, quantized, src, dst, delta, inv_freq, neox, pos_scale):
+    """Move cached K/V from slots src to slots dst (context shift) and re-rotate the
+    keys by `delta` positions: RoPE rotations compose, so R(p + delta) = R(delta) R(p).
+    All sources are read before any destination is written, so src and dst may overlap."""
+    n = src.shape[0]
+    kvh = k_pool.shape[1]
+    d = k_pool.shape[2]
+    kt = np.empty((n, kvh, d), np.float32)
+    vt = np.empty((n, kvh, d), np.float32)
+    for t in range(n):
+        for hh in range(kvh):
+            _load_row(k_pool, k_scale, quantized, src[t], hh, kt[t], hh)
+            _load_row(v_pool, v_scale, quantized, src[t], hh, vt[t], hh)
+    half = inv_freq.shape[0]
+    ang0 = np.float64(delta) / pos_scale
+    for i in range(half):
+        ang = ang0 * inv_freq[i]
+        c = np.float32(math.cos(ang))
+        s = np.float32(math.sin(ang))
+        for t in range(n):
+            for hh in range(kvh):
+                if neox:
+                    a = kt[t, hh, i]
+                    b = kt[t, hh, i + half]
+                    kt[t, hh, i] = a * c - b * s
+                    kt[t, hh, i + half] = a * s + b * c
+                else:
+                    a = kt[t, hh, 2 * i]
+                    b = kt[t, hh, 2 * i + 1]
+                    kt[t, hh, 2 * i] = a * c - b * s
+                    kt[t, hh, 2 * i + 1] = a * s + b * c
+    kv_write(kt, vt, k_pool, v_pool, k_scale, v_scale, quantized, dst)
