@@ -18,7 +18,10 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from .act_quant import quantize_q8_32, quantize_q8_256
 from .dequant import deq_range_kernel, deq_row
+from .kernels_k import mm_q4_k, mm_q5_k, mm_q6_k
+from .kernels_legacy import mm_q4_0, mm_q4_1, mm_q5_0, mm_q5_1, mm_q8_0
 from .tensor import QTensor
 from .types import GGMLType
 
@@ -69,21 +72,31 @@ def _mm_f32(x, w, out, nch):
 
 
 class Scratch:
-    """Reusable work buffers for matmul_into / matmul_multi (grown on demand,
-    never shrunk).  One per thread that calls matmul; not thread-safe."""
+    """Reusable work buffers for matmul_into / matmul_multi, grown on demand and
+    never shrunk; views are cached per shape so a steady-state call allocates
+    nothing.  Keep one per calling thread (not thread-safe)."""
 
     def __init__(self):
-        self._bufs: dict[str, np.ndarray] = {}
+        self._flat: dict[tuple[str, type], np.ndarray] = {}
+        self._views: dict[tuple, np.ndarray] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        key = (name, shape, dtype)
+        v = self._views.get(key)
+        if v is not None:
+            return v
         size = 1
-        for s in shape:
-            size *= s
-        b = self._bufs.get(name)
-        if b is None or b.size < size or b.dtype != dtype:
-            b = np.empty(max(size, 1), dtype)
-            self._bufs[name] = b
-        return b[:size].reshape(shape)
+        for d in shape:
+            size *= d
+        fk = (name, dtype)
+        b = self._flat.get(fk)
+        if b is None or b.size < size:
+            b = np.empty(max(size, 1, 2 * (0 if b is None else b.size)), dtype)
+            self._flat[fk] = b
+            # views into the old buffer must not be handed out again
+            self._views = {k: w for k, w in self._views.items() if k[0] != name or k[2] != dtype}
+        v = self._views[key] = b[:size].reshape(shape)
+        return v
 
 
 _local = threading.local()
@@ -96,10 +109,59 @@ def default_scratch() -> Scratch:
     return s
 
 
+_NCH_CACHE: dict[int, int] = {}
+
+
 def _n_chunks(M: int) -> int:
-    # several chunks per thread so a thread slowed by a noisy neighbour does not
-    # hold everyone up; never more chunks than rows
-    return max(1, min(M, 8 * numba.get_num_threads()))
+    # several chunks per thread so one thread slowed by a noisy neighbour does
+    # not hold everyone up; never more chunks than rows
+    nch = _NCH_CACHE.get(M)
+    if nch is None:
+        nch = _NCH_CACHE[M] = max(1, min(M, 8 * numba.get_num_threads()))
+    return nch
+
+
+# How each weight type is multiplied on the small-batch path.
+_K_KERNELS = {GGMLType.Q4_K: mm_q4_k, GGMLType.Q5_K: mm_q5_k, GGMLType.Q6_K: mm_q6_k}
+_LEGACY_KERNELS = {GGMLType.Q4_0: mm_q4_0, GGMLType.Q4_1: mm_q4_1, GGMLType.Q5_0: mm_q5_0,
+                   GGMLType.Q5_1: mm_q5_1, GGMLType.Q8_0: mm_q8_0}
+
+
+def _q8_activations(x, block, scratch):
+    """x quantized to 8-bit blocks of `block` elements, in scratch buffers."""
+    n, K = x.shape
+    xq = scratch.get("xq%d" % block, (n, K), np.int16)
+    xd = scratch.get("xd%d" % block, (n, K // block))
+    if block == 32:
+        xs = scratch.get("xs32", (n, K // 32))
+        quantize_q8_32(x, xq, xd, xs)
+    else:
+        xs = scratch.get("xb256", (n, K // 32), np.int32)
+        quantize_q8_256(x, xq, xd, xs)
+    return xq, xd, xs
+
+
+def _small_batch(x, W, out, scratch, acts):
+    qt = W.qtype
+    n, K = x.shape
+    M = W.data.shape[0]
+    nch = _n_chunks(M)
+    kern = _K_KERNELS.get(qt)
+    if kern is not None:
+        xq, xd, xb = acts.get(256) or acts.setdefault(256, _q8_activations(x, 256, scratch))
+        kern(W.data, xq, xd, xb, out, scratch.get("acc", (nch, n)),
+             scratch.get("wb256", (nch, 256), np.int16), scratch.get("mb", (nch, 8), np.int32), nch)
+        return
+    kern = _LEGACY_KERNELS.get(qt)
+    if kern is not None:
+        xq, xd, xs = acts.get(32) or acts.setdefault(32, _q8_activations(x, 32, scratch))
+        kern(W.data, xq, xd, xs, out, scratch.get("wq", (nch, K), np.int16),
+             scratch.get("wf", (nch, 2, K // 32)), 32, nch)
+        return
+    if qt == GGMLType.F32:
+        _mm_f32(x, W.data.view(np.float32), out, nch)
+        return
+    _mm_decoded_rows(int(qt), x, W.data, out, scratch.get("wrow", (nch, K)))
 
 
 def matmul_into(x: np.ndarray, W: QTensor, out: np.ndarray, scratch: Scratch) -> np.ndarray:
@@ -107,16 +169,9 @@ def matmul_into(x: np.ndarray, W: QTensor, out: np.ndarray, scratch: Scratch) ->
 
     x: float32 [n, K] C-contiguous; out: float32 [n, M] C-contiguous; W: 2-D QTensor.
     """
-    n = x.shape[0]
-    M = W.data.shape[0]
-    qt = W.qtype
-    if n >= LARGE_BATCH_MIN:
+    if x.shape[0] >= LARGE_BATCH_MIN:
         return _matmul_large(x, W, out, scratch)
-    if qt == GGMLType.F32:
-        _mm_f32(x, W.data.view(np.float32), out, _n_chunks(M))
-        return out
-    nch = _n_chunks(M)
-    _mm_decoded_rows(int(qt), x, W.data, out, scratch.get("wrow", (nch, x.shape[1])))
+    _small_batch(x, W, out, scratch, {})
     return out
 
 
@@ -174,14 +229,54 @@ def matmul(x: np.ndarray, W: QTensor, out: np.ndarray | None = None) -> np.ndarr
     return out[0] if squeeze else out
 
 
-def matmul_multi(x: np.ndarray, Ws: list[QTensor], outs: list[np.ndarray | None] | None = None):
-    """[x @ W.T for W in Ws] sharing one activation (q/k/v, gate/up); returns the outs."""
+def matmul_multi(x: np.ndarray, Ws: list[QTensor], outs: list[np.ndarray | None] | None = None,
+                 scratch: Scratch | None = None):
+    """[x @ W.T for W in Ws] for one activation x (q/k/v, gate/up): x is
+    quantized once for all of them.  Returns the outs (allocated where None)."""
+    if x.ndim == 1:
+        return [o.reshape(-1) for o in matmul_multi(x.reshape(1, -1), Ws,
+                [None if o is None else o.reshape(1, -1) for o in (outs or [None] * len(Ws))])]
     if outs is None:
         outs = [None] * len(Ws)
-    return [matmul(x, W, o) for W, o in zip(Ws, outs)]
+    if len(outs) != len(Ws):
+        raise ValueError("matmul_multi: need one out per weight")
+    if not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x)
+    scratch = scratch or default_scratch()
+    res = []
+    acts = {}
+    for W, o in zip(Ws, outs):
+        _check(x, W, o)
+        if o is None:
+            o = np.empty((x.shape[0], W.shape[0]), np.float32)
+        tgt = o if o.flags.c_contiguous else np.empty(o.shape, np.float32)
+        if x.shape[0] >= LARGE_BATCH_MIN:
+            _matmul_large(x, W, tgt, scratch)
+        else:
+            _small_batch(x, W, tgt, scratch, acts)
+        if tgt is not o:
+            o[...] = tgt
+        res.append(o)
+    return res
 
 
-def uses_q8_activations(qtype, n: int) -> bool:
-    """Whether matmul quantizes x to 8-bit blocks for this weight type and row
-    count (what the accuracy bound in the tests depends on)."""
-    return False
+def activation_block(qtype, n: int) -> int:
+    """Block size of the 8-bit activation quantization matmul uses for this
+    weight type and row count, 0 when x stays float32 (what the accuracy bound
+    in the tests depends on)."""
+    if n >= LARGE_BATCH_MIN:
+        return 0
+    t = GGMLType(qtype)
+    return 256 if t in _K_KERNELS else 32 if t in _LEGACY_KERNELS else 0
+
+
+def kernel_name(qtype, n: int) -> str:
+    """Which kernel matmul uses for this type and row count (for the benchmark)."""
+    if n >= LARGE_BATCH_MIN:
+        return "dequant-tile+sgemm"
+    t = GGMLType(qtype)
+    if t in _K_KERNELS:
+        return "int16-dot, x as q8/256"
+    if t in _LEGACY_KERNELS:
+        return "int16-dot, x as q8/32"
+    return "f32-dot" if t == GGMLType.F32 else "decode-row+f32-dot"

@@ -4,9 +4,10 @@ Stated tolerance, per output element y[r, m] (a rigorous bound, not a fit):
 * float activations (F32/F16/BF16 weights, large batches, any path that keeps
   x in float32): |y - ref| <= 1e-5 * sum_k |x[r,k] * W[m,k]|, float32
   accumulation error with margin.
-* 8-bit activations (quantized weights on the small-batch path, when
-  quant.matmul_cpu.uses_q8_activations says so): x is rounded to int8 in blocks
-  of 32 with step d_b = amax_b / 127, so each x element moves by at most d_b/2:
+* 8-bit activations (quantized weights on the small-batch path; block size B
+  from quant.matmul_cpu.activation_block: 32, or 256 for K-quants): x is
+  rounded to int8 in blocks of B with step d_b = amax_b / 127, so each x
+  element moves by at most d_b/2:
   |y - ref| <= sum_b d_b/2 * sum_{k in b} |W[m,k]|  + the float term above.
 """
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 
 import quant
 from quant import TYPE_INFO, GGMLType, QTensor, dequantize, matmul, matmul_into, matmul_multi
-from quant.matmul_cpu import uses_q8_activations, BATCH_INVARIANT_MAX_ROWS, Scratch
+from quant.matmul_cpu import activation_block, BATCH_INVARIANT_MAX_ROWS, Scratch
 from conftest import random_weight_bytes, real_tensors
 
 TYPES = list(TYPE_INFO)
@@ -23,10 +24,11 @@ TYPES = list(TYPE_INFO)
 def _bound(x, Wd, qtype):
     x64 = x.astype(np.float64)
     bound = 1e-5 * (np.abs(x64) @ np.abs(Wd).T) + 1e-30
-    if uses_q8_activations(qtype, x.shape[0]):
+    blk = activation_block(qtype, x.shape[0])
+    if blk:
         n, K = x.shape
-        amax = np.abs(x64).reshape(n, K // 32, 32).max(-1)               # [n, nb]
-        wabs = np.abs(Wd).reshape(Wd.shape[0], K // 32, 32).sum(-1)      # [M, nb]
+        amax = np.abs(x64).reshape(n, K // blk, blk).max(-1)              # [n, nb]
+        wabs = np.abs(Wd).reshape(Wd.shape[0], K // blk, blk).sum(-1)     # [M, nb]
         bound += (amax / 127 / 2) @ wabs.T
     return bound
 

@@ -1,0 +1,224 @@
+"""Quantized weights on an NVIDIA GPU (CuPy): upload in GGUF block layout, and
+the kernels that compute with them.
+
+DeviceWeight            a weight's blocks in device memory, byte for byte as in the file
+upload(qt)              QTensor -> DeviceWeight (one copy; nothing dequantized)
+matmul(x, [W..], [y..]) y = x @ W.T for each W (same input x, float32 [n, K]):
+                        n <= MV_MAX_ROWS: one warp per output row decodes the row's blocks
+                        once in registers for all n rows of x (decode, speculative verify);
+                        larger n: W is dequantized to fp16 one tile of rows at a time into
+                        a reusable scratch and multiplied on the tensor cores by cuBLAS
+                        (fp32 accumulate and output).  Only the tile lives in fp16.
+embed_rows(W, ids, out) rows of W (token ids on the device) as float32
+
+CUDA sources: qblocks.cuh (each type's block decoder) and qkernels.cu.  Kernels are
+compiled by NVRTC through cupy.RawModule, one module per type on first use, with no
+architecture-specific code beyond what sm_75 has.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from ..tensor import QTensor
+from ..types import QK, QK_K, GGMLType
+
+import cupy as cp
+
+_DIR = Path(__file__).resolve().parent
+MV_MAX_ROWS = 8
+_WARPS_PER_BLOCK = 4
+# fp16 elements a dequantized GEMM tile may hold (128 MiB)
+GEMM_TILE_ELEMS = 64 << 20
+
+STRUCT = {
+    GGMLType.F32: "TF32", GGMLType.F16: "TF16", GGMLType.BF16: "TBF16",
+    GGMLType.Q4_0: "TQ4_0", GGMLType.Q4_1: "TQ4_1", GGMLType.Q5_0: "TQ5_0", GGMLType.Q5_1: "TQ5_1",
+    GGMLType.Q8_0: "TQ8_0", GGMLType.Q4_K: "TQ4_K", GGMLType.Q5_K: "TQ5_K", GGMLType.Q6_K: "TQ6_K",
+}
+# (elements, bytes) of the kernels' block: the float types are read as blocks of 32
+_KBLOCK = {GGMLType.F32: (32, 128), GGMLType.F16: (32, 64), GGMLType.BF16: (32, 64),
+           GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q5_0: (32, 22),
+           GGMLType.Q5_1: (32, 24), GGMLType.Q8_0: (32, 34), GGMLType.Q4_K: (256, 144),
+           GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210)}
+
+_OPTIONS = ("-std=c++17", f"-I{_DIR}")
+
+
+class DeviceWeight:
+    """A weight matrix [M, K] in device memory, in its GGUF block layout."""
+
+    __slots__ = ("name", "qtype", "shape", "data", "row_nbytes")
+
+    def __init__(self, name, qtype, shape, data, row_nbytes):
+        self.name, self.qtype, self.shape, self.data, self.row_nbytes = name, qtype, shape, data, row_nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def __repr__(self):
+        return f"DeviceWeight({self.name!r}, {self.qtype.name}, shape={self.shape})"
+
+
+def kernel_supports(qt: QTensor) -> bool:
+    """True when the GPU kernels take this tensor as a matrix (rows of whole kernel blocks)."""
+    return qt.qtype in STRUCT and len(qt.shape) == 2 and qt.shape[-1] % _KBLOCK[qt.qtype][0] == 0
+
+
+def upload(qt: QTensor) -> DeviceWeight:
+    data = cp.asarray(np.ascontiguousarray(qt.data).reshape(-1))
+    return DeviceWeight(qt.name, qt.qtype, tuple(qt.shape), data, qt.row_nbytes)
+
+
+class _Modules:
+    """One compiled module per weight type, built on first use."""
+
+    def __init__(self):
+        self.by_type = {}
+        self.misc = None
+
+    def get(self, qtype):
+        m = self.by_type.get(qtype)
+        if m is None:
+            s = STRUCT[qtype]
+            names = [f"mv<{s},{r}>" for r in range(1, MV_MAX_ROWS + 1)] + [f"deq_f16<{s}>", f"deq_rows<{s}>"]
+            src = (_DIR / "qkernels.cu").read_text()
+            mod = cp.RawModule(code=src, options=_OPTIONS, name_expressions=names)
+            m = self.by_type[qtype] = {n: mod.get_function(n) for n in names}
+        return m
+
+    def fn(self, name):
+        if self.misc is None:
+            src = (_DIR / "qkernels.cu").read_text()
+            self.misc = cp.RawModule(code=src, options=_OPTIONS)
+        return self.misc.get_function(name)
+
+
+_mods = _Modules()
+
+
+def warm(qtype) -> None:
+    """Compile the kernels of one type now (before a CUDA-graph capture, say)."""
+    _mods.get(qtype)
+    _mods.fn("f32_to_f16")
+
+
+class Workspace:
+    """fp16 scratch for the large-batch path, grown on demand and reused."""
+
+    def __init__(self):
+        self.w16 = None
+        self.x16 = None
+        self._one = np.ones(1, np.float32)
+        self._zero = np.zeros(1, np.float32)
+
+    def get(self, attr, n):
+        b = getattr(self, attr)
+        if b is None or b.size < n:
+            b = cp.empty(max(n, 1), cp.float16)
+            setattr(self, attr, b)
+        return b[:n]
+
+
+_default_ws = Workspace()
+
+
+def matmul(x, Ws, outs, biases=None, accumulate=False, ws: Workspace | None = None):
+    """outs[i] (+)= x @ Ws[i].T (+ biases[i]).  x float32 [n, K] C-contiguous on the device;
+    outs[i] float32 [n, M_i] (rows may be strided: ldy = outs[i].strides[0] / 4)."""
+    n, K = x.shape
+    biases = list(biases) if biases else [None] * len(Ws)
+    if n <= MV_MAX_ROWS:
+        _matvec(x, Ws, outs, biases, accumulate)
+    else:
+        for W, y, b in zip(Ws, outs, biases):
+            _gemm(x, W, y, b, accumulate, ws or _default_ws)
+
+
+def _ptr(a):
+    return 0 if a is None else a.data.ptr
+
+
+def _matvec(x, Ws, outs, biases, accumulate):
+    n, K = x.shape
+    # one launch per group of up to three weights of one type
+    i = 0
+    while i < len(Ws):
+        j = i + 1
+        while j < len(Ws) and j - i < 3 and Ws[j].qtype == Ws[i].qtype:
+            j += 1
+        grp = list(range(i, j))
+        W0 = Ws[i]
+        f = _mods.get(W0.qtype)[f"mv<{STRUCT[W0.qtype]},{n}>"]
+        pad = grp + [grp[0]] * (3 - len(grp))
+        Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
+        maxM = max(Ms)
+        ldy = outs[i].strides[0] // 4
+        grid = ((maxM + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK, len(grp))
+        args = ([Ws[k].data for k in pad] + [outs[k] for k in pad]
+                + [biases[k] if biases[k] is not None else np.uint64(0) for k in pad]
+                + [np.int32(m) for m in Ms]
+                + [np.int32(K), np.int64(W0.row_nbytes), x, np.int32(x.strides[0] // 4),
+                   np.int32(ldy), np.int32(1 if accumulate else 0)])
+        f(grid, (32 * _WARPS_PER_BLOCK,), tuple(args))
+        i = j
+
+
+def _launch1d(f, n, args, block=256):
+    f(((n + block - 1) // block,), (block,), args)
+
+
+def _gemm(x, W, y, bias, accumulate, ws: Workspace):
+    """Dequantize W to fp16 a tile of rows at a time; cuBLAS fp16 x fp16 -> fp32."""
+    from cupy_backends.cuda.libs import cublas
+    n, K = x.shape
+    M = W.shape[0]
+    x16 = ws.get("x16", n * K)
+    _launch1d(_mods.fn("f32_to_f16"), n * K, (x, x16, np.int64(n * K)))
+    tile = max(1, min(M, GEMM_TILE_ELEMS // K))
+    w16 = ws.get("w16", tile * K)
+    deq = _mods.get(W.qtype)[f"deq_f16<{STRUCT[W.qtype]}>"]
+    qk = _KBLOCK[W.qtype][0]
+    ppb = 8 if qk == QK_K else 1
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    ldy = y.strides[0] // 4
+    beta = ws._one if accumulate else ws._zero
+    for r0 in range(0, M, tile):
+        tm = min(tile, M - r0)
+        nparts = K // qk * ppb
+        sub = W.data[r0 * W.row_nbytes:(r0 + tm) * W.row_nbytes]
+        _launch1d(deq, tm * nparts, (sub, np.int32(tm), np.int32(K), np.int64(W.row_nbytes), w16))
+        # row-major y[n, M] = x[n, K] @ w[M, K]^T  ==  column-major y^T = w^T(op T) x
+        cublas.gemmEx(handle, 1, 0, tm, n, K,
+                      ws._one.ctypes.data, w16.data.ptr, 2, K,
+                      x16.data.ptr, 2, K,
+                      beta.ctypes.data, y.data.ptr + 4 * r0, 0, ldy,
+                      68, -1)
+    if bias is not None and not accumulate:
+        _launch1d(_mods.fn("add_bias"), n * M, (y, bias, np.int32(n), np.int32(M), np.int32(ldy)))
+
+
+def embed_rows(W: DeviceWeight, ids, out, scale: float = 1.0):
+    """out[i] = W[ids[i]] * scale; ids int32 on the device, out float32 [len(ids), K]."""
+    n = ids.shape[0]
+    K = W.shape[1]
+    qk = _KBLOCK[W.qtype][0]
+    nparts = K // qk * (8 if qk == QK_K else 1)
+    f = _mods.get(W.qtype)[f"deq_rows<{STRUCT[W.qtype]}>"]
+    _launch1d(f, n * nparts, (W.data, ids, np.int32(n), np.int32(K), np.int64(W.row_nbytes),
+                              np.float32(scale), out), block=128)
+
+
+def dequantize_f16(W: DeviceWeight):
+    """The whole of W as fp16 [M, K] (tests and debugging only: it is a full copy)."""
+    M, K = W.shape
+    out = cp.empty((M, K), cp.float16)
+    qk = _KBLOCK[W.qtype][0]
+    nparts = K // qk * (8 if qk == QK_K else 1)
+    _launch1d(_mods.get(W.qtype)[f"deq_f16<{STRUCT[W.qtype]}>"], M * nparts,
+              (W.data, np.int32(M), np.int32(K), np.int64(W.row_nbytes), out))
+    return out

@@ -1,0 +1,158 @@
+"""Integer-dot matmul kernels for the K-quants (Q4_K, Q5_K, Q6_K).
+
+Per 256-element super-block of a W row, the 4/5/6-bit codes are multiplied by
+their (integer) sub-block scales into a 256 x int16 scratch block (|q*sc| <=
+4064), which is then dotted with every activation row's int8 codes as one
+int32 reduction over 256 elements - LLVM emits vpdpwssd/vpmaddwd for it - and
+scaled once per super-block by d * dx (and the mins by dmin * dx).  So each
+weight block is decoded once for all n rows, and rows are never mixed: the
+float operations that produce y[r, m] are the same whatever n is.
+
+Kernel arguments: w uint8 [M, row_nbytes] (read-only); xq int16 [n, K], xd
+f32 [n, K/256], xb int32 [n, K/32] from act_quant.quantize_q8_256; out f32
+[n, M]; acc f32 [nch, n]; wb int16 [nch, 256]; mb int32 [nch, 8]; nch chunks
+of W rows run in parallel.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import int16, int32, njit, prange
+
+from .dequant import _h, scale_min_k4
+
+F32 = np.float32
+
+
+@njit(inline="always")
+def _dot256(wb, xr, o):
+    s = int32(0)
+    for i in range(256):
+        s = int32(s + int32(wb[i]) * int32(xr[o + i]))
+    return s
+
+
+@njit(inline="always")
+def _rows_q4k_like(n, xq, xd, xb, a, wb, mb, sb, d, dmin):
+    for r in range(n):
+        xr = xq[r]
+        isum = _dot256(wb, xr, sb * 256)
+        msum = int32(0)
+        for j in range(8):
+            msum += mb[j] * xb[r, sb * 8 + j]
+        dx = xd[r, sb]
+        a[r] += (d * dx) * F32(isum) - (dmin * dx) * F32(msum)
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def mm_q4_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
+    n = xq.shape[0]
+    nsb = xq.shape[1] // 256
+    M = w.shape[0]
+    per = (M + nch - 1) // nch
+    for c in prange(nch):
+        a = acc[c]
+        wb = wbuf[c]
+        mb = mbuf[c]
+        for m in range(c * per, min(M, (c + 1) * per)):
+            src = w[m]
+            for r in range(n):
+                a[r] = F32(0.0)
+            for sb in range(nsb):
+                o = sb * 144
+                d = _h(src, o)
+                dmin = _h(src, o + 2)
+                for g in range(4):
+                    sc0, m0 = scale_min_k4(2 * g, src, o + 4)
+                    sc1, m1 = scale_min_k4(2 * g + 1, src, o + 4)
+                    mb[2 * g] = m0
+                    mb[2 * g + 1] = m1
+                    s0 = int16(sc0)
+                    s1 = int16(sc1)
+                    q = o + 16 + 32 * g
+                    for l in range(32):
+                        v = src[q + l]
+                        wb[64 * g + l] = int16(v & 15) * s0
+                        wb[64 * g + 32 + l] = int16(v >> 4) * s1
+                _rows_q4k_like(n, xq, xd, xb, a, wb, mb, sb, d, dmin)
+            for r in range(n):
+                out[r, m] = a[r]
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def mm_q5_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
+    n = xq.shape[0]
+    nsb = xq.shape[1] // 256
+    M = w.shape[0]
+    per = (M + nch - 1) // nch
+    for c in prange(nch):
+        a = acc[c]
+        wb = wbuf[c]
+        mb = mbuf[c]
+        for m in range(c * per, min(M, (c + 1) * per)):
+            src = w[m]
+            for r in range(n):
+                a[r] = F32(0.0)
+            for sb in range(nsb):
+                o = sb * 176
+                d = _h(src, o)
+                dmin = _h(src, o + 2)
+                for g in range(4):
+                    sc0, m0 = scale_min_k4(2 * g, src, o + 4)
+                    sc1, m1 = scale_min_k4(2 * g + 1, src, o + 4)
+                    mb[2 * g] = m0
+                    mb[2 * g + 1] = m1
+                    s0 = int16(sc0)
+                    s1 = int16(sc1)
+                    q = o + 48 + 32 * g
+                    for l in range(32):
+                        v = src[q + l]
+                        h = src[o + 16 + l]
+                        v0 = int16(v & 15) | (int16((h >> (2 * g)) & 1) << 4)
+                        v1 = int16(v >> 4) | (int16((h >> (2 * g + 1)) & 1) << 4)
+                        wb[64 * g + l] = v0 * s0
+                        wb[64 * g + 32 + l] = v1 * s1
+                _rows_q4k_like(n, xq, xd, xb, a, wb, mb, sb, d, dmin)
+            for r in range(n):
+                out[r, m] = a[r]
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def mm_q6_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
+    n = xq.shape[0]
+    nsb = xq.shape[1] // 256
+    M = w.shape[0]
+    per = (M + nch - 1) // nch
+    for c in prange(nch):
+        a = acc[c]
+        wb = wbuf[c]
+        for m in range(c * per, min(M, (c + 1) * per)):
+            src = w[m]
+            for r in range(n):
+                a[r] = F32(0.0)
+            for sb in range(nsb):
+                o = sb * 210
+                d = _h(src, o + 208)
+                for half in range(2):
+                    ql = o + 64 * half
+                    qh = o + 128 + 32 * half
+                    sc = o + 192 + 8 * half
+                    base = 128 * half
+                    for i in range(2):
+                        s0 = int16(np.int8(src[sc + i]))
+                        s1 = int16(np.int8(src[sc + i + 2]))
+                        s2 = int16(np.int8(src[sc + i + 4]))
+                        s3 = int16(np.int8(src[sc + i + 6]))
+                        for t in range(16):
+                            l = 16 * i + t
+                            a0 = src[ql + l]
+                            a1 = src[ql + l + 32]
+                            h = src[qh + l]
+                            wb[base + l] = ((int16(a0 & 15) | (int16(h & 3) << 4)) - 32) * s0
+                            wb[base + l + 32] = ((int16(a1 & 15) | (int16((h >> 2) & 3) << 4)) - 32) * s1
+                            wb[base + l + 64] = ((int16(a0 >> 4) | (int16((h >> 4) & 3) << 4)) - 32) * s2
+                            wb[base + l + 96] = ((int16(a1 >> 4) | (int16((h >> 6) & 3) << 4)) - 32) * s3
+                for r in range(n):
+                    isum = _dot256(wb, xq[r], sb * 256)
+                    a[r] += (d * xd[r, sb]) * F32(isum)
+            for r in range(n):
+                out[r, m] = a[r]
