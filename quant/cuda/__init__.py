@@ -17,13 +17,12 @@ architecture-specific code beyond what sm_75 has.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 
 from ..tensor import QTensor
-from ..types import QK, QK_K, GGMLType
+from ..types import QK_K, GGMLType
 
 import cupy as cp
 
@@ -156,13 +155,12 @@ def _matvec(x, Ws, outs, biases, accumulate):
         pad = grp + [grp[0]] * (3 - len(grp))
         Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
         maxM = max(Ms)
-        ldy = outs[i].strides[0] // 4
         grid = ((maxM + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK, len(grp))
         args = ([Ws[k].data for k in pad] + [outs[k] for k in pad]
                 + [biases[k] if biases[k] is not None else np.uint64(0) for k in pad]
                 + [np.int32(m) for m in Ms]
-                + [np.int32(K), np.int64(W0.row_nbytes), x, np.int32(x.strides[0] // 4),
-                   np.int32(ldy), np.int32(1 if accumulate else 0)])
+                + [np.int32(K), np.int64(W0.row_nbytes), x, np.int32(x.strides[0] // 4)]
+                + [np.int32(outs[k].strides[0] // 4) for k in pad] + [np.int32(1 if accumulate else 0)])
         f(grid, (32 * _WARPS_PER_BLOCK,), tuple(args))
         i = j
 

@@ -18,12 +18,13 @@ __global__ void __launch_bounds__(128) mv(
         float* y0, float* y1, float* y2,
         const float* b0, const float* b1, const float* b2,
         int M0, int M1, int M2,
-        int K, long long row_bytes, const float* __restrict__ x, int ldx, int ldy, int mode) {
+        int K, long long row_bytes, const float* __restrict__ x, int ldx, int ldy0, int ldy1, int ldy2, int mode) {
     const int wsel = blockIdx.y;
     const u8* W = wsel == 0 ? W0 : (wsel == 1 ? W1 : W2);
     float* y = wsel == 0 ? y0 : (wsel == 1 ? y1 : y2);
     const float* bias = wsel == 0 ? b0 : (wsel == 1 ? b1 : b2);
     const int M = wsel == 0 ? M0 : (wsel == 1 ? M1 : M2);
+    const int ldy = wsel == 0 ? ldy0 : (wsel == 1 ? ldy1 : ldy2);
     const int m = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (m >= M) return;

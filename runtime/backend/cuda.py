@@ -1,0 +1,429 @@
+"""The CUDA backend (CuPy): the same ops as the CPU backend, on an NVIDIA GPU.
+
+* Weights are uploaded once in their GGUF block layout (quant/cuda); matmuls
+  decode blocks in registers (n <= 8 rows) or dequantize a tile at a time to
+  fp16 for cuBLAS (prompt processing).  No dequantized weight matrix stays.
+* Activations are float32, the KV cache fp16 [n_slots, kv_heads, head_dim] per
+  layer, indexed by slot exactly as on the CPU.
+* Step buffers come from an arena that hands out the same buffers in the same
+  order every step, so a decode step has fixed pointers: it is captured once as
+  a CUDA graph per block-table width and replayed; Python then does one small
+  host-to-device copy, one graph launch and one logits copy per token.
+* Prefill and other multi-token steps run eagerly (a few hundred launches per
+  forward, negligible beside the GEMMs).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+import quant
+from quant import QTensor
+
+from . import DeviceUnavailable
+from .cuda_memory import MIN_COMPUTE_CAPABILITY, estimate_bytes, format_bytes
+
+_SRC = Path(__file__).resolve().parent / "cuda_kernels.cu"
+MV_MAX_ROWS = 8
+
+
+def probe() -> dict:
+    """The GPU we would use, or DeviceUnavailable with a one-line reason."""
+    try:
+        import cupy as cp
+    except ImportError:
+        raise DeviceUnavailable("CuPy is not installed (pip install 'llamba[cuda]' or cupy-cuda12x)") from None
+    except Exception as e:   # a broken CuPy install: say what it said
+        raise DeviceUnavailable(f"CuPy failed to import: {str(e).splitlines()[0]}") from None
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        raise DeviceUnavailable(f"no usable NVIDIA driver ({str(e).splitlines()[0]})") from None
+    if n == 0:
+        raise DeviceUnavailable("CuPy found no NVIDIA GPU")
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    cc = props["major"] * 10 + props["minor"]
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    if cc < MIN_COMPUTE_CAPABILITY:
+        raise DeviceUnavailable(f"{name} has compute capability {props['major']}.{props['minor']}; "
+                                f"Llamba's CUDA kernels need 7.5 or newer")
+    free, total = cp.cuda.runtime.memGetInfo()
+    return {"name": name, "cc": cc, "free": int(free), "total": int(total)}
+
+
+class _Arena:
+    """Step buffers handed out in call order: a ring of RING buffers per (capacity,
+    dtype), cursors reset every step, so a step sees the same buffers each time
+    (fixed pointers for graph replay).  A buffer is reused only RING same-shape
+    requests later, far beyond any op's lifetime (at most one layer).  Row counts
+    are rounded up to a power of two so prompts of any length share buffers."""
+
+    RING = 8
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.rings: dict = {}
+        self.cursor: dict = {}
+        self.pinned: dict = {}
+
+    def reset(self):
+        self.cursor.clear()
+
+    def get(self, shape, dtype=np.float32, tag=None):
+        shape = tuple(int(s) for s in shape)
+        rows = shape[0]
+        cap = 1 << max(0, (rows - 1).bit_length())
+        key = (cap,) + shape[1:] + (np.dtype(dtype).str, tag)
+        ring = self.rings.setdefault(key, [])
+        i = self.cursor.get(key, 0)
+        self.cursor[key] = i + 1
+        slot = i if tag is not None else i % self.RING
+        while len(ring) <= slot:
+            ring.append(self.cp.empty((cap,) + shape[1:], dtype))
+        return ring[slot][:rows]
+
+    def nbytes(self) -> int:
+        return sum(int(b.nbytes) for r in self.rings.values() for b in r)
+
+
+class CUDAKVStorage:
+    """K and V pools per layer, fp16 [n_slots, kv_heads, head_dim] on the device."""
+
+    def __init__(self, cp, n_layers, n_slots, n_kv_heads, head_dim, cache_type="f16"):
+        if cache_type != "f16":
+            raise ValueError(f"the CUDA backend keeps the KV cache in f16 (asked for '{cache_type}')")
+        self.cp = cp
+        self.cache_type = cache_type
+        shape = (n_slots, n_kv_heads, head_dim)
+        self.k = [cp.zeros(shape, cp.float16) for _ in range(n_layers)]
+        self.v = [cp.zeros(shape, cp.float16) for _ in range(n_layers)]
+        self.bytes_per_token_layer = 2 * n_kv_heads * head_dim * 2
+        self.bytes_per_token = n_layers * self.bytes_per_token_layer
+        self.nbytes = sum(int(a.nbytes) for a in self.k + self.v)
+
+    def copy_block(self, src: int, dst: int, block_size: int, layers=None) -> None:
+        s, d = slice(src * block_size, (src + 1) * block_size), slice(dst * block_size, (dst + 1) * block_size)
+        for i in (range(len(self.k)) if layers is None else layers):
+            self.k[i][d] = self.k[i][s]
+            self.v[i][d] = self.v[i][s]
+
+    def shift(self, layer: int, src, dst, delta: int, inv_freq, neox: bool, pos_scale: float = 1.0) -> None:
+        """Context shift (rare): move K/V from slots src to dst, keys re-rotated by delta.
+        Done on the host with the CPU backend's arithmetic."""
+        cp = self.cp
+        src = cp.asarray(np.asarray(src, np.int64))
+        dst = cp.asarray(np.asarray(dst, np.int64))
+        k = self.k[layer][src].get().astype(np.float32)
+        v = self.v[layer][src]
+        inv_freq = np.asarray(inv_freq, np.float32)
+        half = inv_freq.shape[0]
+        ang = (np.float64(delta) / pos_scale) * inv_freq.astype(np.float64)
+        c = np.cos(ang).astype(np.float32)
+        s = np.sin(ang).astype(np.float32)
+        if neox:
+            a, b = k[..., :half].copy(), k[..., half:2 * half].copy()
+            k[..., :half], k[..., half:2 * half] = a * c - b * s, a * s + b * c
+        else:
+            a, b = k[..., 0:2 * half:2].copy(), k[..., 1:2 * half:2].copy()
+            k[..., 0:2 * half:2], k[..., 1:2 * half:2] = a * c - b * s, a * s + b * c
+        self.k[layer][dst] = cp.asarray(k.astype(np.float16))
+        self.v[layer][dst] = v
+
+
+class _DevStep:
+    """A Step whose index arrays live on the device (views into one int32 buffer)."""
+
+    def __init__(self, step, views: dict, n_splits: int):
+        self.tokens = views["tokens"]
+        self.positions = views["positions"]
+        self.seq_of_token = views["seq_of_token"]
+        self.logit_rows = views["logit_rows"]
+        self._slots = views["slots"]          # [n_groups, N]
+        self._tables = views["tables"]        # [n_groups, S, MB]
+        self.slots = self._slots[0]
+        self.block_tables = self._tables[0]
+        self.block_size = step.block_size
+        self.attn_scale = step.attn_scale
+        self.attn_splits = n_splits
+        self.windows = step.windows
+        self.layer_group = list(getattr(step, "layer_group", None) or [])
+
+    def window(self, layer):
+        return self.windows[layer]
+
+    def slots_for(self, layer):
+        return self._slots[self.layer_group[layer]] if self.layer_group else self.slots
+
+    def tables_for(self, layer):
+        return self._tables[self.layer_group[layer]] if self.layer_group else self.block_tables
+
+
+def _pack_step(step, max_blocks: int | None = None):
+    """The step's index arrays as one int32 host array, and where each one lies."""
+    n = len(step.tokens)
+    group_slots = getattr(step, "group_slots", None)
+    group_tables = getattr(step, "group_tables", None) or [step.block_tables]
+    if group_slots is None:
+        group_slots = np.asarray(step.slots, np.int32)[None]
+    S, mb = group_tables[0].shape
+    MB = max_blocks or mb
+    parts = [("tokens", np.asarray(step.tokens, np.int32), (n,)),
+             ("positions", np.asarray(step.positions, np.int32), (n,)),
+             ("seq_of_token", np.asarray(step.seq_of_token, np.int32), (n,)),
+             ("logit_rows", np.asarray(step.logit_rows, np.int32), (len(step.logit_rows),)),
+             ("slots", np.asarray(group_slots, np.int32), group_slots.shape)]
+    tables = np.zeros((len(group_tables), S, MB), np.int32)
+    for g, t in enumerate(group_tables):
+        tables[g, :, :t.shape[1]] = t
+    parts.append(("tables", tables, tables.shape))
+    layout, off = {}, 0
+    for name, a, shape in parts:
+        layout[name] = (off, shape)
+        off += int(np.prod(shape))
+    flat = np.empty(off, np.int32)
+    for name, a, shape in parts:
+        o, _ = layout[name]
+        flat[o:o + a.size] = a.reshape(-1)
+    return flat, layout
+
+
+def _views(buf, layout):
+    return {name: buf[o:o + int(np.prod(shape))].reshape(shape) for name, (o, shape) in layout.items()}
+
+
+class CUDABackend:
+    name = "cuda"
+
+    def __init__(self, graphs: bool | None = None):
+        import cupy as cp
+        import quant.cuda as qc
+        self.cp, self.qc = cp, qc
+        info = probe()
+        self.device_info = info
+        self.device_name = (f"{info['name']} (sm_{info['cc']}, {format_bytes(info['total'])}, "
+                            f"CuPy {cp.__version__})")
+        self.threads = 1
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.arena = _Arena(cp)
+        self.ws = qc.Workspace()
+        self.kv: CUDAKVStorage | None = None
+        self.weight_bytes = 0
+        self._consts: dict = {}
+        self._attn_mods: dict = {}
+        self._mod = None
+        self._graphs: dict = {}
+        self._seen: set = set()
+        if graphs is None:
+            graphs = os.environ.get("LLAMBA_CUDA_GRAPHS", "1") != "0"
+        self.use_graphs = graphs
+        self.graph_replays = 0
+
+    # ---- memory ------------------------------------------------------------------
+    def check_fits(self, lm, n_ctx: int, block_size: int = 16, cache_blocks: int = 0, cache_type="f16"):
+        """Refuse, before anything is uploaded, a model that will not fit in free GPU memory."""
+        est = estimate_bytes(lm.config, lm.tensors, n_ctx, block_size, cache_blocks)
+        free = self.cp.cuda.runtime.memGetInfo()[0]
+        self.estimate = est
+        if est["total"] > free:
+            raise DeviceUnavailable(
+                f"{lm.path.name if getattr(lm, 'path', None) else 'model'} needs about "
+                f"{format_bytes(est['total'])} of GPU memory (weights {format_bytes(est['weights'])}, "
+                f"KV cache {format_bytes(est['kv_cache'])} for {n_ctx} tokens, work buffers "
+                f"{format_bytes(est['work'])}) but {self.device_info['name']} has {format_bytes(free)} free: "
+                f"use a smaller context (-c), fewer --gpu-layers, or a smaller quantization")
+        return est
+
+    def memory_report(self) -> dict:
+        free, total = self.cp.cuda.runtime.memGetInfo()
+        return {"device": self.device_name, "weights_bytes": int(self.weight_bytes),
+                "kv_cache_bytes": int(self.kv.nbytes) if self.kv else 0,
+                "work_bytes": int(self.arena.nbytes()) + int(self.ws.w16.nbytes if self.ws.w16 is not None else 0),
+                "device_free_bytes": int(free), "device_total_bytes": int(total)}
+
+    # ---- set-up ------------------------------------------------------------------
+    def upload(self, t: QTensor):
+        """Matrices keep their block layout on the device; 1-D tensors (norms, biases)
+        become float32 vectors."""
+        cp = self.cp
+        if len(t.shape) == 1:
+            v = cp.asarray(quant.dequantize(t).astype(np.float32).reshape(-1))
+            self.weight_bytes += v.nbytes
+            return v
+        if not self.qc.kernel_supports(t):
+            raise ValueError(f"tensor '{t.name}' ({t.qtype.name}, shape {t.shape}) has no CUDA kernel")
+        w = self.qc.upload(t)
+        self.weight_bytes += w.nbytes
+        return w
+
+    def alloc_kv(self, n_layers, n_slots, n_kv_heads, head_dim, cache_type="f16"):
+        self.kv = CUDAKVStorage(self.cp, n_layers, n_slots, n_kv_heads, head_dim, cache_type)
+        return self.kv
+
+    # ---- one step --------------------------------------------------------------
+    def forward(self, model, step) -> np.ndarray:
+        """Run one step; logits come back as a host float32 array [rows, vocab]."""
+        cp = self.cp
+        n = len(step.tokens)
+        with self.stream:
+            graphable = (self.use_graphs and n == 1 and len(step.logit_rows) == 1
+                         and step.block_tables.shape[0] == 1)
+            if graphable:
+                return self._forward_graph(model, step)
+            flat, layout = _pack_step(step)
+            buf = cp.asarray(flat)
+            ctx = int(np.max(step.positions)) + 1
+            dstep = _DevStep(step, _views(buf, layout), self._splits(n, ctx, model))
+            self.arena.reset()
+            out = model.forward(self, dstep)
+            return out.get()
+
+    def _splits(self, n_tokens, ctx, model) -> int:
+        kvh = model.cfg.n_kv_heads
+        if n_tokens * kvh >= 64 or ctx < 256:
+            return 1
+        return max(1, min(32, ctx // 128))
+
+    def _forward_graph(self, model, step):
+        """Decode: replay the step captured for this block-table width."""
+        cp = self.cp
+        mb = step.block_tables.shape[1]
+        MB = 1 << max(3, (mb - 1).bit_length())           # widths 8, 16, 32, ... blocks
+        key = (id(model), MB)
+        flat, layout = _pack_step(step, MB)
+        g = self._graphs.get(key)
+        if g is None:
+            host = cp.cuda.alloc_pinned_memory(flat.nbytes)
+            host_arr = np.frombuffer(host, np.int32, flat.size)
+            dev = cp.empty(flat.size, cp.int32)
+            dstep = _DevStep(step, _views(dev, layout), self._splits(1, MB * step.block_size, model))
+            g = {"host": host_arr, "dev": dev, "dstep": dstep, "graph": None, "out": None}
+            self._graphs[key] = g
+        g["host"][:] = flat
+        g["dev"].set(g["host"], stream=self.stream)
+        if g["graph"] is None:
+            # eager once (compiles kernels, sizes the arena), then capture for the next tokens
+            self.arena.reset()
+            out = model.forward(self, g["dstep"])
+            res = out.get()
+            self.arena.reset()
+            self.stream.begin_capture()
+            try:
+                g["out"] = model.forward(self, g["dstep"])
+            finally:
+                g["graph"] = self.stream.end_capture()
+            return res
+        g["graph"].launch(self.stream)
+        self.graph_replays += 1
+        return g["out"].get()
+
+    # ---- kernels -------------------------------------------------------------
+    def _fn(self, name):
+        if self._mod is None:
+            self._mod = self.cp.RawModule(code=_SRC.read_text(), options=("-std=c++17",))
+        return self._mod.get_function(name)
+
+    def _attn_fn(self, hd, g, name):
+        key = (hd, g)
+        mod = self._attn_mods.get(key)
+        if mod is None:
+            mod = self._attn_mods[key] = self.cp.RawModule(
+                code=_SRC.read_text(), options=("-std=c++17", f"-DATT_HD={hd}", f"-DATT_G={g}"))
+        return mod.get_function(name)
+
+    def _launch(self, name, n, args, block=256):
+        self._fn(name)(((n + block - 1) // block,), (block,), args)
+
+    def _const(self, a):
+        """A host constant (e.g. RoPE frequencies) on the device, uploaded once."""
+        k = id(a)
+        hit = self._consts.get(k)
+        if hit is None or hit[0] is not a:
+            hit = self._consts[k] = (a, self.cp.asarray(np.ascontiguousarray(a, np.float32)))
+        return hit[1]
+
+    # ---- ops ----------------------------------------------------------------
+    def embed(self, W, ids, scale: float = 1.0):
+        n = ids.shape[0]
+        out = self.arena.get((n, W.shape[1]), tag="residual")
+        self.qc.embed_rows(W, ids, out, scale)
+        return out
+
+    def rmsnorm(self, x, w, eps):
+        d = x.shape[-1]
+        rows = x.size // d
+        out = self.arena.get(x.shape)
+        self._fn("rmsnorm")((rows,), (min(256, (d + 31) // 32 * 32),), (x, w, np.float32(eps), out, np.int32(d)))
+        return out
+
+    def heads(self, x, n_heads):
+        return x.reshape(x.shape[0], n_heads, -1)
+
+    def _mm(self, x, Ws, biases=None, acc=None):
+        x = x.reshape(x.shape[0], -1)
+        if not x.flags.c_contiguous:
+            x = self.cp.ascontiguousarray(x)
+        outs = [acc] if acc is not None else [self.arena.get((x.shape[0], W.shape[0])) for W in Ws]
+        self.qc.matmul(x, list(Ws), outs, biases, accumulate=acc is not None, ws=self.ws)
+        return outs
+
+    def matmul(self, x, W, bias=None):
+        return self._mm(x, [W], [bias] if bias is not None else None)[0]
+
+    def matmuls(self, x, Ws, biases=None):
+        return self._mm(x, Ws, biases)
+
+    def matmul_add(self, x, W, acc):
+        self._mm(x, [W], acc=acc)
+
+    def add(self, x, y):
+        self._launch("add_inplace", x.size, (x, y, np.int64(x.size)))
+
+    def glu(self, g, u, kind):
+        self._launch("silu_mul" if kind == "silu" else "gelu_mul", g.size, (g, u, np.int64(g.size)))
+        return g
+
+    def rope(self, x, step, inv_freq, neox, pos_scale=1.0):
+        n, h, d = x.shape
+        half = inv_freq.shape[0]
+        self._launch("rope", n * h * half, (x, step.positions, self._const(inv_freq), np.int32(n), np.int32(h),
+                                            np.int32(d), np.int32(half), np.int32(1 if neox else 0),
+                                            np.float32(pos_scale)))
+
+    def rows(self, x, idx):
+        n, d = len(idx), x.shape[-1]
+        if not hasattr(idx, "data") or isinstance(idx, np.ndarray):
+            idx = self.cp.asarray(np.asarray(idx, np.int32))
+        out = self.arena.get((n, d))
+        self._launch("gather_rows", n * d, (x, idx, np.int32(n), np.int32(d), out))
+        return out
+
+    def logits(self, x, W):
+        return self._mm(x, [W])[0]
+
+    def attention(self, q, k, v, layer, step):
+        n, h, d = q.shape
+        kv = self.kv
+        kvh = k.shape[1]
+        g = h // kvh
+        slots, tables = step.slots_for(layer), step.tables_for(layer)
+        self._launch("kv_write", n * kvh * d, (k, v, kv.k[layer], kv.v[layer], slots, np.int32(n),
+                                               np.int32(kvh * d)))
+        splits = step.attn_splits
+        out = self.arena.get((n, h, d))
+        if splits > 1:
+            part_m = self.arena.get((n * kvh * splits * g,))
+            part_l = self.arena.get((n * kvh * splits * g,))
+            part_acc = self.arena.get((n * kvh * splits * g * d,))
+        else:
+            part_m = part_l = part_acc = out
+        self._attn_fn(d, g, "attention")(
+            (splits, kvh, n), (128,),
+            (q, kv.k[layer], kv.v[layer], tables, np.int32(tables.shape[1]), step.seq_of_token, step.positions,
+             np.int32(step.block_size), np.int32(step.window(layer)), np.float32(step.attn_scale),
+             np.int32(splits), np.int32(kvh), part_m, part_l, part_acc, out))
+        if splits > 1:
+            self._attn_fn(d, g, "attn_merge")((n * h,), (min(d, 256),),
+                                              (part_m, part_l, part_acc, np.int32(splits), np.int32(kvh), out))
+        return out.reshape(n, h * d)

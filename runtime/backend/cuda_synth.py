@@ -1,0 +1,191 @@
+"""Random-weight GGUF models of real shapes, for GPU tests and benchmarks.
+
+Speed does not depend on weight values, and the GPU machine has no network, so
+benchmarks build their models there: random quantized blocks whose f16 scale
+fields are overwritten with small sane values (so activations stay finite),
+written with gguf's GGUFWriter and loaded through the normal loader.
+No CuPy needed here.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from quant import GGMLType, QTensor, row_nbytes
+
+# (offset, kind) of the f16 scale fields in each block, and the value they get
+_SCALES = {
+    GGMLType.Q4_0: [(0, "d")], GGMLType.Q4_1: [(0, "d"), (2, "m")],
+    GGMLType.Q5_0: [(0, "d")], GGMLType.Q5_1: [(0, "d"), (2, "m")],
+    GGMLType.Q8_0: [(0, "d8")], GGMLType.Q4_K: [(0, "dk"), (2, "dk")],
+    GGMLType.Q5_K: [(0, "dk"), (2, "dk")], GGMLType.Q6_K: [(208, "d6")],
+}
+_BLOCK = {GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q5_0: (32, 22),
+          GGMLType.Q5_1: (32, 24), GGMLType.Q8_0: (32, 34), GGMLType.Q4_K: (256, 144),
+          GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210)}
+
+
+class _Noise:
+    """Random bytes, made fast by tiling one random pattern (values don't matter for speed)."""
+
+    def __init__(self, seed=0, pattern_bytes=1 << 24):
+        self.rng = np.random.default_rng(seed)
+        self.pattern = self.rng.integers(0, 256, pattern_bytes, dtype=np.uint8)
+
+    def bytes(self, n: int) -> np.ndarray:
+        out = np.empty(n, np.uint8)
+        P = self.pattern.size
+        for o in range(0, n, P):
+            k = min(P, n - o)
+            start = int(self.rng.integers(0, P - k + 1))
+            out[o:o + k] = self.pattern[start:start + k]
+        return out
+
+
+def random_weight(qtype, shape, noise: _Noise | None = None, std: float = 0.02) -> np.ndarray:
+    """uint8 [rows, row_nbytes] of random blocks of `qtype` whose weights have roughly `std`."""
+    noise = noise or _Noise()
+    qtype = GGMLType(int(qtype))
+    rows, cols = int(np.prod(shape[:-1])), int(shape[-1])
+    if qtype in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+        x = (noise.rng.standard_normal((rows, cols), dtype=np.float32) * std)
+        if qtype == GGMLType.F32:
+            return x.view(np.uint8).reshape(rows, -1)
+        if qtype == GGMLType.F16:
+            return x.astype(np.float16).view(np.uint8).reshape(rows, -1)
+        return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, -1)
+    qk, bb = _BLOCK[qtype]
+    nblocks = rows * cols // qk
+    raw = noise.bytes(nblocks * bb).reshape(nblocks, bb)
+    # scales for roughly `std`: q spans ~16 levels (Q4), ~32 (Q5), ~256 (Q8); K-quant
+    # sub-scales are 6-bit (mean ~32); Q6_K sub-scales are set to 1..16 below
+    vals = {"d": std / 5, "m": -std * 1.5, "d8": std / 70, "dk": std / 150, "d6": std / 160}
+    for off, kind in _SCALES[qtype]:
+        jitter = (0.5 + noise.rng.random(nblocks, dtype=np.float32)).astype(np.float32)
+        raw[:, off:off + 2] = (jitter * vals[kind]).astype(np.float16).view(np.uint8).reshape(nblocks, 2)
+    if qtype == GGMLType.Q6_K:
+        raw[:, 192:208] = noise.rng.integers(1, 17, (nblocks, 16), dtype=np.uint8)
+    return raw.reshape(rows, row_nbytes(qtype, cols))
+
+
+# llama.cpp's Q4_K_M: Q4_K everywhere but Q6_K for the output/embedding and for
+# attn_v / ffn_down in the first and last eighth of the layers and every third between
+def _q4_k_m(name: str, n_layers: int) -> GGMLType:
+    if name in ("token_embd.weight", "output.weight"):
+        return GGMLType.Q6_K
+    if name.endswith("attn_v.weight") or name.endswith("ffn_down.weight"):
+        i = int(name.split(".")[1])
+        if i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2:
+            return GGMLType.Q6_K
+    return GGMLType.Q4_K
+
+
+def mix_type(mix: str, name: str, n_layers: int) -> GGMLType:
+    if mix == "Q4_K_M":
+        return _q4_k_m(name, n_layers)
+    return GGMLType[mix]
+
+
+SHAPES = {
+    # the issue's benchmark shapes
+    "Q15": dict(arch="qwen2", n_layers=28, d_model=1536, d_ff=8960, n_heads=12, n_kv_heads=2,
+                vocab=151936, tied=True, rope_theta=1e6),
+    "L8": dict(arch="llama", n_layers=32, d_model=4096, d_ff=14336, n_heads=32, n_kv_heads=8,
+               vocab=128256, tied=False, rope_theta=5e5),
+}
+
+
+def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, vocab, tied,
+                      mix="Q4_K_M", rope_theta=1e4, ctx=4096, seed=0):
+    """A random-weight GGUF of this shape and quantization mix at `path`."""
+    import gguf
+    noise = _Noise(seed)
+    hd = d_model // n_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"random {arch} {n_layers}x{d_model} {mix}")
+    w.add_block_count(n_layers)
+    w.add_context_length(ctx)
+    w.add_embedding_length(d_model)
+    w.add_feed_forward_length(d_ff)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv_heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(rope_theta)
+
+    def mat(name, rows, cols):
+        t = mix_type(mix, name, n_layers)
+        w.add_tensor(name, random_weight(t, (rows, cols), noise), raw_dtype=gguf.GGMLQuantizationType(int(t)))
+
+    def vec(name, n, value=None):
+        v = np.full(n, value, np.float32) if value is not None else \
+            (noise.rng.standard_normal(n, dtype=np.float32) * 0.02)
+        w.add_tensor(name, v)
+
+    mat("token_embd.weight", vocab, d_model)
+    vec("output_norm.weight", d_model, 1.0)
+    if not tied:
+        mat("output.weight", vocab, d_model)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        vec(p + "attn_norm.weight", d_model, 1.0)
+        vec(p + "ffn_norm.weight", d_model, 1.0)
+        mat(p + "attn_q.weight", n_heads * hd, d_model)
+        mat(p + "attn_k.weight", n_kv_heads * hd, d_model)
+        mat(p + "attn_v.weight", n_kv_heads * hd, d_model)
+        mat(p + "attn_output.weight", d_model, n_heads * hd)
+        if arch == "qwen2":
+            vec(p + "attn_q.bias", n_heads * hd)
+            vec(p + "attn_k.bias", n_kv_heads * hd)
+            vec(p + "attn_v.bias", n_kv_heads * hd)
+        mat(p + "ffn_gate.weight", d_ff, d_model)
+        mat(p + "ffn_up.weight", d_ff, d_model)
+        mat(p + "ffn_down.weight", d_model, d_ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def load_weights_only(path):
+    """A LoadedModel without a tokenizer (random and trimmed test models carry none)."""
+    from models import config_from_gguf
+    from runtime.gguf_file import GGUFFile
+    from runtime.loader import LoadedModel
+    g = GGUFFile(path)
+    shapes = {n: t.shape for n, t in g.tensors.items()}
+    cfg = config_from_gguf(g.metadata, shapes)
+    tensors = {n: QTensor.from_file_bytes(n, t.ggml_type, t.shape, g.tensor_bytes(n)) for n, t in g.tensors.items()}
+    return LoadedModel(path=Path(path), config=cfg, tensors=tensors, tokenizer=None, metadata=g.metadata)
+
+
+def trim_gguf(src, dst, n_layers: int, vocab: int, keep_tokenizer: bool = False):
+    """A copy of a real GGUF with only its first n_layers layers and first `vocab`
+    embedding/output rows (real weights, small enough to carry to a GPU machine)."""
+    import gguf
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if key.startswith("tokenizer.") and not keep_tokenizer:
+            continue
+        val = f.contents()
+        if key == f"{arch}.block_count":
+            val = n_layers
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, val, vtype, sub_type=sub)
+    for t in r.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= n_layers:
+            continue
+        data = np.asarray(t.data)
+        if t.name in ("token_embd.weight", "output.weight"):
+            data = data[:vocab]
+        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

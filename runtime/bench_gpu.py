@@ -1,0 +1,228 @@
+"""GPU benchmark: pp512 / tg128 at batch 1 on random-weight GGUFs of real shapes,
+with HF transformers (bf16, same GPU) measured side by side in the same run.
+
+    python -m runtime.bench_gpu --shapes Q15,L8 --mixes Q4_K_M,Q4_0,Q8_0 --hf --out bench.json
+
+The GPU machine has no network and takes few files, so the models are built
+there (runtime/backend/cuda_synth.py): speed does not depend on weight values.
+llama.cpp's figures for the same shapes on the same H200 are quoted from the
+issue (commit 0c1e57098, `llama-bench -ngl 99 -p 512 -n 128 -fa 1`).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# llama.cpp CUDA on the H200 (from the issue): (pp512, tg128) t/s
+LLAMA_CPP = {("Q15", "Q4_K_M"): (27078, 565), ("Q15", "Q4_0"): (28498, 667), ("Q15", "Q8_0"): (31259, 530),
+             ("L8", "Q4_K_M"): (9782, 276), ("L8", "Q4_0"): (11408, 334)}
+# HF transformers bf16 static cache + torch.compile (from the issue), tg t/s
+HF_COMPILED = {"Q15": 264, "L8": 136}
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def copy_bandwidth(cp, nbytes=4 << 30, reps=10) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    a = cp.empty(nbytes // 4, cp.float32)
+    a.fill(1.0)
+    b = cp.empty_like(a)
+    b[...] = a
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    ts = []
+    for _ in range(reps):
+        s.record()
+        b[...] = a
+        e.record()
+        e.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(s, e) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(ts)
+
+
+def matvec_bandwidth(cp, qc, qtype, M, K, reps=50) -> float:
+    """One decode matvec alone (weights read once), bytes of W per second; rotates
+    over enough weights to defeat the L2."""
+    from quant import QTensor
+    from runtime.backend.cuda_synth import _Noise, random_weight
+    raw = random_weight(qtype, (M, K), _Noise(1))
+    Ws = [qc.upload(QTensor("w", qtype, (M, K), raw)) for _ in range(4)]
+    x = cp.asarray(np.random.default_rng(0).standard_normal((1, K)).astype(np.float32))
+    y = cp.empty((1, M), cp.float32)
+    for W in Ws:
+        qc.matmul(x, [W], [y])
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    s.record()
+    for i in range(reps):
+        qc.matmul(x, [Ws[i % 4]], [y])
+    e.record()
+    e.synchronize()
+    t = cp.cuda.get_elapsed_time(s, e) / 1e3 / reps
+    return Ws[0].nbytes / t
+
+
+def bench_ours(path, reps, n_prompt, n_gen):
+    import cupy as cp
+    from runtime.backend.cuda_synth import load_weights_only
+    from runtime.bench import measure, time_pp, time_tg
+    from runtime.engine import Engine
+    lm = load_weights_only(path)
+    t0 = time.perf_counter()
+    eng = Engine(lm, device="cuda", n_ctx=max(1024, n_prompt + n_gen + 16))
+    load_s = time.perf_counter() - t0
+    est = eng.backend.estimate
+    rng = np.random.default_rng(0)
+    pp = measure(lambda: time_pp(eng, n_prompt, rng), reps)
+    tg = measure(lambda: time_tg(eng, n_gen, rng), reps)
+    mem = eng.backend.memory_report()
+    per_tok = lm.weight_bytes - (0 if lm.config.tied_output else lm.tensors["token_embd.weight"].nbytes)
+    row = {"pp": pp, "tg": tg, "load_s": load_s, "weight_bytes": lm.weight_bytes,
+           "bytes_per_token": per_tok, "weight_GBps": per_tok * tg[0] / 1e9, "memory": mem,
+           "estimate": est, "graph_replays": eng.backend.graph_replays}
+    del eng, lm
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    return row
+
+
+def bench_hf(shape, reps, n_prompt, n_gen):
+    import torch
+    import transformers
+    spec = dict(shape)
+    common = dict(hidden_size=spec["d_model"], intermediate_size=spec["d_ff"], num_hidden_layers=spec["n_layers"],
+                  num_attention_heads=spec["n_heads"], num_key_value_heads=spec["n_kv_heads"],
+                  vocab_size=spec["vocab"], rope_theta=spec["rope_theta"], max_position_embeddings=4096,
+                  tie_word_embeddings=spec["tied"])
+    if spec["arch"] == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+    else:
+        cfg = transformers.LlamaConfig(**common)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        except TypeError:
+            model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    model = model.eval()
+    vocab = spec["vocab"]
+
+    def pp():
+        ids = torch.randint(100, vocab - 1000, (1, n_prompt), device="cuda")
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            model(ids, use_cache=True)
+        torch.cuda.synchronize()
+        return n_prompt / (time.perf_counter() - t)
+
+    def tg():
+        ids = torch.randint(100, vocab - 1000, (1, 1), device="cuda")
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=n_gen, min_new_tokens=n_gen, do_sample=False)
+        torch.cuda.synchronize()
+        assert out.shape[1] == n_gen + 1
+        return n_gen / (time.perf_counter() - t)
+
+    from runtime.bench import measure
+    row = {"pp": measure(pp, reps), "tg": measure(tg, reps), "transformers": transformers.__version__,
+           "torch": torch.__version__}
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="Q15,L8")
+    ap.add_argument("--mixes", default="Q4_K_M,Q4_0,Q8_0")
+    ap.add_argument("--dir", default="/tmp/llamba-bench")
+    ap.add_argument("-p", "--n-prompt", type=int, default=512)
+    ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument("-r", "--repetitions", type=int, default=3)
+    ap.add_argument("--hf", action="store_true", help="also HF transformers bf16 on the same GPU")
+    ap.add_argument("--micro", action="store_true", help="matvec bandwidth of single kernels")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    import cupy as cp
+    import quant.cuda as qc
+    from quant import GGMLType
+    from runtime.backend.cuda import probe
+    from runtime.backend.cuda_synth import SHAPES, write_random_gguf
+    info = probe()
+    bw = copy_bandwidth(cp)
+    log(f"device {info['name']} sm_{info['cc']}, copy bandwidth {bw / 1e9:.0f} GB/s")
+    result = {"device": info, "copy_GBps": bw / 1e9, "runs": [], "micro": []}
+    if args.micro:
+        for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q4_K, 4096, 14336), (GGMLType.Q6_K, 4096, 14336),
+                         (GGMLType.Q4_0, 14336, 4096), (GGMLType.Q8_0, 14336, 4096), (GGMLType.Q4_K, 8960, 1536),
+                         (GGMLType.Q6_K, 151936, 1536)]:
+            g = matvec_bandwidth(cp, qc, qt, M, K) / 1e9
+            result["micro"].append({"type": qt.name, "M": M, "K": K, "GBps": g, "of_copy": g / (bw / 1e9)})
+            log(f"matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)")
+    d = Path(args.dir)
+    d.mkdir(parents=True, exist_ok=True)
+    for shape in args.shapes.split(","):
+        spec = SHAPES[shape]
+        for mix in args.mixes.split(","):
+            path = d / f"{shape}-{mix}.gguf"
+            t = time.perf_counter()
+            write_random_gguf(path, mix=mix, **spec)
+            log(f"{path.name}: written in {time.perf_counter() - t:.1f}s, {path.stat().st_size / 2**30:.2f} GiB")
+            try:
+                row = bench_ours(path, args.repetitions, args.n_prompt, args.n_gen)
+            except Exception as e:     # report and go on to the next model
+                row = {"error": f"{type(e).__name__}: {e}"}
+            row.update(shape=shape, mix=mix, engine="llamba-cuda")
+            result["runs"].append(row)
+            log(json.dumps(row, default=str))
+            path.unlink()
+            if args.out:
+                Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+        if args.hf:
+            try:
+                row = bench_hf(spec, args.repetitions, args.n_prompt, args.n_gen)
+            except Exception as e:
+                row = {"error": f"{type(e).__name__}: {e}"}
+            row.update(shape=shape, mix="bf16", engine="hf-transformers")
+            result["runs"].append(row)
+            log(json.dumps(row, default=str))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    print_table(result)
+
+
+def print_table(result):
+    bw = result["copy_GBps"]
+    hf = {r["shape"]: r for r in result["runs"] if r["engine"] == "hf-transformers" and "tg" in r}
+    print(f"\ndevice: {result['device']['name']}, copy bandwidth {bw:.0f} GB/s")
+    print("| shape | quant | engine | pp512 t/s | tg128 t/s | vs llama.cpp pp / tg | weights GB/s (% copy) | tg vs HF default / compiled |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in result["runs"]:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['mix']} | {r['engine']} | error: {r['error'][:80]} |")
+            continue
+        pp, tg = r["pp"][0], r["tg"][0]
+        ref = LLAMA_CPP.get((r["shape"], r["mix"]))
+        vs = f"{pp / ref[0]:.2f}x / {tg / ref[1]:.2f}x" if ref and r["engine"] == "llamba-cuda" else ""
+        gbs = f"{r['weight_GBps']:.0f} ({100 * r['weight_GBps'] / bw:.0f}%)" if "weight_GBps" in r else ""
+        h = hf.get(r["shape"])
+        vh = (f"{tg / h['tg'][0]:.1f}x / {tg / HF_COMPILED[r['shape']]:.2f}x"
+              if h and r["engine"] == "llamba-cuda" else "")
+        print(f"| {r['shape']} | {r['mix']} | {r['engine']} | {pp:.0f} ± {r['pp'][1]:.0f} | {tg:.1f} ± {r['tg'][1]:.1f} "
+              f"| {vs} | {gbs} | {vh} |")
+
+
+if __name__ == "__main__":
+    main()

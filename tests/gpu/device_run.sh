@@ -1,0 +1,21 @@
+#!/bin/bash
+# What we run on the lent GPU machine (no network; wheels and trimmed models carried):
+#   tests/gpu/device_run.sh [tests|bench|all] [bench args...]
+# Wheels in .whl/ (gguf, platformdirs), trimmed real models in .devmodels/ (made with
+# runtime/backend/cuda_synth.trim_gguf).  Output goes to $OUT when set.
+set -o pipefail
+OUT=${OUT:-/tmp/llamba-out}; mkdir -p "$OUT"
+what=${1:-all}; shift || true
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+fi
+export PYTHONUNBUFFERED=1 LLAMBA_GPU_TEST_MODELS=$PWD/.devmodels NUMBA_CACHE_DIR=/tmp/numba-cache
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/nvidia-smi.txt"
+python3 -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__)"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/gpu -x -rs --durations=5 -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout ${BENCH_TIMEOUT:-400} python3 -m runtime.bench_gpu --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.txt"
+fi
