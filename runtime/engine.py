@@ -61,6 +61,8 @@ class Engine:
         self.loaded = lm
         self.config = cfg = lm.config
         self.tokenizer = lm.tokenizer
+        if hasattr(self.backend, "check_fits"):     # GPU: refuse what will not fit, before uploading
+            self.backend.check_fits(lm, min(n_ctx or 4096, cfg.context_length), block_size, cache_blocks)
         self.model = model_class(cfg.arch)(cfg, {n: self.backend.upload(t) for n, t in lm.tensors.items()})
         self.n_ctx = min(n_ctx or 4096, cfg.context_length)
         self.block_size = block_size

@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CuPy")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):   # not `in item.keywords`: that holds the folder name tests/gpu too
             item.add_marker(skip)
 
 
