@@ -51,28 +51,83 @@ def model_path(name: str) -> Path:
     return p
 
 
-_READERS = {}
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
 
-def gguf_reader(name: str):
-    gguf = pytest.importorskip("gguf")
-    p = model_path(name)
-    if p not in _READERS:
-        _READERS[p] = gguf.GGUFReader(p)
-    return _READERS[p]
+def _gguf_index(path: Path):
+    """(tensor list, data offset, alignment) of a GGUF file: a minimal parser,
+    because gguf.GGUFReader spends tens of seconds building numpy views of
+    every metadata field of a 150k-token vocabulary."""
+    import mmap
+    import struct
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    pos = 0
+
+    def take(fmt):
+        nonlocal pos
+        v = struct.unpack_from("<" + fmt, mm, pos)
+        pos += struct.calcsize("<" + fmt)
+        return v[0] if len(v) == 1 else v
+
+    def string():
+        nonlocal pos
+        n = take("Q")
+        pos += n
+        return bytes(mm[pos - n:pos]).decode("utf-8", "replace")
+
+    def skip(t):
+        nonlocal pos
+        if t == 8:
+            n = take("Q")   # (not `pos += take(...)`: that reads pos before take moves it)
+            pos += n
+        elif t == 9:
+            et, n = take("I"), take("Q")
+            if et in _SCALAR:
+                pos += n * _SCALAR[et]
+            else:
+                for _ in range(n):
+                    skip(et)
+        else:
+            pos += _SCALAR[t]
+
+    assert mm[:4] == b"GGUF", path
+    pos = 8
+    n_tensors, n_kv = take("Q"), take("Q")
+    align = 32
+    for _ in range(n_kv):
+        key, t = string(), take("I")
+        if key == "general.alignment" and t == 4:
+            align = take("I")
+        else:
+            skip(t)
+    tensors = []
+    for _ in range(n_tensors):
+        name = string()
+        dims = [take("Q") for _ in range(take("I"))]
+        tensors.append((name, take("I"), tuple(reversed(dims)), take("Q")))
+    return mm, tensors, (pos + align - 1) // align * align
+
+
+_INDEX = {}
 
 
 def real_tensors(name: str, max_rows: int = 32):
-    """One tensor per GGML type from a real GGUF file, first max_rows rows:
-    yields (tensor name, GGMLType, numpy shape, uint8 [rows, row_nbytes])."""
-    r = gguf_reader(name)
+    """One tensor per supported GGML type from a real GGUF file, first max_rows
+    rows: yields (tensor name, GGMLType, numpy shape, uint8 [rows, row_nbytes])."""
+    p = model_path(name)
+    if p not in _INDEX:
+        _INDEX[p] = _gguf_index(p)
+    mm, tensors, data_start = _INDEX[p]
+    buf = np.frombuffer(mm, np.uint8)
     seen = set()
-    for t in r.tensors:
-        qt = GGMLType(int(t.tensor_type))
-        if qt in seen or qt not in TYPE_INFO:
+    for tname, t, shape, off in tensors:
+        if t not in TYPE_INFO or GGMLType(t) in seen:
             continue
+        qt = GGMLType(t)
         seen.add(qt)
-        shape = tuple(int(s) for s in reversed(t.shape))   # GGUF lists ne0 first
-        data = np.asarray(t.data).view(np.uint8)
-        data = data.reshape(-1, data.size // int(np.prod(shape[:-1])))[:max_rows]
-        yield t.name, qt, (data.shape[0], shape[-1]), data
+        be, bb = TYPE_INFO[qt]
+        rows = min(max_rows, int(np.prod(shape[:-1])))
+        row_nbytes = shape[-1] // be * bb
+        data = buf[data_start + off: data_start + off + rows * row_nbytes].reshape(rows, row_nbytes)
+        yield tname, qt, (rows, shape[-1]), data
