@@ -1,6 +1,19 @@
 """How a model runs: loading, tokenizer, backends, KV cache, engine, sampling, CLI."""
-try:
-    from importlib.metadata import version as _v
-    __version__ = _v("llamba")
-except Exception:   # running from a source tree that was never installed
-    __version__ = "0.1.0"
+
+
+def _version() -> str:
+    """One version number, pyproject's: from the installed metadata, else the source tree."""
+    try:
+        from importlib.metadata import version
+        return version("llamba")
+    except Exception:
+        import tomllib
+        from pathlib import Path
+        try:
+            with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
+                return tomllib.load(f)["project"]["version"]
+        except OSError:
+            return "unknown"
+
+
+__version__ = _version()
