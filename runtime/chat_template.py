@@ -41,12 +41,13 @@ class ChatTemplateError(ValueError):
     (e.g. roles that do not alternate), or something the sandbox refused."""
 
 
-# Limits for one render.  Generous for real conversations (thousands of messages, megabytes of text), small
+# Limits for one render.  Generous for real conversations (thousands of messages, megabytes of text: far
+# more than any context window), small
 # enough that a hostile template fails in well under a second or two.
 MAX_STEPS = 2_000_000         # loop iterations + calls + checked operations
 MAX_SECONDS = 10.0            # wall time
-MAX_STRING = 32_000_000       # characters in any string (or items in any list) an operation produces
-MAX_OUTPUT = 64_000_000       # characters of rendered output
+MAX_STRING = 8_000_000        # characters in any string (or items in any list) an operation produces
+MAX_OUTPUT = 16_000_000       # characters of rendered output
 MAX_INT_ARG = 10_000_000      # largest integer passed to a call or filter (widths, counts, ranges)
 MAX_RANGE = 100_000           # items in one range()
 

@@ -179,8 +179,12 @@ def _cache_dir() -> Path | None:
     env = os.environ.get("LLAMBA_CACHE_DIR")
     if env is not None:
         return None if env.strip() in ("", "0", "off", "none") else Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "llamba"
+    try:
+        import platformdirs
+        return Path(platformdirs.user_cache_dir("llamba"))
+    except Exception:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base) / "llamba"
 
 
 def clear_cache() -> None:
@@ -368,6 +372,10 @@ class Tokenizer:
         spec = json.loads(path.read_text(encoding="utf-8"))
         config = _read_json(folder / "tokenizer_config.json")
         gen_config = _read_json(folder / "generation_config.json")
+        try:    # what the file's post-processor adds, in case the config does not say
+            probe = backend.encode("a", add_special_tokens=True).ids
+        except Exception:
+            probe = []
         backend.post_processor = None        # BOS/EOS are ours to add
         backend.no_truncation()
         backend.no_padding()
@@ -401,8 +409,7 @@ class Tokenizer:
         eos_id = tok_id(config.get("eos_token"))
         if "add_bos_token" in config:
             add_bos = bool(config["add_bos_token"])
-        else:   # what the file's post-processor would have done
-            probe = _RustTokenizer.from_file(str(path)).encode("a", add_special_tokens=True).ids
+        else:
             add_bos = bos_id is not None and bool(probe) and probe[0] == bos_id
         add_eos = bool(config.get("add_eos_token", False))
         stops = set()
@@ -422,8 +429,15 @@ class Tokenizer:
             template = named.get("default") or next(iter(named.values()), None)
         if template is None and (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        # a SentencePiece-style file whose decoder drops the space its normalizer/pre-tokenizer put in front
+        decoder = spec.get("decoder")
+        strips_prefix = _mentions_type(decoder, "Strip") or any(
+            d.get("type") == "Metaspace" and (d.get("prepend_scheme") in ("first", "always") or
+                                              d.get("add_prefix_space") is True)
+            for d in _walk_dicts(decoder))
         return cls(backend=backend, tokens=tokens, attrs=attrs, byte_level=byte_level, bos_id=bos_id,
-                   eos_id=eos_id, add_bos=add_bos, add_eos=add_eos, stop_ids=stops, add_space_prefix=False,
+                   eos_id=eos_id, add_bos=add_bos, add_eos=add_eos, stop_ids=stops,
+                   add_space_prefix=bool(strips_prefix and not byte_level),
                    chat_template=template, model="hf", pre="", name=folder.name)
 
     # -- encode ----------------------------------------------------------------------------------------------------
@@ -731,3 +745,13 @@ def _mentions_type(node, name: str) -> bool:
     if isinstance(node, list):
         return any(_mentions_type(v, name) for v in node)
     return False
+
+
+def _walk_dicts(node):
+    if isinstance(node, dict):
+        yield node
+        for v in node.values():
+            yield from _walk_dicts(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk_dicts(v)

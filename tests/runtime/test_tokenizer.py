@@ -467,3 +467,38 @@ def test_spm_add_space_prefix_and_byte_fallback():
     assert tok.decode(tok.encode("hi hé", add_bos=False)) == "hi hé"
     s = tok.stream()
     assert "".join(s.feed(i) for i in tok.encode("hi hé", add_bos=False)) + s.flush() == "hi hé"
+
+
+def test_from_hf_files_sentencepiece_style(tmp_path):
+    """A llama-2 style tokenizer.json (Metaspace-like normalizer, byte fallback, Strip decoder)."""
+    import json as _json
+
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, normalizers
+    from tokenizers.models import BPE
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for t in ["▁", "h", "i", "▁h", "▁hi"]:
+        vocab[t] = len(vocab)
+    rt = RustTokenizer(BPE(vocab=vocab, merges=[("▁", "h"), ("▁h", "i")], byte_fallback=True, unk_token="<unk>"))
+    rt.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    rt.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    rt.add_special_tokens(["<unk>", "<s>", "</s>"])
+    rt.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(_json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": "{{ messages }}"}))
+    tok = Tokenizer.from_hf_files(tmp_path)
+    assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.chat_template) == (1, 2, True, "{{ messages }}")
+    assert tok.stop_ids == {2}
+    ids = tok.encode("hi hé")
+    assert ids[0] == 1 and ids[1] == vocab["▁hi"] and vocab["<0xC3>"] in ids
+    assert tok.decode(ids[1:]) == "hi hé"
+    assert tok.decode(ids) == "<s>hi hé"
+    assert tok.decode(ids, special=False) == "hi hé"
+    s = tok.stream(special=False)
+    assert "".join(s.feed(i) for i in ids) + s.flush() == "hi hé"
+    assert tok.encode("</s>", add_bos=False) == [2]
+    assert tok.encode("</s>", add_bos=False, parse_special=False) != [2]
