@@ -43,116 +43,126 @@ def _rows_q4k_like(n, xq, xd, xb, a, wb, mb, sb, d, dmin):
         a[r] += (d * dx) * F32(isum) - (dmin * dx) * F32(msum)
 
 
-@njit(parallel=True, cache=True, fastmath=True)
-def mm_q4_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
+@njit(cache=True, fastmath=True)
+def rows_q4_k(w, xq, xd, xb, out, a, wb, mb, m0, m1):
+    """W rows [m0, m1) of out = x @ W.T (a, wb, mb: this worker's scratch)."""
     n = xq.shape[0]
     nsb = xq.shape[1] // 256
+    for m in range(m0, m1):
+        src = w[m]
+        for r in range(n):
+            a[r] = F32(0.0)
+        for sb in range(nsb):
+            o = sb * 144
+            d = _h(src, o)
+            dmin = _h(src, o + 2)
+            for g in range(4):
+                sc0, mn0 = scale_min_k4(2 * g, src, o + 4)
+                sc1, mn1 = scale_min_k4(2 * g + 1, src, o + 4)
+                mb[2 * g] = mn0
+                mb[2 * g + 1] = mn1
+                s0 = int16(sc0)
+                s1 = int16(sc1)
+                q = o + 16 + 32 * g
+                for l in range(32):
+                    v = src[q + l]
+                    wb[64 * g + l] = int16(v & 15) * s0
+                    wb[64 * g + 32 + l] = int16(v >> 4) * s1
+            _rows_q4k_like(n, xq, xd, xb, a, wb, mb, sb, d, dmin)
+        for r in range(n):
+            out[r, m] = a[r]
+
+
+@njit(cache=True, fastmath=True)
+def rows_q5_k(w, xq, xd, xb, out, a, wb, mb, m0, m1):
+    """W rows [m0, m1) of out = x @ W.T (a, wb, mb: this worker's scratch)."""
+    n = xq.shape[0]
+    nsb = xq.shape[1] // 256
+    for m in range(m0, m1):
+        src = w[m]
+        for r in range(n):
+            a[r] = F32(0.0)
+        for sb in range(nsb):
+            o = sb * 176
+            d = _h(src, o)
+            dmin = _h(src, o + 2)
+            for g in range(4):
+                sc0, mn0 = scale_min_k4(2 * g, src, o + 4)
+                sc1, mn1 = scale_min_k4(2 * g + 1, src, o + 4)
+                mb[2 * g] = mn0
+                mb[2 * g + 1] = mn1
+                s0 = int16(sc0)
+                s1 = int16(sc1)
+                q = o + 48 + 32 * g
+                for l in range(32):
+                    v = src[q + l]
+                    h = src[o + 16 + l]
+                    v0 = int16(v & 15) | (int16((h >> (2 * g)) & 1) << 4)
+                    v1 = int16(v >> 4) | (int16((h >> (2 * g + 1)) & 1) << 4)
+                    wb[64 * g + l] = v0 * s0
+                    wb[64 * g + 32 + l] = v1 * s1
+            _rows_q4k_like(n, xq, xd, xb, a, wb, mb, sb, d, dmin)
+        for r in range(n):
+            out[r, m] = a[r]
+
+
+@njit(cache=True, fastmath=True)
+def rows_q6_k(w, xq, xd, xb, out, a, wb, mb, m0, m1):
+    """W rows [m0, m1) of out = x @ W.T (a, wb, mb: this worker's scratch)."""
+    n = xq.shape[0]
+    nsb = xq.shape[1] // 256
+    for m in range(m0, m1):
+        src = w[m]
+        for r in range(n):
+            a[r] = F32(0.0)
+        for sb in range(nsb):
+            o = sb * 210
+            d = _h(src, o + 208)
+            for half in range(2):
+                ql = o + 64 * half
+                qh = o + 128 + 32 * half
+                sc = o + 192 + 8 * half
+                base = 128 * half
+                for i in range(2):
+                    s0 = int16(np.int8(src[sc + i]))
+                    s1 = int16(np.int8(src[sc + i + 2]))
+                    s2 = int16(np.int8(src[sc + i + 4]))
+                    s3 = int16(np.int8(src[sc + i + 6]))
+                    for t in range(16):
+                        l = 16 * i + t
+                        a0 = src[ql + l]
+                        a1 = src[ql + l + 32]
+                        h = src[qh + l]
+                        wb[base + l] = ((int16(a0 & 15) | (int16(h & 3) << 4)) - 32) * s0
+                        wb[base + l + 32] = ((int16(a1 & 15) | (int16((h >> 2) & 3) << 4)) - 32) * s1
+                        wb[base + l + 64] = ((int16(a0 >> 4) | (int16((h >> 4) & 3) << 4)) - 32) * s2
+                        wb[base + l + 96] = ((int16(a1 >> 4) | (int16((h >> 6) & 3) << 4)) - 32) * s3
+            for r in range(n):
+                isum = _dot256(wb, xq[r], sb * 256)
+                a[r] += (d * xd[r, sb]) * F32(isum)
+        for r in range(n):
+            out[r, m] = a[r]
+
+
+@njit(parallel=True, cache=True)
+def par_q4_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
     for c in prange(nch):
-        a = acc[c]
-        wb = wbuf[c]
-        mb = mbuf[c]
-        for m in range(c * per, min(M, (c + 1) * per)):
-            src = w[m]
-            for r in range(n):
-                a[r] = F32(0.0)
-            for sb in range(nsb):
-                o = sb * 144
-                d = _h(src, o)
-                dmin = _h(src, o + 2)
-                for g in range(4):
-                    sc0, m0 = scale_min_k4(2 * g, src, o + 4)
-                    sc1, m1 = scale_min_k4(2 * g + 1, src, o + 4)
-                    mb[2 * g] = m0
-                    mb[2 * g + 1] = m1
-                    s0 = int16(sc0)
-                    s1 = int16(sc1)
-                    q = o + 16 + 32 * g
-                    for l in range(32):
-                        v = src[q + l]
-                        wb[64 * g + l] = int16(v & 15) * s0
-                        wb[64 * g + 32 + l] = int16(v >> 4) * s1
-                _rows_q4k_like(n, xq, xd, xb, a, wb, mb, sb, d, dmin)
-            for r in range(n):
-                out[r, m] = a[r]
+        rows_q4_k(w, xq, xd, xb, out, acc[c], wbuf[c], mbuf[c], c * per, min(M, (c + 1) * per))
 
 
-@njit(parallel=True, cache=True, fastmath=True)
-def mm_q5_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
-    n = xq.shape[0]
-    nsb = xq.shape[1] // 256
+@njit(parallel=True, cache=True)
+def par_q5_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
     for c in prange(nch):
-        a = acc[c]
-        wb = wbuf[c]
-        mb = mbuf[c]
-        for m in range(c * per, min(M, (c + 1) * per)):
-            src = w[m]
-            for r in range(n):
-                a[r] = F32(0.0)
-            for sb in range(nsb):
-                o = sb * 176
-                d = _h(src, o)
-                dmin = _h(src, o + 2)
-                for g in range(4):
-                    sc0, m0 = scale_min_k4(2 * g, src, o + 4)
-                    sc1, m1 = scale_min_k4(2 * g + 1, src, o + 4)
-                    mb[2 * g] = m0
-                    mb[2 * g + 1] = m1
-                    s0 = int16(sc0)
-                    s1 = int16(sc1)
-                    q = o + 48 + 32 * g
-                    for l in range(32):
-                        v = src[q + l]
-                        h = src[o + 16 + l]
-                        v0 = int16(v & 15) | (int16((h >> (2 * g)) & 1) << 4)
-                        v1 = int16(v >> 4) | (int16((h >> (2 * g + 1)) & 1) << 4)
-                        wb[64 * g + l] = v0 * s0
-                        wb[64 * g + 32 + l] = v1 * s1
-                _rows_q4k_like(n, xq, xd, xb, a, wb, mb, sb, d, dmin)
-            for r in range(n):
-                out[r, m] = a[r]
+        rows_q5_k(w, xq, xd, xb, out, acc[c], wbuf[c], mbuf[c], c * per, min(M, (c + 1) * per))
 
 
-@njit(parallel=True, cache=True, fastmath=True)
-def mm_q6_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
-    n = xq.shape[0]
-    nsb = xq.shape[1] // 256
+@njit(parallel=True, cache=True)
+def par_q6_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
     for c in prange(nch):
-        a = acc[c]
-        wb = wbuf[c]
-        for m in range(c * per, min(M, (c + 1) * per)):
-            src = w[m]
-            for r in range(n):
-                a[r] = F32(0.0)
-            for sb in range(nsb):
-                o = sb * 210
-                d = _h(src, o + 208)
-                for half in range(2):
-                    ql = o + 64 * half
-                    qh = o + 128 + 32 * half
-                    sc = o + 192 + 8 * half
-                    base = 128 * half
-                    for i in range(2):
-                        s0 = int16(np.int8(src[sc + i]))
-                        s1 = int16(np.int8(src[sc + i + 2]))
-                        s2 = int16(np.int8(src[sc + i + 4]))
-                        s3 = int16(np.int8(src[sc + i + 6]))
-                        for t in range(16):
-                            l = 16 * i + t
-                            a0 = src[ql + l]
-                            a1 = src[ql + l + 32]
-                            h = src[qh + l]
-                            wb[base + l] = ((int16(a0 & 15) | (int16(h & 3) << 4)) - 32) * s0
-                            wb[base + l + 32] = ((int16(a1 & 15) | (int16((h >> 2) & 3) << 4)) - 32) * s1
-                            wb[base + l + 64] = ((int16(a0 >> 4) | (int16((h >> 4) & 3) << 4)) - 32) * s2
-                            wb[base + l + 96] = ((int16(a1 >> 4) | (int16((h >> 6) & 3) << 4)) - 32) * s3
-                for r in range(n):
-                    isum = _dot256(wb, xq[r], sb * 256)
-                    a[r] += (d * xd[r, sb]) * F32(isum)
-            for r in range(n):
-                out[r, m] = a[r]
+        rows_q6_k(w, xq, xd, xb, out, acc[c], wbuf[c], mbuf[c], c * per, min(M, (c + 1) * per))

@@ -1,14 +1,26 @@
 """y = x @ W.T on the CPU with W kept in its GGML block layout.
 
-Two paths:
-* small batches (n <= LARGE_BATCH_MIN - 1 rows: decode, speculative verify,
-  batched decode): one parallel Numba kernel over chunks of W's rows; each W
-  row is decoded once, block by block, into a per-chunk scratch row, then dotted
-  with every activation row.  Row r of the result depends only on x[r] and W:
-  the arithmetic for it is the same whatever n is (batch invariance).
+Paths, chosen per call from the row count n of x:
+
+* small batches, n < LARGE_BATCH_MIN (decode, speculative verify, batched
+  decode): per-type Numba kernels that walk W row by row, decode each weight
+  block once into a small int16 (or float32) scratch, and dot it with all n
+  activation rows before moving on.  Quantized types use integer dots with x
+  rounded to 8-bit blocks (act_quant); float types keep x in float32.  The
+  operations that produce y[r, m] involve only x[r] and W[m] and do not depend
+  on n or on how rows are split between threads: batch invariance.
 * large batches (prompt processing): W is dequantized one tile of rows at a
-  time into float32 scratch and multiplied with BLAS sgemm (np.matmul), so each
-  weight block is decoded once per tile and the multiply runs at BLAS speed.
+  time into float32 scratch and multiplied with BLAS sgemm (np.matmul); each
+  weight block is decoded once per call.
+
+Small matrices (M*K < PARALLEL_MIN_ELEMS) run on the calling thread: waking
+the thread pool costs more than it saves, and on a busy machine a parallel
+region waits for its slowest thread.  Larger ones run nch chunks of W rows
+(several per thread) handed out dynamically.
+
+Each kernel family exposes a rows_<type>(..., m0, m1) function computing W
+rows m0..m1-1 with one worker's scratch, so a caller with its own parallel
+region (the CPU backend fusing q/k/v) can split work the same way.
 """
 from __future__ import annotations
 
@@ -16,12 +28,12 @@ import threading
 
 import numba
 import numpy as np
-from numba import njit, prange
 
-from .act_quant import quantize_q8_32, quantize_q8_256
-from .dequant import deq_range_kernel, deq_row
-from .kernels_k import mm_q4_k, mm_q5_k, mm_q6_k
-from .kernels_legacy import mm_q4_0, mm_q4_1, mm_q5_0, mm_q5_1, mm_q8_0
+from . import kernels_float as KF
+from . import kernels_k as KK
+from . import kernels_legacy as KL
+from .act_quant import quantize_q8_256, quantize_q8_32
+from .dequant import deq_range_kernel
 from .tensor import QTensor
 from .types import GGMLType
 
@@ -29,46 +41,19 @@ from .types import GGMLType
 LARGE_BATCH_MIN = 32
 # Rows of W dequantized per sgemm tile on the large-batch path.
 TILE_ROWS = 256
+# Below this many weights a matmul runs on the calling thread.
+PARALLEL_MIN_ELEMS = 1 << 19
 # The guarantee the rest of Llamba may rely on: for n <= this, row r of
 # matmul(x, W) is bit-identical whatever the other rows of x are.
 BATCH_INVARIANT_MAX_ROWS = 16
 assert BATCH_INVARIANT_MAX_ROWS < LARGE_BATCH_MIN
 
-
-@njit(parallel=True, cache=True, fastmath=True)
-def _mm_decoded_rows(qt, x, w, out, wbuf):
-    n = x.shape[0]
-    K = x.shape[1]
-    M = w.shape[0]
-    nch = wbuf.shape[0]
-    per = (M + nch - 1) // nch
-    for c in prange(nch):
-        buf = wbuf[c]
-        for m in range(c * per, min(M, (c + 1) * per)):
-            deq_row(qt, w[m], buf)
-            for r in range(n):
-                xr = x[r]
-                s = np.float32(0.0)
-                for k in range(K):
-                    s += xr[k] * buf[k]
-                out[r, m] = s
-
-
-@njit(parallel=True, cache=True, fastmath=True)
-def _mm_f32(x, w, out, nch):
-    n = x.shape[0]
-    K = x.shape[1]
-    M = w.shape[0]
-    per = (M + nch - 1) // nch
-    for c in prange(nch):
-        for m in range(c * per, min(M, (c + 1) * per)):
-            wr = w[m]
-            for r in range(n):
-                xr = x[r]
-                s = np.float32(0.0)
-                for k in range(K):
-                    s += xr[k] * wr[k]
-                out[r, m] = s
+# family, serial row kernel, parallel kernel
+_K = {GGMLType.Q4_K: (KK.rows_q4_k, KK.par_q4_k), GGMLType.Q5_K: (KK.rows_q5_k, KK.par_q5_k),
+      GGMLType.Q6_K: (KK.rows_q6_k, KK.par_q6_k)}
+_LEGACY = {GGMLType.Q4_0: (KL.rows_q4_0, KL.par_q4_0), GGMLType.Q4_1: (KL.rows_q4_1, KL.par_q4_1),
+           GGMLType.Q5_0: (KL.rows_q5_0, KL.par_q5_0), GGMLType.Q5_1: (KL.rows_q5_1, KL.par_q5_1),
+           GGMLType.Q8_0: (KL.rows_q8_0, KL.par_q8_0)}
 
 
 class Scratch:
@@ -93,7 +78,7 @@ class Scratch:
         if b is None or b.size < size:
             b = np.empty(max(size, 1, 2 * (0 if b is None else b.size)), dtype)
             self._flat[fk] = b
-            # views into the old buffer must not be handed out again
+            # views of the old buffer must not be handed out again
             self._views = {k: w for k, w in self._views.items() if k[0] != name or k[2] != dtype}
         v = self._views[key] = b[:size].reshape(shape)
         return v
@@ -109,77 +94,97 @@ def default_scratch() -> Scratch:
     return s
 
 
-_NCH_CACHE: dict[int, int] = {}
+def _kernel_view(W: QTensor) -> np.ndarray:
+    """W's bytes as the kernels want them (float32 / uint16 matrix for float types)."""
+    v = W._kernel_view
+    if v is None:
+        if W.qtype == GGMLType.F32:
+            v = W.data.view(np.float32)
+        elif W.qtype in (GGMLType.F16, GGMLType.BF16):
+            v = W.data.view(np.uint16)
+        else:
+            v = W.data
+        W._kernel_view = v
+    return v
 
 
-def _n_chunks(M: int) -> int:
-    # several chunks per thread so one thread slowed by a noisy neighbour does
-    # not hold everyone up; never more chunks than rows
-    nch = _NCH_CACHE.get(M)
-    if nch is None:
-        nch = _NCH_CACHE[M] = max(1, min(M, 8 * numba.get_num_threads()))
-    return nch
+def _q8_activations(x, block, scratch, acts):
+    """x rounded to 8-bit blocks of `block` elements (cached in acts for matmul_multi)."""
+    a = acts.get(block)
+    if a is None:
+        n, K = x.shape
+        xq = scratch.get("xq", (n, K), np.int16) if block == 256 else scratch.get("xq32", (n, K), np.int16)
+        xd = scratch.get("xd%d" % block, (n, K // block))
+        if block == 32:
+            xs = scratch.get("xs32", (n, K // 32))
+            quantize_q8_32(x, xq, xd, xs)
+        else:
+            xs = scratch.get("xb256", (n, K // 32), np.int32)
+            quantize_q8_256(x, xq, xd, xs)
+        a = acts[block] = (xq, xd, xs)
+    return a
 
 
-# How each weight type is multiplied on the small-batch path.
-_K_KERNELS = {GGMLType.Q4_K: mm_q4_k, GGMLType.Q5_K: mm_q5_k, GGMLType.Q6_K: mm_q6_k}
-_LEGACY_KERNELS = {GGMLType.Q4_0: mm_q4_0, GGMLType.Q4_1: mm_q4_1, GGMLType.Q5_0: mm_q5_0,
-                   GGMLType.Q5_1: mm_q5_1, GGMLType.Q8_0: mm_q8_0}
-
-
-def _q8_activations(x, block, scratch):
-    """x quantized to 8-bit blocks of `block` elements, in scratch buffers."""
-    n, K = x.shape
-    xq = scratch.get("xq%d" % block, (n, K), np.int16)
-    xd = scratch.get("xd%d" % block, (n, K // block))
-    if block == 32:
-        xs = scratch.get("xs32", (n, K // 32))
-        quantize_q8_32(x, xq, xd, xs)
-    else:
-        xs = scratch.get("xb256", (n, K // 32), np.int32)
-        quantize_q8_256(x, xq, xd, xs)
-    return xq, xd, xs
+def _run_parallel(kernel, *args):
+    # chunks of W rows are handed out one at a time instead of split evenly up
+    # front, so a thread that the OS deschedules holds back one chunk, not half
+    # the matrix.  (Set from Python: calling set_parallel_chunksize inside a
+    # kernel makes Numba refuse to cache it.)
+    old = numba.set_parallel_chunksize(1)
+    try:
+        kernel(*args)
+    finally:
+        numba.set_parallel_chunksize(old)
 
 
 def _small_batch(x, W, out, scratch, acts):
     qt = W.qtype
     n, K = x.shape
-    M = W.data.shape[0]
-    nch = _n_chunks(M)
-    kern = _K_KERNELS.get(qt)
-    if kern is not None:
-        xq, xd, xb = acts.get(256) or acts.setdefault(256, _q8_activations(x, 256, scratch))
-        kern(W.data, xq, xd, xb, out, scratch.get("acc", (nch, n)),
-             scratch.get("wb256", (nch, 256), np.int16), scratch.get("mb", (nch, 8), np.int32), nch)
+    w = _kernel_view(W)
+    M = w.shape[0]
+    nthr = numba.get_num_threads()
+    par = nthr > 1 and M * K >= PARALLEL_MIN_ELEMS
+    nch = min(M, 8 * nthr) if par else 1
+    fns = _K.get(qt)
+    if fns is not None:
+        xq, xd, xb = _q8_activations(x, 256, scratch, acts)
+        acc = scratch.get("acc", (nch, n))
+        wb = scratch.get("wb", (nch, 256), np.int16)
+        mb = scratch.get("mb", (nch, 8), np.int32)
+        if par:
+            _run_parallel(fns[1], w, xq, xd, xb, out, acc, wb, mb, nch)
+        else:
+            fns[0](w, xq, xd, xb, out, acc[0], wb[0], mb[0], 0, M)
         return
-    kern = _LEGACY_KERNELS.get(qt)
-    if kern is not None:
-        xq, xd, xs = acts.get(32) or acts.setdefault(32, _q8_activations(x, 32, scratch))
-        kern(W.data, xq, xd, xs, out, scratch.get("wq", (nch, K), np.int16),
-             scratch.get("wf", (nch, 2, K // 32)), 32, nch)
+    fns = _LEGACY.get(qt)
+    if fns is not None:
+        xq, xd, xs = _q8_activations(x, 32, scratch, acts)
+        wq = scratch.get("wq", (nch, K), np.int16)
+        wf = scratch.get("wf", (nch, 2, K // 32))
+        if par:
+            _run_parallel(fns[1], w, xq, xd, xs, out, wq, wf, 32, nch)
+        else:
+            fns[0](w, xq, xd, xs, out, wq[0], wf[0], 32, 0, M)
         return
     if qt == GGMLType.F32:
-        _mm_f32(x, W.data.view(np.float32), out, nch)
+        if par:
+            _run_parallel(KF.par_f32, x, w, out, nch)
+        else:
+            KF.rows_f32(x, w, out, 0, M)
         return
-    _mm_decoded_rows(int(qt), x, W.data, out, scratch.get("wrow", (nch, K)))
-
-
-def matmul_into(x: np.ndarray, W: QTensor, out: np.ndarray, scratch: Scratch) -> np.ndarray:
-    """y = x @ W.T into out, without argument checks (hot path).
-
-    x: float32 [n, K] C-contiguous; out: float32 [n, M] C-contiguous; W: 2-D QTensor.
-    """
-    if x.shape[0] >= LARGE_BATCH_MIN:
-        return _matmul_large(x, W, out, scratch)
-    _small_batch(x, W, out, scratch, {})
-    return out
+    buf = scratch.get("frow", (nch, K))
+    bf16 = qt == GGMLType.BF16
+    if par:
+        _run_parallel(KF.par_f16, x, w, out, buf, bf16, nch)
+    else:
+        KF.rows_f16(x, w, out, buf[0], bf16, 0, M)
 
 
 def _matmul_large(x, W, out, scratch):
     M, K = W.data.shape[0], W.shape[-1]
     n = x.shape[0]
     if W.qtype == GGMLType.F32:
-        np.matmul(x, W.data.view(np.float32).T, out=out)
+        np.matmul(x, _kernel_view(W).T, out=out)
         return out
     tile = min(TILE_ROWS, M)
     wt = scratch.get("wtile", (tile, K))
@@ -194,6 +199,17 @@ def _matmul_large(x, W, out, scratch):
             out[:, m0:m1] = yt
         else:
             out[:, m0:m1] = x @ w.T
+    return out
+
+
+def matmul_into(x: np.ndarray, W: QTensor, out: np.ndarray, scratch: Scratch) -> np.ndarray:
+    """y = x @ W.T into out, without argument checks (hot path).
+
+    x: float32 [n, K] C-contiguous; out: float32 [n, M] C-contiguous; W: 2-D QTensor.
+    """
+    if x.shape[0] >= LARGE_BATCH_MIN:
+        return _matmul_large(x, W, out, scratch)
+    _small_batch(x, W, out, scratch, {})
     return out
 
 
@@ -267,7 +283,7 @@ def activation_block(qtype, n: int) -> int:
     if n >= LARGE_BATCH_MIN:
         return 0
     t = GGMLType(qtype)
-    return 256 if t in _K_KERNELS else 32 if t in _LEGACY_KERNELS else 0
+    return 256 if t in _K else 32 if t in _LEGACY else 0
 
 
 def kernel_name(qtype, n: int) -> str:
@@ -275,8 +291,8 @@ def kernel_name(qtype, n: int) -> str:
     if n >= LARGE_BATCH_MIN:
         return "dequant-tile+sgemm"
     t = GGMLType(qtype)
-    if t in _K_KERNELS:
+    if t in _K:
         return "int16-dot, x as q8/256"
-    if t in _LEGACY_KERNELS:
+    if t in _LEGACY:
         return "int16-dot, x as q8/32"
-    return "f32-dot" if t == GGMLType.F32 else "decode-row+f32-dot"
+    return "f32-dot" if t == GGMLType.F32 else "widen-row+f32-dot"

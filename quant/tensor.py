@@ -19,7 +19,7 @@ class QTensor:
     their bytes.  data may be read-only (a memmap view); nothing here writes it.
     """
 
-    __slots__ = ("name", "qtype", "shape", "data", "row_nbytes")
+    __slots__ = ("name", "qtype", "shape", "data", "row_nbytes", "_kernel_view")
 
     def __init__(self, name: str, qtype, shape: tuple[int, ...], data: np.ndarray):
         self.name = str(name)
@@ -50,6 +50,7 @@ class QTensor:
             data = data.view()
             data.flags.writeable = False
         self.data = data
+        self._kernel_view = None   # typed view the matmul kernels read (matmul_cpu)
 
     @classmethod
     def from_file_bytes(cls, name: str, qtype, shape: tuple[int, ...], buf: np.ndarray) -> "QTensor":

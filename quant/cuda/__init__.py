@@ -28,7 +28,9 @@ import cupy as cp
 
 _DIR = Path(__file__).resolve().parent
 MV_MAX_ROWS = 8
-_WARPS_PER_BLOCK = 4
+# output rows per block of the matvec kernel when x has 1-2 rows (their activations
+# stay in registers across these rows); more x rows: one output row per block
+ROWS_PER_BLOCK = 4
 # fp16 elements a dequantized GEMM tile may hold (128 MiB)
 GEMM_TILE_ELEMS = 64 << 20
 
@@ -83,7 +85,8 @@ class _Modules:
         m = self.by_type.get(qtype)
         if m is None:
             s = STRUCT[qtype]
-            names = [f"mv<{s},{r}>" for r in range(1, MV_MAX_ROWS + 1)] + [f"deq_f16<{s}>", f"deq_rows<{s}>"]
+            names = ([f"mv<{s},{r},{_rpw(r)}>" for r in range(1, MV_MAX_ROWS + 1)]
+                     + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
             src = (_DIR / "qkernels.cu").read_text()
             mod = cp.RawModule(code=src, options=_OPTIONS, name_expressions=names)
             m = self.by_type[qtype] = {n: mod.get_function(n) for n in names}
@@ -97,6 +100,17 @@ class _Modules:
 
 
 _mods = _Modules()
+
+
+def _rpw(nrows: int) -> int:
+    return ROWS_PER_BLOCK if nrows <= 2 else 1
+
+
+def set_rows_per_block(n: int) -> None:
+    """For tuning: recompile the matvec kernels with n output rows per block."""
+    global ROWS_PER_BLOCK
+    ROWS_PER_BLOCK = n
+    _mods.by_type.clear()
 
 
 def warm(qtype) -> None:
@@ -151,17 +165,21 @@ def _matvec(x, Ws, outs, biases, accumulate):
             j += 1
         grp = list(range(i, j))
         W0 = Ws[i]
-        f = _mods.get(W0.qtype)[f"mv<{STRUCT[W0.qtype]},{n}>"]
+        rpw = _rpw(n)
+        f = _mods.get(W0.qtype)[f"mv<{STRUCT[W0.qtype]},{n},{rpw}>"]
         pad = grp + [grp[0]] * (3 - len(grp))
         Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
         maxM = max(Ms)
-        grid = ((maxM + _WARPS_PER_BLOCK - 1) // _WARPS_PER_BLOCK, len(grp))
+        grid = ((maxM + rpw - 1) // rpw, len(grp))
+        qk = _KBLOCK[W0.qtype][0]
+        nparts = K // qk * (8 if qk == QK_K else 1)
+        threads = min(128, (nparts + 31) // 32 * 32)
         args = ([Ws[k].data for k in pad] + [outs[k] for k in pad]
                 + [biases[k] if biases[k] is not None else np.uint64(0) for k in pad]
                 + [np.int32(m) for m in Ms]
                 + [np.int32(K), np.int64(W0.row_nbytes), x, np.int32(x.strides[0] // 4)]
                 + [np.int32(outs[k].strides[0] // 4) for k in pad] + [np.int32(1 if accumulate else 0)])
-        f(grid, (32 * _WARPS_PER_BLOCK,), tuple(args))
+        f(grid, (threads,), tuple(args))
         i = j
 
 

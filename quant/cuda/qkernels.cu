@@ -2,17 +2,20 @@
 // GGUF block layout.  Instantiated per type by name (see quant/cuda/__init__.py).
 #include "qblocks.cuh"
 #ifndef MV_UNROLL
-#define MV_UNROLL 2
+#define MV_UNROLL 1
 #endif
 constexpr int kMvUnroll = MV_UNROLL;
 
 // y[r, m] (+)= sum_k x[r, k] * W[m, k] for up to NR rows of x.
-// One warp per output row m; lane j takes parts j, j+32, ... of the row, so the
-// warp reads the row's blocks once, front to back, for all NR rows of x.
+// A block of up to 4 warps computes RPW consecutive output rows: its threads
+// stride over the parts of the rows (each weight block is read once, front to
+// back), and a thread keeps the activations of its part in registers while it
+// decodes the same part of all RPW rows, so activations are fetched once per
+// RPW rows (fetching them per weight would make the L1, not DRAM, the limit).
 // Up to three weights of the same type and width run in one launch
 // (blockIdx.y picks which): q/k/v and gate/up.
 // mode 0: y = xW^T (+ bias);  mode 1: y += xW^T (residual add).
-template <class T, int NR>
+template <class T, int NR, int RPW>
 __global__ void __launch_bounds__(128) mv(
         const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,
         float* y0, float* y1, float* y2,
@@ -25,53 +28,105 @@ __global__ void __launch_bounds__(128) mv(
     const float* bias = wsel == 0 ? b0 : (wsel == 1 ? b1 : b2);
     const int M = wsel == 0 ? M0 : (wsel == 1 ? M1 : M2);
     const int ldy = wsel == 0 ? ldy0 : (wsel == 1 ? ldy1 : ldy2);
-    const int m = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (m >= M) return;
-    const u8* row = W + (long long)m * row_bytes;
+    const int m0 = blockIdx.x * RPW;
+    if (m0 >= M) return;                       // uniform over the block
     const int nparts = (K / T::QK) * T::PPB;
-    float acc[NR];
+    const u8* rows = W + (long long)m0 * row_bytes;
+    float acc[RPW][NR];
 #pragma unroll
-    for (int r = 0; r < NR; r++) acc[r] = 0.f;
+    for (int r = 0; r < RPW; r++)
+#pragma unroll
+        for (int n = 0; n < NR; n++) acc[r][n] = 0.f;
+    constexpr bool XREG = NR <= 2;             // activations of the part held in registers
 #pragma unroll kMvUnroll
-    for (int p = lane; p < nparts; p += 32) {
+    for (int p = threadIdx.x; p < nparts; p += blockDim.x) {
         const int blk = p / T::PPB, part = p % T::PPB;
-        float q[T::PE], sc[T::NRUN], mn[T::NRUN];
-        T::decode(row + (long long)blk * T::BB, part, q, sc, mn);
+        if constexpr (XREG) {
+            float xr[NR][T::PE], sx[NR][T::NRUN];
 #pragma unroll
-        for (int r = 0; r < NR; r++) {
-            const float* xb = x + (long long)r * ldx + blk * T::QK;
+            for (int n = 0; n < NR; n++) {
+                const float* xb = x + (long long)n * ldx + blk * T::QK;
 #pragma unroll
-            for (int u = 0; u < T::NRUN; u++) {
-                const float4* xv = (const float4*)(xb + T::run_start(part, u));
-                float s = 0.f, sx = 0.f;
+                for (int u = 0; u < T::NRUN; u++) {
+                    const float4* xv = (const float4*)(xb + T::run_start(part, u));
+                    float s = 0.f;
 #pragma unroll
-                for (int j = 0; j < T::RLEN / 4; j++) {
-                    float4 a = xv[j];
-                    const float* qq = q + u * T::RLEN + 4 * j;
-                    s = fmaf(qq[0], a.x, s); s = fmaf(qq[1], a.y, s);
-                    s = fmaf(qq[2], a.z, s); s = fmaf(qq[3], a.w, s);
-                    if (T::HAS_MIN) sx += (a.x + a.y) + (a.z + a.w);
+                    for (int j = 0; j < T::RLEN / 4; j++) {
+                        float4 a = xv[j];
+                        float* d = xr[n] + u * T::RLEN + 4 * j;
+                        d[0] = a.x; d[1] = a.y; d[2] = a.z; d[3] = a.w;
+                        if (T::HAS_MIN) s += (a.x + a.y) + (a.z + a.w);
+                    }
+                    sx[n][u] = s;
                 }
-                acc[r] = fmaf(sc[u], s, acc[r]);
-                if (T::HAS_MIN) acc[r] = fmaf(mn[u], sx, acc[r]);
+            }
+#pragma unroll
+            for (int r = 0; r < RPW; r++) {
+                if (m0 + r < M) {
+                    float q[T::PE], sc[T::NRUN], mn[T::NRUN];
+                    T::decode(rows + (long long)r * row_bytes + (long long)blk * T::BB, part, q, sc, mn);
+#pragma unroll
+                    for (int n = 0; n < NR; n++)
+#pragma unroll
+                        for (int u = 0; u < T::NRUN; u++) {
+                            float s = 0.f;
+#pragma unroll
+                            for (int j = 0; j < T::RLEN; j++) s = fmaf(q[u * T::RLEN + j], xr[n][u * T::RLEN + j], s);
+                            acc[r][n] = fmaf(sc[u], s, acc[r][n]);
+                            if (T::HAS_MIN) acc[r][n] = fmaf(mn[u], sx[n][u], acc[r][n]);
+                        }
+                }
+            }
+        } else {
+#pragma unroll
+            for (int r = 0; r < RPW; r++) {
+                if (m0 + r < M) {
+                    float q[T::PE], sc[T::NRUN], mn[T::NRUN];
+                    T::decode(rows + (long long)r * row_bytes + (long long)blk * T::BB, part, q, sc, mn);
+#pragma unroll
+                    for (int n = 0; n < NR; n++) {
+                        const float* xb = x + (long long)n * ldx + blk * T::QK;
+#pragma unroll
+                        for (int u = 0; u < T::NRUN; u++) {
+                            const float4* xv = (const float4*)(xb + T::run_start(part, u));
+                            float s = 0.f, sxx = 0.f;
+#pragma unroll
+                            for (int j = 0; j < T::RLEN / 4; j++) {
+                                float4 a = xv[j];
+                                const float* qq = q + u * T::RLEN + 4 * j;
+                                s = fmaf(qq[0], a.x, s); s = fmaf(qq[1], a.y, s);
+                                s = fmaf(qq[2], a.z, s); s = fmaf(qq[3], a.w, s);
+                                if (T::HAS_MIN) sxx += (a.x + a.y) + (a.z + a.w);
+                            }
+                            acc[r][n] = fmaf(sc[u], s, acc[r][n]);
+                            if (T::HAS_MIN) acc[r][n] = fmaf(mn[u], sxx, acc[r][n]);
+                        }
+                    }
+                }
             }
         }
     }
+    // reduce over the block: warps by shuffles, then across warps in shared memory
+    __shared__ float red[4][RPW * NR];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
 #pragma unroll
-    for (int r = 0; r < NR; r++) {
-        float v = acc[r];
+    for (int r = 0; r < RPW; r++)
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        acc[r] = v;
-    }
-    if (lane < NR) {
+        for (int n = 0; n < NR; n++) {
+            float v = acc[r][n];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0) red[warp][r * NR + n] = v;
+        }
+    __syncthreads();
+    for (int i = threadIdx.x; i < RPW * NR; i += blockDim.x) {
+        const int r = i / NR, n = i % NR;
+        if (m0 + r >= M) continue;
         float v = 0.f;
-#pragma unroll
-        for (int r = 0; r < NR; r++) if (r == lane) v = acc[r];
-        float* dst = y + (long long)lane * ldy + m;
+        for (int w = 0; w < nw; w++) v += red[w][i];
+        float* dst = y + (long long)n * ldy + m0 + r;
         if (mode == 1) *dst += v;
-        else *dst = bias ? v + bias[m] : v;
+        else *dst = bias ? v + bias[m0 + r] : v;
     }
 }
 

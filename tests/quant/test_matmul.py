@@ -94,3 +94,18 @@ def test_entry_points_agree(rng):
     np.testing.assert_array_equal(strided, expect[0])
     with pytest.raises(ValueError, match="w0"):
         matmul(np.zeros((1, 128), np.float32), Ws[0])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_parallel_split_is_bit_identical(qtype, rng, monkeypatch):
+    """The multi-threaded path (several chunks of W rows) gives exactly the
+    serial result: how rows are split between threads never changes a value."""
+    import quant.matmul_cpu as mc
+    M, K = 37, 512
+    W = QTensor("w", qtype, (M, K), random_weight_bytes(rng, qtype, M, K))
+    x = rng.standard_normal((5, K)).astype(np.float32)
+    serial = matmul(x, W)
+    monkeypatch.setattr(mc, "PARALLEL_MIN_ELEMS", 0)
+    parallel = matmul(x, W)
+    np.testing.assert_array_equal(parallel, serial)
+    _check(x, W, parallel)
