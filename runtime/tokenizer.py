@@ -308,6 +308,14 @@ class Tokenizer:
             if merges is None:
                 raise TokenizerError("gpt2 tokenizer without tokenizer.ggml.merges")
             pairs = [(m[:p], m[p + 1:]) if p > 0 else ("", m) for m in merges for p in (m.find(" ", 1),)]
+            # A byte the vocabulary lacks (SmolLM2 has no 0xF1, for one) stays a symbol in llama.cpp: it
+            # blocks merges across it and is dropped from the output.  The Rust BPE would drop it first and
+            # merge its neighbours, so it gets a placeholder id past the vocabulary, filtered out in encode().
+            missing = [c for c in _BYTE_ENCODER.values() if c not in vocab]
+            if missing:
+                vocab = dict(vocab)
+                for k, c in enumerate(missing):
+                    vocab[c] = n + k
             bpe = None
             if len(set(merges)) == len(merges):
                 try:
@@ -454,6 +462,9 @@ class Tokenizer:
         with self._lock:
             self._backend.encode_special_tokens = not parse_special
             ids = self._backend.encode(text, add_special_tokens=False).ids
+        if ids and max(ids) >= self.vocab_size:       # placeholders for bytes the vocabulary lacks
+            n = self.vocab_size
+            ids = [i for i in ids if i < n]
         want_bos = self.add_bos if add_bos is None else bool(add_bos)
         if want_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
@@ -531,7 +542,8 @@ class Tokenizer:
         return self._tokens[int(id)]
 
     def token_to_id(self, text: str) -> int | None:
-        return self._backend.token_to_id(text)
+        i = self._backend.token_to_id(text)
+        return i if i is not None and i < self.vocab_size else None
 
     def is_control(self, id) -> bool:
         return bool(self._attrs[int(id)] & _SPECIAL)

@@ -227,8 +227,16 @@ def test_from_hf_files_errors(tmp_path):
 @pytest.mark.parametrize("name", ALL)
 def test_decode_inverts_encode(loaded, name):
     _, tok, ref = loaded(name)
+    # bytes a byte-level vocabulary has no token for are dropped (as llama.cpp drops them)
+    lacking = {b for b, c in tokmod._BYTE_ENCODER.items() if tok.token_to_id(c) is None} \
+        if tok.model == "gpt2" else set()
+    checked = 0
     for case in ref["cases"]:
+        if lacking & set(case["text"].encode("utf-8")):
+            continue
         assert tok.decode(tok.encode(case["text"], add_bos=False)) == case["text"]
+        checked += 1
+    assert checked > 400
 
 
 def _stream_all(tok, ids, special=True):
