@@ -58,14 +58,21 @@ def matvec_bandwidth(cp, qc, qtype, M, K, reps=50) -> float:
     Ws = [qc.upload(QTensor("w", qtype, (M, K), raw)) for _ in range(4)]
     x = cp.asarray(np.random.default_rng(0).standard_normal((1, K)).astype(np.float32))
     y = cp.empty((1, M), cp.float32)
-    for W in Ws:
-        qc.matmul(x, [W], [y])
-    s, e = cp.cuda.Event(), cp.cuda.Event()
-    s.record()
-    for i in range(reps):
-        qc.matmul(x, [Ws[i % 4]], [y])
-    e.record()
-    e.synchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for W in Ws:
+            qc.matmul(x, [W], [y])
+        # replayed from a graph: Python's launch overhead would otherwise be what we time
+        stream.begin_capture()
+        for i in range(reps):
+            qc.matmul(x, [Ws[i % 4]], [y])
+        graph = stream.end_capture()
+        graph.launch(stream)
+        s, e = cp.cuda.Event(), cp.cuda.Event()
+        s.record(stream)
+        graph.launch(stream)
+        e.record(stream)
+        e.synchronize()
     t = cp.cuda.get_elapsed_time(s, e) / 1e3 / reps
     return Ws[0].nbytes / t
 
@@ -84,10 +91,22 @@ def bench_ours(path, reps, n_prompt, n_gen):
     pp = measure(lambda: time_pp(eng, n_prompt, rng), reps)
     tg = measure(lambda: time_tg(eng, n_gen, rng), reps)
     mem = eng.backend.memory_report()
+    replay = eng.backend.replay_ms()
+    # one decode step eagerly, op by op, for where the time goes
+    seq = eng.new_sequence()
+    eng.step([seq], [[100] * 64])
+    eng.backend.profile_next = True
+    eng.step([seq], [[101]])
+    eng.release(seq)
+    prof = eng.backend.last_profile
     per_tok = lm.weight_bytes - (0 if lm.config.tied_output else lm.tensors["token_embd.weight"].nbytes)
     row = {"pp": pp, "tg": tg, "load_s": load_s, "weight_bytes": lm.weight_bytes,
            "bytes_per_token": per_tok, "weight_GBps": per_tok * tg[0] / 1e9, "memory": mem,
-           "estimate": est, "graph_replays": eng.backend.graph_replays}
+           "estimate": est, "graph_replays": eng.backend.graph_replays,
+           "graph_replay_ms": replay, "graph_tg": 1e3 / replay,
+           "profile_ms": prof, "profile_total_ms": sum(t for _, t in prof)}
+    log(f"  decode step: graph replay {replay:.3f} ms ({1e3 / replay:.0f} t/s); eager op sum "
+        f"{row['profile_total_ms']:.3f} ms; top ops: " + "; ".join(f"{k} {v:.3f}" for k, v in prof[:8]))
     del eng, lm
     gc.collect()
     cp.get_default_memory_pool().free_all_blocks()

@@ -193,6 +193,32 @@ def _views(buf, layout):
     return {name: buf[o:o + int(np.prod(shape))].reshape(shape) for name, (o, shape) in layout.items()}
 
 
+class _Profiler:
+    """Stands in for the backend during one forward and brackets each op with events."""
+
+    def __init__(self, be):
+        self.be = be
+        self.events = []
+
+    def __getattr__(self, name):
+        f = getattr(self.be, name)
+        if name == "heads" or not callable(f):
+            return f
+
+        def timed(*a, **k):
+            label = name
+            if name in ("matmul", "matmuls", "matmul_add", "logits"):
+                Ws = a[1] if name == "matmuls" else [a[1]]
+                label += " " + "+".join(f"{W.qtype.name}[{W.shape[0]}x{W.shape[1]}]" for W in Ws)
+            s, e = self.be.cp.cuda.Event(), self.be.cp.cuda.Event()
+            s.record(self.be.stream)
+            r = f(*a, **k)
+            e.record(self.be.stream)
+            self.events.append((label, s, e))
+            return r
+        return timed
+
+
 class CUDABackend:
     name = "cuda"
 
@@ -219,6 +245,9 @@ class CUDABackend:
             graphs = os.environ.get("LLAMBA_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = graphs
         self.graph_replays = 0
+        self._last_graph = None
+        self.profile_next = False
+        self.last_profile = None
 
     # ---- memory ------------------------------------------------------------------
     def check_fits(self, lm, n_ctx: int, block_size: int = 16, cache_blocks: int = 0, cache_type="f16"):
@@ -266,6 +295,9 @@ class CUDABackend:
         """Run one step; logits come back as a host float32 array [rows, vocab]."""
         cp = self.cp
         n = len(step.tokens)
+        if self.profile_next:
+            self.profile_next = False
+            self.last_profile = self.profile_step(model, step)
         with self.stream:
             graphable = (self.use_graphs and n == 1 and len(step.logit_rows) == 1
                          and step.block_tables.shape[0] == 1)
@@ -298,8 +330,9 @@ class CUDABackend:
             host_arr = np.frombuffer(host, np.int32, flat.size)
             dev = cp.empty(flat.size, cp.int32)
             dstep = _DevStep(step, _views(dev, layout), self._splits(1, MB * step.block_size, model))
-            g = {"host": host_arr, "dev": dev, "dstep": dstep, "graph": None, "out": None}
+            g = {"host": host_arr, "dev": dev, "dstep": dstep, "graph": None, "out": None, "pinned": None}
             self._graphs[key] = g
+        self._last_graph = g
         g["host"][:] = flat
         g["dev"].set(g["host"], stream=self.stream)
         if g["graph"] is None:
@@ -316,7 +349,42 @@ class CUDABackend:
             return res
         g["graph"].launch(self.stream)
         self.graph_replays += 1
-        return g["out"].get()
+        if g["pinned"] is None:
+            mem = cp.cuda.alloc_pinned_memory(g["out"].nbytes)
+            g["pinned"] = np.frombuffer(mem, np.float32, g["out"].size).reshape(g["out"].shape)
+        g["out"].get(stream=self.stream, out=g["pinned"])
+        return g["pinned"].copy()
+
+    # ---- measuring -------------------------------------------------------------
+    def replay_ms(self, reps: int = 50) -> float:
+        """GPU time of one decode step: the last captured graph replayed back to back."""
+        cp = self.cp
+        g = self._last_graph
+        s, e = cp.cuda.Event(), cp.cuda.Event()
+        g["graph"].launch(self.stream)
+        s.record(self.stream)
+        for _ in range(reps):
+            g["graph"].launch(self.stream)
+        e.record(self.stream)
+        e.synchronize()
+        return cp.cuda.get_elapsed_time(s, e) / reps
+
+    def profile_step(self, model, step) -> list:
+        """[(op label, GPU ms)] of one eager run of `step`, summed by label, largest first."""
+        cp = self.cp
+        with self.stream:
+            flat, layout = _pack_step(step)
+            buf = cp.asarray(flat)
+            ctx = int(np.max(step.positions)) + 1
+            dstep = _DevStep(step, _views(buf, layout), self._splits(len(step.tokens), ctx, model))
+            prof = _Profiler(self)
+            self.arena.reset()
+            model.forward(prof, dstep)
+            self.stream.synchronize()
+        tot = {}
+        for label, a, b in prof.events:
+            tot[label] = tot.get(label, 0.0) + cp.cuda.get_elapsed_time(a, b)
+        return sorted(tot.items(), key=lambda kv: -kv[1])
 
     # ---- kernels -------------------------------------------------------------
     def _fn(self, name):

@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1 LLAMBA_GPU_TEST_MODELS=$PWD/.devmodels NUMBA_CACHE_DIR
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/nvidia-smi.txt"
 python3 -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__)"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/gpu -x -rs --durations=5 -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt"
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/gpu --maxfail=8 -rs --durations=5 -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout ${BENCH_TIMEOUT:-400} python3 -m runtime.bench_gpu --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.txt"
