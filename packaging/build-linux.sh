@@ -30,5 +30,5 @@ install -m 644 packaging/llamba.png "$DEB/usr/share/icons/hicolor/256x256/apps/l
 SIZE_KB=$(du -sk "$DEB" | cut -f1)
 sed -e "s/@VERSION@/$VERSION/" -e "s/@ARCH@/$ARCH/" -e "s/@SIZE_KB@/$SIZE_KB/" \
     packaging/linux/control.in > "$DEB/DEBIAN/control"
-dpkg-deb --root-owner-group -Zxz --build "$DEB" "dist/llamba_${VERSION}_${ARCH}.deb" >/dev/null
+dpkg-deb --root-owner-group -Zgzip --build "$DEB" "dist/llamba_${VERSION}_${ARCH}.deb" >/dev/null
 ls -la dist/*.deb dist/*.tar.gz
