@@ -1,203 +1,163 @@
 """Integer-dot matmul kernels for the 32-element formats (Q4_0, Q4_1, Q5_0,
 Q5_1, Q8_0).
 
-Each W row is decoded once into an int16 scratch row of signed codes plus a
-float scale (and, for Q4_1/Q5_1, a float min) per block; then for every
-activation row and block an int32 dot of 32 codes with the row's int8 codes
-(act_quant.quantize_q8_32) is scaled by d_w * d_x, plus m_w * s_x for the
-mins.
+Each W row is decoded once (simd.unpack_*: a few vector instructions per
+block) into an int16 scratch row of codes plus a float scale (and, for
+Q4_1/Q5_1, a float min) per block.  Then for every activation row, block by
+block, simd.madd_acc adds scale_w * scale_x * (pairwise int32 products of
+the 32 codes with the row's int8 codes from act_quant.quantize_q8_32) into 16
+float lanes - as llama.cpp's AVX kernels do, no horizontal sum per block.  Two
+lane sets alternate between even and odd blocks to halve the FMA dependency
+chain; the 32 lanes are summed once per output in a fixed tree (simd.hsum32),
+and the mins add m_w * s_x per block.  Nothing here depends on n or on the
+other rows: batch invariant.
 
-Every short inner loop runs to a *runtime* trip count `L` (always 32) or L/2:
-with a literal 32 LLVM fully unrolls the loop first, and then the SLP
-vectorizer gives up - on the reductions, and on the decode stores because it
-cannot prove the int16 scratch and the weight bytes do not alias.  With a
-runtime count the loop vectorizer handles both (it adds an alias check) and
-emits vpmovzxbw/vpmaddwd: measured 6x faster decoding, 4x faster dots.
-
-Arguments: w uint8 [M, row_nbytes] (read-only); xq int16 [n, K], xd, xs f32
-[n, K/32]; out f32 [n, M]; wq int16 [K] and wf f32 [2, K/32] (scales, mins)
-scratch of one worker; L = 32; rows m0..m1-1 of W.  par_* run nch chunks of
-rows in parallel with per-chunk scratch wqbuf [nch, K], wfbuf [nch, 2, K/32].
+Arguments of rows_*: w uint8 [M, row_nbytes] (read-only); xq int16 [n, K],
+xd, xs f32 [n, K/32]; out f32 [n, M]; one worker's scratch wq int16 [K],
+wf f32 [2, K/32] (scales, mins), acc f32 [32]; W rows m0..m1-1.  par_* run
+nch chunks of rows in parallel with per-chunk scratch [nch, ...].
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import int16, int32, njit, prange
+from numba import njit, prange
 
 from .dequant import _h, _u32
+from .simd import hsum32, madd_acc, unpack_nibbles, unpack_nibbles_5, widen_i8
 
 F32 = np.float32
 
 
 @njit(inline="always")
-def _rows(n, nb, xq, xd, out, m, wq, ws, L):
-    for r in range(n):
-        xr = xq[r]
-        dr = xd[r]
-        a = F32(0.0)
-        for b in range(nb):
-            o = b * 32
-            s = int32(0)
-            for i in range(L):
-                s = int32(s + int32(wq[o + i]) * int32(xr[o + i]))
-            a += (ws[b] * dr[b]) * F32(s)
-        out[r, m] = a
+def _lanes(acc, wq, xr, ws, dr, nb):
+    for i in range(32):
+        acc[i] = F32(0.0)
+    for b in range(nb):
+        madd_acc(acc, (b & 1) * 16, wq, b * 32, xr, b * 32, ws[b] * dr[b])
+    return hsum32(acc)
 
 
 @njit(inline="always")
-def _rows_min(n, nb, xq, xd, xs, out, m, wq, ws, wm, L):
+def _rows(n, nb, xq, xd, out, m, wq, ws, acc):
     for r in range(n):
-        xr = xq[r]
-        dr = xd[r]
+        out[r, m] = _lanes(acc, wq, xq[r], ws, xd[r], nb)
+
+
+@njit(inline="always")
+def _rows_min(n, nb, xq, xd, xs, out, m, wq, ws, wm, acc):
+    for r in range(n):
+        a = _lanes(acc, wq, xq[r], ws, xd[r], nb)
         sr = xs[r]
-        a = F32(0.0)
+        t = F32(0.0)
         for b in range(nb):
-            o = b * 32
-            s = int32(0)
-            for i in range(L):
-                s = int32(s + int32(wq[o + i]) * int32(xr[o + i]))
-            a += (ws[b] * dr[b]) * F32(s) + wm[b] * sr[b]
-        out[r, m] = a
+            t += wm[b] * sr[b]
+        out[r, m] = a + t
 
 
 @njit(cache=True, fastmath=True)
-def rows_q4_0(w, xq, xd, xs, out, wq, wf, L, m0, m1):
-    """W rows [m0, m1) of out = x @ W.T (wq, wf: this worker's scratch)."""
+def rows_q4_0(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
     n = xq.shape[0]
     nb = xq.shape[1] // 32
     ws = wf[0]
-    H = L // 2
     for m in range(m0, m1):
         src = w[m]
         for b in range(nb):
-            o = b * 18
-            ws[b] = _h(src, o)
-            for j in range(H):
-                v = src[o + 2 + j]
-                wq[b * 32 + j] = int16(v & 15) - 8
-                wq[b * 32 + 16 + j] = int16(v >> 4) - 8
-        _rows(n, nb, xq, xd, out, m, wq, ws, L)
+            ws[b] = _h(src, b * 18)
+            unpack_nibbles(src, b * 18 + 2, wq, b * 32, 8)
+        _rows(n, nb, xq, xd, out, m, wq, ws, acc)
 
 
 @njit(cache=True, fastmath=True)
-def rows_q4_1(w, xq, xd, xs, out, wq, wf, L, m0, m1):
-    """W rows [m0, m1) of out = x @ W.T (wq, wf: this worker's scratch)."""
+def rows_q4_1(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
     n = xq.shape[0]
     nb = xq.shape[1] // 32
     ws = wf[0]
     wm = wf[1]
-    H = L // 2
     for m in range(m0, m1):
         src = w[m]
         for b in range(nb):
-            o = b * 20
-            ws[b] = _h(src, o)
-            wm[b] = _h(src, o + 2)
-            for j in range(H):
-                v = src[o + 4 + j]
-                wq[b * 32 + j] = int16(v & 15)
-                wq[b * 32 + 16 + j] = int16(v >> 4)
-        _rows_min(n, nb, xq, xd, xs, out, m, wq, ws, wm, L)
+            ws[b] = _h(src, b * 20)
+            wm[b] = _h(src, b * 20 + 2)
+            unpack_nibbles(src, b * 20 + 4, wq, b * 32, 0)
+        _rows_min(n, nb, xq, xd, xs, out, m, wq, ws, wm, acc)
 
 
 @njit(cache=True, fastmath=True)
-def rows_q5_0(w, xq, xd, xs, out, wq, wf, L, m0, m1):
-    """W rows [m0, m1) of out = x @ W.T (wq, wf: this worker's scratch)."""
+def rows_q5_0(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
     n = xq.shape[0]
     nb = xq.shape[1] // 32
     ws = wf[0]
-    H = L // 2
     for m in range(m0, m1):
         src = w[m]
         for b in range(nb):
-            o = b * 22
-            ws[b] = _h(src, o)
-            qh = _u32(src, o + 2)
-            for j in range(H):
-                v = src[o + 6 + j]
-                h0 = int16((qh >> np.uint32(j)) & np.uint32(1)) << 4
-                h1 = int16((qh >> np.uint32(j + 16)) & np.uint32(1)) << 4
-                wq[b * 32 + j] = (int16(v & 15) | h0) - 16
-                wq[b * 32 + 16 + j] = (int16(v >> 4) | h1) - 16
-        _rows(n, nb, xq, xd, out, m, wq, ws, L)
+            ws[b] = _h(src, b * 22)
+            unpack_nibbles_5(src, b * 22 + 6, _u32(src, b * 22 + 2), wq, b * 32, 16)
+        _rows(n, nb, xq, xd, out, m, wq, ws, acc)
 
 
 @njit(cache=True, fastmath=True)
-def rows_q5_1(w, xq, xd, xs, out, wq, wf, L, m0, m1):
-    """W rows [m0, m1) of out = x @ W.T (wq, wf: this worker's scratch)."""
+def rows_q5_1(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
     n = xq.shape[0]
     nb = xq.shape[1] // 32
     ws = wf[0]
     wm = wf[1]
-    H = L // 2
     for m in range(m0, m1):
         src = w[m]
         for b in range(nb):
-            o = b * 24
-            ws[b] = _h(src, o)
-            wm[b] = _h(src, o + 2)
-            qh = _u32(src, o + 4)
-            for j in range(H):
-                v = src[o + 8 + j]
-                h0 = int16((qh >> np.uint32(j)) & np.uint32(1)) << 4
-                h1 = int16((qh >> np.uint32(j + 16)) & np.uint32(1)) << 4
-                wq[b * 32 + j] = int16(v & 15) | h0
-                wq[b * 32 + 16 + j] = int16(v >> 4) | h1
-        _rows_min(n, nb, xq, xd, xs, out, m, wq, ws, wm, L)
+            ws[b] = _h(src, b * 24)
+            wm[b] = _h(src, b * 24 + 2)
+            unpack_nibbles_5(src, b * 24 + 8, _u32(src, b * 24 + 4), wq, b * 32, 0)
+        _rows_min(n, nb, xq, xd, xs, out, m, wq, ws, wm, acc)
 
 
 @njit(cache=True, fastmath=True)
-def rows_q8_0(w, xq, xd, xs, out, wq, wf, L, m0, m1):
-    """W rows [m0, m1) of out = x @ W.T (wq, wf: this worker's scratch)."""
+def rows_q8_0(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
     n = xq.shape[0]
     nb = xq.shape[1] // 32
     ws = wf[0]
-    H = L // 2
     for m in range(m0, m1):
         src = w[m]
         for b in range(nb):
-            o = b * 34
-            ws[b] = _h(src, o)
-            for j in range(L):
-                wq[b * 32 + j] = int16(np.int8(src[o + 2 + j]))
-        _rows(n, nb, xq, xd, out, m, wq, ws, L)
+            ws[b] = _h(src, b * 34)
+            widen_i8(src, b * 34 + 2, wq, b * 32)
+        _rows(n, nb, xq, xd, out, m, wq, ws, acc)
 
 
 @njit(parallel=True, cache=True)
-def par_q4_0(w, xq, xd, xs, out, wqbuf, wfbuf, L, nch):
+def par_q4_0(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
     for c in prange(nch):
-        rows_q4_0(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], L, c * per, min(M, (c + 1) * per))
+        rows_q4_0(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], accbuf[c], c * per, min(M, (c + 1) * per))
 
 
 @njit(parallel=True, cache=True)
-def par_q4_1(w, xq, xd, xs, out, wqbuf, wfbuf, L, nch):
+def par_q4_1(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
     for c in prange(nch):
-        rows_q4_1(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], L, c * per, min(M, (c + 1) * per))
+        rows_q4_1(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], accbuf[c], c * per, min(M, (c + 1) * per))
 
 
 @njit(parallel=True, cache=True)
-def par_q5_0(w, xq, xd, xs, out, wqbuf, wfbuf, L, nch):
+def par_q5_0(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
     for c in prange(nch):
-        rows_q5_0(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], L, c * per, min(M, (c + 1) * per))
+        rows_q5_0(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], accbuf[c], c * per, min(M, (c + 1) * per))
 
 
 @njit(parallel=True, cache=True)
-def par_q5_1(w, xq, xd, xs, out, wqbuf, wfbuf, L, nch):
+def par_q5_1(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
     for c in prange(nch):
-        rows_q5_1(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], L, c * per, min(M, (c + 1) * per))
+        rows_q5_1(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], accbuf[c], c * per, min(M, (c + 1) * per))
 
 
 @njit(parallel=True, cache=True)
-def par_q8_0(w, xq, xd, xs, out, wqbuf, wfbuf, L, nch):
+def par_q8_0(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
     for c in prange(nch):
-        rows_q8_0(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], L, c * per, min(M, (c + 1) * per))
+        rows_q8_0(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], accbuf[c], c * per, min(M, (c + 1) * per))

@@ -161,10 +161,11 @@ def _small_batch(x, W, out, scratch, acts):
         xq, xd, xs = _q8_activations(x, 32, scratch, acts)
         wq = scratch.get("wq", (nch, K), np.int16)
         wf = scratch.get("wf", (nch, 2, K // 32))
+        acc = scratch.get("lanes", (nch, 32))
         if par:
-            _run_parallel(fns[1], w, xq, xd, xs, out, wq, wf, 32, nch)
+            _run_parallel(fns[1], w, xq, xd, xs, out, wq, wf, acc, nch)
         else:
-            fns[0](w, xq, xd, xs, out, wq[0], wf[0], 32, 0, M)
+            fns[0](w, xq, xd, xs, out, wq[0], wf[0], acc[0], 0, M)
         return
     if qt == GGMLType.F32:
         if par:

@@ -28,6 +28,9 @@ import cupy as cp
 
 _DIR = Path(__file__).resolve().parent
 MV_MAX_ROWS = 8
+# x row counts for which the matvec can fold the op before it (RMSNorm, GLU) into its loads
+PROLOGUE_MAX_ROWS = 2
+PROLOGUES = {"rmsnorm": 1, "silu": 2, "gelu": 3}
 # output rows per block of the matvec kernel when x has 1-2 rows (their activations
 # stay in registers across these rows); more x rows: one output row per block
 ROWS_PER_BLOCK = 4
@@ -85,7 +88,8 @@ class _Modules:
         m = self.by_type.get(qtype)
         if m is None:
             s = STRUCT[qtype]
-            names = ([f"mv<{s},{r},{_rpw(r)}>" for r in range(1, MV_MAX_ROWS + 1)]
+            names = ([f"mv<{s},{r},{_rpw(r)},0>" for r in range(1, MV_MAX_ROWS + 1)]
+                     + [f"mv<{s},{r},{_rpw(r)},{p}>" for r in range(1, PROLOGUE_MAX_ROWS + 1) for p in (1, 2, 3)]
                      + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
             src = (_DIR / "qkernels.cu").read_text()
             mod = cp.RawModule(code=src, options=_OPTIONS, name_expressions=names)
@@ -139,12 +143,17 @@ class Workspace:
 _default_ws = Workspace()
 
 
-def matmul(x, Ws, outs, biases=None, accumulate=False, ws: Workspace | None = None):
-    """outs[i] (+)= x @ Ws[i].T (+ biases[i]).  x float32 [n, K] C-contiguous on the device;
-    outs[i] float32 [n, M_i] (rows may be strided: ldy = outs[i].strides[0] / 4)."""
+def matmul(x, Ws, outs, biases=None, accumulate=False, ws: Workspace | None = None, prologue=None):
+    """outs[i] (+)= f(x) @ Ws[i].T (+ biases[i]).  x float32 [n, K] C-contiguous on the device;
+    outs[i] float32 [n, M_i] (rows may be strided: ldy = outs[i].strides[0] / 4).
+    prologue (n <= PROLOGUE_MAX_ROWS only): f = ("rmsnorm", w, eps) or ("silu"|"gelu", u);
+    otherwise f is the identity."""
     n, K = x.shape
     biases = list(biases) if biases else [None] * len(Ws)
-    if n <= MV_MAX_ROWS:
+    if prologue is not None:
+        assert n <= PROLOGUE_MAX_ROWS
+        _matvec(x, Ws, outs, biases, accumulate, prologue)
+    elif n <= MV_MAX_ROWS:
         _matvec(x, Ws, outs, biases, accumulate)
     else:
         for W, y, b in zip(Ws, outs, biases):
@@ -155,8 +164,15 @@ def _ptr(a):
     return 0 if a is None else a.data.ptr
 
 
-def _matvec(x, Ws, outs, biases, accumulate):
+def _matvec(x, Ws, outs, biases, accumulate, prologue=None):
     n, K = x.shape
+    pro, pw, pu, eps = 0, None, None, 0.0
+    if prologue is not None:
+        pro = PROLOGUES[prologue[0]]
+        if pro == 1:
+            pw, eps = prologue[1], float(prologue[2])
+        else:
+            pu = prologue[1]
     # one launch per group of up to three weights of one type
     i = 0
     while i < len(Ws):
@@ -166,7 +182,7 @@ def _matvec(x, Ws, outs, biases, accumulate):
         grp = list(range(i, j))
         W0 = Ws[i]
         rpw = _rpw(n)
-        f = _mods.get(W0.qtype)[f"mv<{STRUCT[W0.qtype]},{n},{rpw}>"]
+        f = _mods.get(W0.qtype)[f"mv<{STRUCT[W0.qtype]},{n},{rpw},{pro}>"]
         pad = grp + [grp[0]] * (3 - len(grp))
         Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
         maxM = max(Ms)
@@ -178,7 +194,9 @@ def _matvec(x, Ws, outs, biases, accumulate):
                 + [biases[k] if biases[k] is not None else np.uint64(0) for k in pad]
                 + [np.int32(m) for m in Ms]
                 + [np.int32(K), np.int64(W0.row_nbytes), x, np.int32(x.strides[0] // 4)]
-                + [np.int32(outs[k].strides[0] // 4) for k in pad] + [np.int32(1 if accumulate else 0)])
+                + [np.int32(outs[k].strides[0] // 4) for k in pad] + [np.int32(1 if accumulate else 0)]
+                + [pw if pw is not None else np.uint64(0), pu if pu is not None else np.uint64(0),
+                   np.float32(eps)])
         f(grid, (threads,), tuple(args))
         i = j
 
