@@ -169,6 +169,9 @@ _BYTE_DECODER = {c: b for b, c in _BYTE_ENCODER.items()}
 # merges derived for SentencePiece vocabularies (the slow part: ~1 s for Gemma's 262k tokens).
 
 _CACHE: "OrderedDict[str, Tokenizer]" = OrderedDict()
+_IDENT: dict = {}      # (ids of the metadata arrays, small keys) -> (the arrays, digest): a fast re-lookup
+_BIG_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores",
+             "tokenizer.ggml.merges")
 _CACHE_MAX = 4
 _CACHE_LOCK = threading.Lock()
 _SPM_MERGES_VERSION = 1
@@ -191,6 +194,7 @@ def clear_cache() -> None:
     """Forget the tokenizers built in this process (tests use this to measure construction)."""
     with _CACHE_LOCK:
         _CACHE.clear()
+        _IDENT.clear()
 
 
 def _digest(*parts) -> str:
@@ -254,20 +258,30 @@ class Tokenizer:
         tokens = metadata.get("tokenizer.ggml.tokens")
         if not isinstance(model, str) or not isinstance(tokens, list) or not tokens:
             raise TokenizerError("GGUF metadata has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens)")
-        types = metadata.get("tokenizer.ggml.token_type")
+        raw_types = metadata.get("tokenizer.ggml.token_type")
         scores = metadata.get("tokenizer.ggml.scores")
         merges = metadata.get("tokenizer.ggml.merges")
-        types = np.full(len(tokens), TYPE_NORMAL, np.int32) if types is None else np.asarray(types, np.int32)
+        types = np.full(len(tokens), TYPE_NORMAL, np.int32) if raw_types is None else \
+            np.asarray(raw_types, np.int32)
         if len(types) < len(tokens):
             raise TokenizerError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-        relevant = {k: v for k, v in metadata.items()
-                    if k.startswith("tokenizer.ggml.") and k not in ("tokenizer.ggml.tokens",
-                                                                     "tokenizer.ggml.token_type",
-                                                                     "tokenizer.ggml.scores",
-                                                                     "tokenizer.ggml.merges")}
-        key = _digest(tokens, types, np.asarray(scores if scores is not None else [], np.float32),
-                      list(merges or []), repr(sorted((k, repr(v)) for k, v in relevant.items())),
-                      metadata.get("general.name", ""), metadata.get("general.architecture", ""))
+        relevant = repr(sorted((k, repr(v)) for k, v in metadata.items()
+                               if k.startswith("tokenizer.ggml.") and k not in _BIG_KEYS)) + \
+            repr((metadata.get("general.name", ""), metadata.get("general.architecture", "")))
+        # the same arrays again (the same metadata dict): skip hashing the vocabulary
+        ident = (id(tokens), id(raw_types), id(scores), id(merges), relevant)
+        with _CACHE_LOCK:
+            seen = _IDENT.get(ident)
+        if seen is not None and seen[0] is tokens and seen[1] is raw_types and seen[2] is scores \
+                and seen[3] is merges:
+            key = seen[4]
+        else:
+            key = _digest(tokens, types, np.asarray(scores if scores is not None else [], np.float32),
+                          list(merges or []), relevant)
+            with _CACHE_LOCK:
+                _IDENT[ident] = (tokens, raw_types, scores, merges, key)
+                while len(_IDENT) > _CACHE_MAX:
+                    _IDENT.pop(next(iter(_IDENT)))
         with _CACHE_LOCK:
             hit = _CACHE.get(key)
             if hit is not None:

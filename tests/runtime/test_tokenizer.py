@@ -141,6 +141,10 @@ def _hf_known_disagreement(name: str, text: str) -> str | None:
         # Digits(individual_digits=True)); transformers' GGUF loader uses the plain GPT-2 split.  It shows
         # on non-ASCII numerals (½, ², ١) and on digits after a run of whitespace.
         return "smollm digit split"
+    if name == "smollm2-135m" and {0xF1, 0xF2} & set(text.encode("utf-8")):
+        # SmolLM2's vocabulary has no token for these bytes: llama.cpp keeps such a byte as a symbol that
+        # blocks merges and drops it at the end; transformers drops it first and merges its neighbours
+        return "smollm missing byte tokens"
     if name.startswith("qwen") and "</s>" in text:
         # llama.cpp marks a token spelled `</s>` as end-of-generation + control by its text
         return "qwen </s> forced control"
@@ -367,7 +371,7 @@ def test_construction_time(loaded, name, limit):
     assert again is fresh
     assert fresh.encode("Hello world 123") == tok.encode("Hello world 123")
     assert cold < limit
-    assert warm < 0.2
+    assert warm < 0.5
 
 
 def test_spm_merge_disk_cache(loaded, tmp_path, monkeypatch):
