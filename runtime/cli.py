@@ -21,6 +21,8 @@ def _add_engine(p):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (default min(4096, model's))")
+    p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
+                   help="checkpoint folders: quantize on load (int8: Q8_0; int4: Q4_K_M-style mix)")
 
 
 def _add_sampling(p):
@@ -77,7 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _engine(args):
     from .engine import Engine
-    return Engine(args.model, device=args.device, n_ctx=args.ctx_size, threads=args.threads,
+    model = args.model
+    if getattr(args, "quant", "none") != "none":
+        from .loader import load_model
+        model = load_model(args.model, quant=args.quant)
+    return Engine(model, device=args.device, n_ctx=args.ctx_size, threads=args.threads,
                   announce=lambda m: print(m, file=sys.stderr))
 
 
