@@ -24,6 +24,7 @@ region (the CPU backend fusing q/k/v) can split work the same way.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import numba
@@ -41,8 +42,11 @@ from .types import GGMLType
 LARGE_BATCH_MIN = 32
 # Rows of W dequantized per sgemm tile on the large-batch path.
 TILE_ROWS = 256
-# Below this many weights a matmul runs on the calling thread.
-PARALLEL_MIN_ELEMS = 1 << 19
+# Below this many weights a matmul runs on the calling thread (a 2**19-weight
+# Q4 matvec is ~50 us on one Zen4 core; waking the pool costs several us on an
+# idle machine and milliseconds on an oversubscribed one).  Override with the
+# environment variable LLAMBA_QUANT_PARALLEL_MIN.
+PARALLEL_MIN_ELEMS = int(os.environ.get("LLAMBA_QUANT_PARALLEL_MIN", 1 << 19))
 # The guarantee the rest of Llamba may rely on: for n <= this, row r of
 # matmul(x, W) is bit-identical whatever the other rows of x are.
 BATCH_INVARIANT_MAX_ROWS = 16
@@ -64,6 +68,7 @@ class Scratch:
     def __init__(self):
         self._flat: dict[tuple[str, type], np.ndarray] = {}
         self._views: dict[tuple, np.ndarray] = {}
+        self._sets: dict[tuple, tuple] = {}     # per-kernel bundles of views (_buffers)
 
     def get(self, name: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         key = (name, shape, dtype)
@@ -80,6 +85,7 @@ class Scratch:
             self._flat[fk] = b
             # views of the old buffer must not be handed out again
             self._views = {k: w for k, w in self._views.items() if k[0] != name or k[2] != dtype}
+            self._sets.clear()
         v = self._views[key] = b[:size].reshape(shape)
         return v
 
@@ -108,21 +114,37 @@ def _kernel_view(W: QTensor) -> np.ndarray:
     return v
 
 
-def _q8_activations(x, block, scratch, acts):
-    """x rounded to 8-bit blocks of `block` elements (cached in acts for matmul_multi)."""
+def _q8_activations(x, block, bufs, acts):
+    """x rounded to 8-bit blocks of `block` elements into bufs[:3] (done once
+    per activation: matmul_multi shares it through acts)."""
     a = acts.get(block)
     if a is None:
-        n, K = x.shape
-        xq = scratch.get("xq", (n, K), np.int16) if block == 256 else scratch.get("xq32", (n, K), np.int16)
-        xd = scratch.get("xd%d" % block, (n, K // block))
-        if block == 32:
-            xs = scratch.get("xs32", (n, K // 32))
-            quantize_q8_32(x, xq, xd, xs)
-        else:
-            xs = scratch.get("xb256", (n, K // 32), np.int32)
-            quantize_q8_256(x, xq, xd, xs)
-        a = acts[block] = (xq, xd, xs)
+        a = acts[block] = bufs[:3]
+        (quantize_q8_32 if block == 32 else quantize_q8_256)(x, *a)
     return a
+
+
+def _buffers(scratch, fam, n, K, nch):
+    """All scratch arrays one kernel family needs, cached as one tuple so a
+    steady-state call does a single dict lookup."""
+    key = (fam, n, K, nch)
+    b = scratch._sets.get(key)
+    if b is None:
+        g = scratch.get
+        if fam == 0:     # K-quants
+            b = (g("xq", (n, K), np.int16), g("xd256", (n, K // 256)), g("xb256", (n, K // 32), np.int32),
+                 g("acc", (nch, n)), g("wb", (nch, 256), np.int16), g("mb", (nch, 8), np.int32))
+        elif fam == 1:   # 32-element formats
+            b = (g("xq32", (n, K), np.int16), g("xd32", (n, K // 32)), g("xs32", (n, K // 32)),
+                 g("wq", (nch, K), np.int16), g("wf", (nch, 2, K // 32)), g("lanes", (nch, 32)))
+        else:            # float weights
+            b = (g("frow", (nch, K)),)
+        scratch._sets[key] = b
+    return b
+
+
+_FAMILY = {t: 0 for t in _K} | {t: 1 for t in _LEGACY} | {GGMLType.F32: 2, GGMLType.F16: 2,
+                                                          GGMLType.BF16: 2}
 
 
 def _run_parallel(kernel, *args):
@@ -139,46 +161,43 @@ def _run_parallel(kernel, *args):
 
 def _small_batch(x, W, out, scratch, acts):
     qt = W.qtype
+    w = W._kernel_view
+    if w is None:
+        w = _kernel_view(W)
     n, K = x.shape
-    w = _kernel_view(W)
     M = w.shape[0]
-    nthr = numba.get_num_threads()
-    par = nthr > 1 and M * K >= PARALLEL_MIN_ELEMS
-    nch = min(M, 8 * nthr) if par else 1
-    fns = _K.get(qt)
-    if fns is not None:
-        xq, xd, xb = _q8_activations(x, 256, scratch, acts)
-        acc = scratch.get("acc", (nch, n))
-        wb = scratch.get("wb", (nch, 256), np.int16)
-        mb = scratch.get("mb", (nch, 8), np.int32)
-        if par:
-            _run_parallel(fns[1], w, xq, xd, xb, out, acc, wb, mb, nch)
+    nch = 1
+    if M * K >= PARALLEL_MIN_ELEMS:
+        nthr = numba.get_num_threads()
+        if nthr > 1:
+            nch = min(M, 8 * nthr)
+    fam = _FAMILY[qt]
+    bufs = _buffers(scratch, fam, n, K, nch)
+    if fam == 0:
+        xq, xd, xb = _q8_activations(x, 256, bufs, acts)
+        rows, par = _K[qt]
+        if nch > 1:
+            _run_parallel(par, w, xq, xd, xb, out, bufs[3], bufs[4], bufs[5], nch)
         else:
-            fns[0](w, xq, xd, xb, out, acc[0], wb[0], mb[0], 0, M)
-        return
-    fns = _LEGACY.get(qt)
-    if fns is not None:
-        xq, xd, xs = _q8_activations(x, 32, scratch, acts)
-        wq = scratch.get("wq", (nch, K), np.int16)
-        wf = scratch.get("wf", (nch, 2, K // 32))
-        acc = scratch.get("lanes", (nch, 32))
-        if par:
-            _run_parallel(fns[1], w, xq, xd, xs, out, wq, wf, acc, nch)
+            rows(w, xq, xd, xb, out, bufs[3][0], bufs[4][0], bufs[5][0], 0, M)
+    elif fam == 1:
+        xq, xd, xs = _q8_activations(x, 32, bufs, acts)
+        rows, par = _LEGACY[qt]
+        if nch > 1:
+            _run_parallel(par, w, xq, xd, xs, out, bufs[3], bufs[4], bufs[5], nch)
         else:
-            fns[0](w, xq, xd, xs, out, wq[0], wf[0], acc[0], 0, M)
-        return
-    if qt == GGMLType.F32:
-        if par:
+            rows(w, xq, xd, xs, out, bufs[3][0], bufs[4][0], bufs[5][0], 0, M)
+    elif qt == GGMLType.F32:
+        if nch > 1:
             _run_parallel(KF.par_f32, x, w, out, nch)
         else:
             KF.rows_f32(x, w, out, 0, M)
-        return
-    buf = scratch.get("frow", (nch, K))
-    bf16 = qt == GGMLType.BF16
-    if par:
-        _run_parallel(KF.par_f16, x, w, out, buf, bf16, nch)
     else:
-        KF.rows_f16(x, w, out, buf[0], bf16, 0, M)
+        bf16 = qt == GGMLType.BF16
+        if nch > 1:
+            _run_parallel(KF.par_f16, x, w, out, bufs[0], bf16, nch)
+        else:
+            KF.rows_f16(x, w, out, bufs[0][0], bf16, 0, M)
 
 
 def _matmul_large(x, W, out, scratch):

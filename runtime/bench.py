@@ -59,11 +59,13 @@ def measure(fn, reps: int) -> tuple[float, float]:
 def run_bench(args) -> int:
     from .engine import Engine
     engine = Engine(args.model, device=args.device, n_ctx=max(args.ctx_size, args.n_prompt + args.n_gen + 16, 4096),
+                    gpu_layers=getattr(args, "gpu_layers", None),
                     threads=args.threads, announce=lambda m: print(m, file=sys.stderr))
     lm = engine.loaded
     rng = np.random.default_rng(0)
     model_desc = {"model": lm.path.name, "size_bytes": lm.weight_bytes, "params": lm.n_params,
                   "backend": engine.backend.name, "device": engine.backend.device_name,
+                  "gpu_memory": getattr(engine.backend, "memory_report", dict)(),
                   "threads": getattr(engine.backend, "threads", None)}
     rows = []
     if args.n_prompt:

@@ -19,6 +19,8 @@ def _add_model(p, positional=False):
 
 def _add_engine(p):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("-ngl", "--gpu-layers", type=int, default=None,
+                   help="with --device cuda/auto: only the first N layers on the GPU, the rest on the CPU")
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (default min(4096, model's))")
     p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
@@ -84,6 +86,7 @@ def _engine(args):
         from .loader import load_model
         model = load_model(args.model, quant=args.quant)
     return Engine(model, device=args.device, n_ctx=args.ctx_size, threads=args.threads,
+                  gpu_layers=getattr(args, "gpu_layers", None),
                   announce=lambda m: print(m, file=sys.stderr))
 
 
@@ -186,6 +189,9 @@ def cmd_info(args) -> int:
             "weight_bytes": lm.weight_bytes, "tensor_types": types, "context_length": cfg.context_length,
             "layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
             "head_dim": cfg.head_dim, "vocab": cfg.vocab_size, "kv_bytes_per_token": kv_per_token}
+    from .backend.cuda_memory import estimate_bytes   # before loading: what a GPU would need
+    n_ctx = min(4096, cfg.context_length)
+    info["gpu_memory_estimate"] = {"n_ctx": n_ctx, **estimate_bytes(cfg, lm.tensors, n_ctx)}
     if args.json:
         print(json.dumps(info))
     else:

@@ -55,8 +55,8 @@ class Step:
 class Engine:
     def __init__(self, model: str | LoadedModel, *, device: str = "cpu", n_ctx: int = 0,
                  block_size: int = 16, cache_blocks: int = 0, threads: int | None = None,
-                 announce=None, cache_type: str = "f16", overflow: str = "stop"):
-        self.backend = make_backend(device, threads=threads, announce=announce)
+                 announce=None, cache_type: str = "f16", overflow: str = "stop", gpu_layers: int | None = None):
+        self.backend = make_backend(device, threads=threads, announce=announce, gpu_layers=gpu_layers)
         lm = model if isinstance(model, LoadedModel) else load_model(model)
         self.loaded = lm
         self.config = cfg = lm.config
