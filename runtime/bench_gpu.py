@@ -172,6 +172,8 @@ def main(argv=None):
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("--hf", action="store_true", help="also HF transformers bf16 on the same GPU")
     ap.add_argument("--micro", action="store_true", help="matvec bandwidth of single kernels")
+    ap.add_argument("--rpw", default="", help="matvec rows-per-block values to compare in --micro (e.g. 2,4,8)")
+    ap.add_argument("--ncu-kernel", action="store_true", help="run one Q4_K matvec eagerly (for ncu) and exit")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import cupy as cp
@@ -180,9 +182,27 @@ def main(argv=None):
     from runtime.backend.cuda import probe
     from runtime.backend.cuda_synth import SHAPES, write_random_gguf
     info = probe()
+    if args.ncu_kernel:
+        from quant import QTensor
+        from runtime.backend.cuda_synth import _Noise, random_weight
+        for qt in (GGMLType.Q4_K, GGMLType.Q8_0):
+            W = qc.upload(QTensor("w", qt, (14336, 4096), random_weight(qt, (14336, 4096), _Noise(1))))
+            x = cp.ones((1, 4096), cp.float32)
+            y = cp.empty((1, 14336), cp.float32)
+            for _ in range(4):
+                qc.matmul(x, [W], [y])
+        cp.cuda.runtime.deviceSynchronize()
+        return
     bw = copy_bandwidth(cp)
     log(f"device {info['name']} sm_{info['cc']}, copy bandwidth {bw / 1e9:.0f} GB/s")
     result = {"device": info, "copy_GBps": bw / 1e9, "runs": [], "micro": []}
+    for rpw in ([int(v) for v in args.rpw.split(",")] if args.rpw else []):
+        qc.set_rows_per_block(rpw)
+        for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q4_K, 4096, 14336), (GGMLType.Q4_0, 14336, 4096)]:
+            g = matvec_bandwidth(cp, qc, qt, M, K) / 1e9
+            log(f"rows/block {rpw}: matvec {qt.name} {M}x{K}: {g:.0f} GB/s")
+    if args.rpw:
+        qc.set_rows_per_block(4)
     if args.micro:
         for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q4_K, 4096, 14336), (GGMLType.Q6_K, 4096, 14336),
                          (GGMLType.Q4_0, 14336, 4096), (GGMLType.Q8_0, 14336, 4096), (GGMLType.Q4_K, 8960, 1536),

@@ -211,6 +211,7 @@ class _Profiler:
                 Ws = a[1] if name == "matmuls" else [a[1]]
                 label += " " + "+".join(f"{W.qtype.name}[{W.shape[0]}x{W.shape[1]}]" for W in Ws)
             s, e = self.be.cp.cuda.Event(), self.be.cp.cuda.Event()
+            self.be._fn("spin")((1,), (1,), (np.int64(400_000),))    # ~0.2 ms: covers the host's enqueue
             s.record(self.be.stream)
             r = f(*a, **k)
             e.record(self.be.stream)
@@ -246,6 +247,13 @@ class CUDABackend:
         self.use_graphs = graphs
         self.graph_replays = 0
         self._last_graph = None
+        self._pnorm = None          # deferred RMSNorm (x, w, eps, out)
+        self._pglu = None           # deferred GLU (g, u, kind)
+        self._propes = []           # deferred RoPEs (x, positions, inv_freq, neox, pos_scale)
+        self._unmat: set = set()    # outputs of folded ops: never written
+        # Folding RMSNorm/GLU into the matvec makes every block recompute them over the
+        # whole row: measured slower on the H200 (L8 decode 7.1 vs 4.9 ms), so off unless asked
+        self.fold = os.environ.get("LLAMBA_CUDA_FOLD", "0") == "1"
         self.profile_next = False
         self.last_profile = None
 
@@ -307,15 +315,27 @@ class CUDABackend:
             buf = cp.asarray(flat)
             ctx = int(np.max(step.positions)) + 1
             dstep = _DevStep(step, _views(buf, layout), self._splits(n, ctx, model))
-            self.arena.reset()
-            out = model.forward(self, dstep)
+            out = self._run(model, dstep)
             return out.get()
 
+    def _run(self, model, dstep):
+        return self._run_as(model, dstep, self)
+
+    def _run_as(self, model, dstep, ops):
+        self.arena.reset()
+        self._pnorm, self._pglu, self._propes = None, None, []
+        self._unmat.clear()
+        out = model.forward(ops, dstep)
+        self._flush()
+        return out
+
     def _splits(self, n_tokens, ctx, model) -> int:
+        """Context splits of attention: enough blocks when few tokens attend (decode),
+        each split about 32 keys (8 a warp)."""
         kvh = model.cfg.n_kv_heads
-        if n_tokens * kvh >= 64 or ctx < 256:
+        if n_tokens * kvh >= 64 or ctx < 64:
             return 1
-        return max(1, min(32, ctx // 128))
+        return max(1, min(32, ctx // 32))
 
     def _forward_graph(self, model, step):
         """Decode: replay the step captured for this block-table width."""
@@ -337,13 +357,11 @@ class CUDABackend:
         g["dev"].set(g["host"], stream=self.stream)
         if g["graph"] is None:
             # eager once (compiles kernels, sizes the arena), then capture for the next tokens
-            self.arena.reset()
-            out = model.forward(self, g["dstep"])
+            out = self._run(model, g["dstep"])
             res = out.get()
-            self.arena.reset()
             self.stream.begin_capture()
             try:
-                g["out"] = model.forward(self, g["dstep"])
+                g["out"] = self._run(model, g["dstep"])
             finally:
                 g["graph"] = self.stream.end_capture()
             return res
@@ -370,7 +388,8 @@ class CUDABackend:
         return cp.cuda.get_elapsed_time(s, e) / reps
 
     def profile_step(self, model, step) -> list:
-        """[(op label, GPU ms)] of one eager run of `step`, summed by label, largest first."""
+        """[(op label, GPU ms)] of one eager run of `step`, summed by label, largest first.
+        Deferred ops show up in the op that launched them (RMSNorm in the matmul after it)."""
         cp = self.cp
         with self.stream:
             flat, layout = _pack_step(step)
@@ -378,8 +397,7 @@ class CUDABackend:
             ctx = int(np.max(step.positions)) + 1
             dstep = _DevStep(step, _views(buf, layout), self._splits(len(step.tokens), ctx, model))
             prof = _Profiler(self)
-            self.arena.reset()
-            model.forward(prof, dstep)
+            self._run_as(model, dstep, prof)
             self.stream.synchronize()
         tot = {}
         for label, a, b in prof.events:
@@ -411,29 +429,77 @@ class CUDABackend:
             hit = self._consts[k] = (a, self.cp.asarray(np.ascontiguousarray(a, np.float32)))
         return hit[1]
 
+    # ---- deferred ops ----------------------------------------------------------
+    # RMSNorm and GLU are not launched when called: the next matvec folds them into
+    # its loads (decode), else the next op launches them first.  RoPE of q and k
+    # waits for attention, which does RoPE + the KV write in one kernel.  The delay
+    # never crosses another op, so inputs are unchanged when a deferred op runs.  A
+    # folded op's own output is never written: reading it raises (no model does).
+    def _flush(self, keep_ropes=False):
+        if self._pnorm is not None:
+            x, w, eps, out = self._pnorm
+            self._pnorm = None
+            d = x.shape[-1]
+            self._fn("rmsnorm")((x.size // d,), (min(256, (d + 31) // 32 * 32),), (x, w, np.float32(eps), out, np.int32(d)))
+        if self._pglu is not None:
+            g, u, kind = self._pglu
+            self._pglu = None
+            self._launch("silu_mul" if kind == "silu" else "gelu_mul", g.size, (g, u, np.int64(g.size)))
+        if self._propes and not keep_ropes:
+            ropes, self._propes = self._propes, []
+            for x, pos, inv_freq, neox, pos_scale in ropes:
+                self._rope_now(x, pos, inv_freq, neox, pos_scale)
+
+    def _check(self, *arrays):
+        for a in arrays:
+            if a is not None and not isinstance(a, np.ndarray) and a.data.ptr in self._unmat:
+                raise RuntimeError("internal: an op read the output of an RMSNorm/GLU that was folded into a matmul")
+
+    def _buf(self, shape, dtype=np.float32, tag=None):
+        b = self.arena.get(shape, dtype, tag)
+        self._unmat.discard(b.data.ptr)
+        return b
+
     # ---- ops ----------------------------------------------------------------
     def embed(self, W, ids, scale: float = 1.0):
+        self._flush()
         n = ids.shape[0]
-        out = self.arena.get((n, W.shape[1]), tag="residual")
+        out = self._buf((n, W.shape[1]), tag="residual")
         self.qc.embed_rows(W, ids, out, scale)
         return out
 
     def rmsnorm(self, x, w, eps):
-        d = x.shape[-1]
-        rows = x.size // d
-        out = self.arena.get(x.shape)
-        self._fn("rmsnorm")((rows,), (min(256, (d + 31) // 32 * 32),), (x, w, np.float32(eps), out, np.int32(d)))
+        self._flush()
+        self._check(x)
+        out = self._buf(x.shape)
+        self._pnorm = (x, w, eps, out)
         return out
 
     def heads(self, x, n_heads):
         return x.reshape(x.shape[0], n_heads, -1)
 
     def _mm(self, x, Ws, biases=None, acc=None):
-        x = x.reshape(x.shape[0], -1)
-        if not x.flags.c_contiguous:
-            x = self.cp.ascontiguousarray(x)
-        outs = [acc] if acc is not None else [self.arena.get((x.shape[0], W.shape[0])) for W in Ws]
-        self.qc.matmul(x, list(Ws), outs, biases, accumulate=acc is not None, ws=self.ws)
+        n = x.shape[0]
+        prologue, src = None, x
+        if self.fold and n <= self.qc.PROLOGUE_MAX_ROWS:
+            if self._pnorm is not None and self._pnorm[3] is x:
+                xin, w, eps, _ = self._pnorm
+                self._pnorm = None
+                prologue, src = ("rmsnorm", w, eps), xin
+            elif self._pglu is not None and self._pglu[0] is x:
+                g, u, kind = self._pglu
+                self._pglu = None
+                prologue, src = (kind, u.reshape(n, -1)), g
+        self._flush()
+        src = src.reshape(n, -1)
+        if prologue is None:
+            self._check(src)
+        if not src.flags.c_contiguous:
+            src = self.cp.ascontiguousarray(src)
+        outs = [acc] if acc is not None else [self._buf((n, W.shape[0])) for W in Ws]
+        self.qc.matmul(src, list(Ws), outs, biases, accumulate=acc is not None, ws=self.ws, prologue=prologue)
+        if prologue is not None:
+            self._unmat.add(x.data.ptr)       # never written: see _check
         return outs
 
     def matmul(self, x, W, bias=None):
@@ -446,24 +512,35 @@ class CUDABackend:
         self._mm(x, [W], acc=acc)
 
     def add(self, x, y):
+        self._flush()
+        self._check(x, y)
         self._launch("add_inplace", x.size, (x, y, np.int64(x.size)))
 
     def glu(self, g, u, kind):
-        self._launch("silu_mul" if kind == "silu" else "gelu_mul", g.size, (g, u, np.int64(g.size)))
+        self._flush()
+        self._check(g, u)
+        self._pglu = (g, u, kind)
         return g
 
     def rope(self, x, step, inv_freq, neox, pos_scale=1.0):
+        self._flush(keep_ropes=True)
+        self._check(x)
+        self._propes.append((x, step.positions, inv_freq, neox, pos_scale))
+
+    def _rope_now(self, x, positions, inv_freq, neox, pos_scale):
         n, h, d = x.shape
         half = inv_freq.shape[0]
-        self._launch("rope", n * h * half, (x, step.positions, self._const(inv_freq), np.int32(n), np.int32(h),
+        self._launch("rope", n * h * half, (x, positions, self._const(inv_freq), np.int32(n), np.int32(h),
                                             np.int32(d), np.int32(half), np.int32(1 if neox else 0),
                                             np.float32(pos_scale)))
 
     def rows(self, x, idx):
+        self._flush()
+        self._check(x)
         n, d = len(idx), x.shape[-1]
-        if not hasattr(idx, "data") or isinstance(idx, np.ndarray):
+        if isinstance(idx, np.ndarray) or not hasattr(idx, "data"):
             idx = self.cp.asarray(np.asarray(idx, np.int32))
-        out = self.arena.get((n, d))
+        out = self._buf((n, d))
         self._launch("gather_rows", n * d, (x, idx, np.int32(n), np.int32(d), out))
         return out
 
@@ -476,14 +553,26 @@ class CUDABackend:
         kvh = k.shape[1]
         g = h // kvh
         slots, tables = step.slots_for(layer), step.tables_for(layer)
-        self._launch("kv_write", n * kvh * d, (k, v, kv.k[layer], kv.v[layer], slots, np.int32(n),
-                                               np.int32(kvh * d)))
+        r = self._propes
+        fused = (len(r) == 2 and r[0][0] is q and r[1][0] is k and r[0][2] is r[1][2] and r[0][3] == r[1][3]
+                 and r[0][4] == r[1][4] and 2 * r[0][2].shape[0] == d and self._pnorm is None and self._pglu is None)
+        if fused:
+            self._propes = []
+            _, pos, inv_freq, neox, pos_scale = r[0]
+            self._launch("rope_qk_kv_write", n * (h + kvh) * (d // 2),
+                         (q, k, v, kv.k[layer], kv.v[layer], slots, pos, self._const(inv_freq), np.int32(n),
+                          np.int32(h), np.int32(kvh), np.int32(d), np.int32(1 if neox else 0), np.float32(pos_scale)))
+        else:
+            self._flush()
+            self._check(q, k, v)
+            self._launch("kv_write", n * kvh * d, (k, v, kv.k[layer], kv.v[layer], slots, np.int32(n),
+                                                   np.int32(kvh * d)))
         splits = step.attn_splits
-        out = self.arena.get((n, h, d))
+        out = self._buf((n, h, d))
         if splits > 1:
-            part_m = self.arena.get((n * kvh * splits * g,))
-            part_l = self.arena.get((n * kvh * splits * g,))
-            part_acc = self.arena.get((n * kvh * splits * g * d,))
+            part_m = self._buf((n * kvh * splits * g,))
+            part_l = self._buf((n * kvh * splits * g,))
+            part_acc = self._buf((n * kvh * splits * g * d,))
         else:
             part_m = part_l = part_acc = out
         self._attn_fn(d, g, "attention")(

@@ -127,3 +127,28 @@ def test_graph_replay_equals_eager(engines):
     gpu.backend.use_graphs = True
     for a, b in zip(*res):
         assert _rel(a, b.astype(np.float64)) < 1e-6
+
+
+def test_partial_offload_gpu_layers(engines):
+    """--gpu-layers N: the first half of the layers on the GPU, the rest on the CPU;
+    a 100-token prompt's logits as the float32 CPU reference's, and decoding runs."""
+    from runtime.engine import Engine
+    lm, _, gpu, ref = engines
+    n = max(1, lm.config.n_layers // 2)
+    split = Engine(lm, device="cuda", n_ctx=512, gpu_layers=n)
+    assert split.backend.name == "cuda+cpu"
+    assert 0 < split.backend.gpu.weight_bytes < gpu.backend.weight_bytes
+    ids = _prompt(lm, 100, 4)
+    a, b = ref.new_sequence(), split.new_sequence()
+    want = ref.prefill(a, ids)
+    got = split.prefill(b, ids)
+    err = _rel(got, want)
+    print(f"{lm.path.name}: {n} of {lm.config.n_layers} layers on the GPU: prefill logits rel err {err:.2e}")
+    assert err < 2e-2 and int(np.argmax(got)) == int(np.argmax(want))
+    t = int(np.argmax(got))
+    for _ in range(4):
+        logits = split.step([b], [[t]])[0]
+        assert np.all(np.isfinite(logits))
+        t = int(np.argmax(logits))
+    ref.release(a)
+    split.release(b)

@@ -30,13 +30,16 @@ def test_rmsnorm_glu_add_rows(backends):
         x = rng.standard_normal(shape).astype(np.float32) * 3
         w = rng.standard_normal(shape[-1]).astype(np.float32)
         ref = cpu.rmsnorm(x, w, 1e-6)
-        got = gpu.rmsnorm(cp.asarray(x), cp.asarray(w), 1e-6).get()
+        got = gpu.rmsnorm(cp.asarray(x), cp.asarray(w), 1e-6)
+        gpu._flush()            # the backend defers RMSNorm/GLU/RoPE to the next op; run them now
+        got = got.get()
         assert _rel(got, ref) < 1e-6
     for kind in ("silu", "gelu"):
         g = rng.standard_normal((4, 1000)).astype(np.float32) * 4
         u = rng.standard_normal((4, 1000)).astype(np.float32)
         gd = cp.asarray(g)
         gpu.glu(gd, cp.asarray(u), kind)
+        gpu._flush()
         assert _rel(gd.get(), cpu.glu(g.copy(), u, kind)) < 1e-6
     x = rng.standard_normal((3, 100)).astype(np.float32)
     y = rng.standard_normal((3, 100)).astype(np.float32)
@@ -66,6 +69,7 @@ def test_rope(backends, neox, pos_scale):
         positions = cp.asarray(pos)
     xd = cp.asarray(x)
     gpu.rope(xd, D, inv_freq, neox, pos_scale)
+    gpu._flush()
     assert _rel(xd.get(), ref) < 1e-6
 
 
@@ -135,6 +139,21 @@ def test_paged_attention(backends, hd, heads, kvh, case):
     gpu.arena.reset()
     got = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep).get()
     assert _rel(got, ref) < 1e-5, case
+    if case == "prefill":
+        # RoPE of q and k folded into the KV write, against CPU RoPE then attention
+        inv_freq = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+        qr, kr = q.copy(), k.copy()
+        cpu.rope(qr, step, inv_freq, True)
+        cpu.rope(kr, step, inv_freq, True)
+        cpu.arena.reset()
+        ref2 = cpu.attention(qr, kr, v, 0, step).copy()
+        qd, kd = cp.asarray(q), cp.asarray(k)
+        gpu.arena.reset()
+        gpu.rope(qd, dstep, inv_freq, True)
+        gpu.rope(kd, dstep, inv_freq, True)
+        got2 = gpu.attention(qd, kd, cp.asarray(v), 0, dstep).get()
+        assert _rel(got2, ref2) < 1e-5
+        assert np.array_equal(gpu.kv.k[0].get().view(np.uint16), cpu.kv.k[0])
     # the new tokens' K/V landed in the same slots, in fp16
     assert np.array_equal(gpu.kv.k[0].get().view(np.uint16), cpu.kv.k[0])
     assert np.array_equal(gpu.kv.v[0].get().view(np.uint16), cpu.kv.v[0])

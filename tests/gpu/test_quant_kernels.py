@@ -88,3 +88,34 @@ def test_embed_rows_and_dequantize(qtype):
     assert _rel(out.get(), ref) < 1e-6
     full = qc.dequantize_f16(W).get().astype(np.float64)
     assert _rel(full, quant.dequantize(qt).astype(np.float64)) < 1e-3
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.F16],
+                         ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("pro", ["rmsnorm", "silu", "gelu"])
+def test_matvec_prologues(qtype, n, pro):
+    """The op before a decode matvec folded into its loads: RMSNorm, SwiGLU, GeGLU."""
+    import cupy as cp
+    import quant.cuda as qc
+    M, K = 66, _K(qtype)
+    qt = _weight(qtype, M, K, 11)
+    W = qc.upload(qt)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((n, K)).astype(np.float32) * 2
+    w = rng.standard_normal(K).astype(np.float32)
+    x64 = x.astype(np.float64)
+    if pro == "rmsnorm":
+        h = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-6) * w
+        prologue = ("rmsnorm", cp.asarray(w), 1e-6)
+    else:
+        u = rng.standard_normal((n, K)).astype(np.float32)
+        if pro == "silu":
+            h = x64 / (1 + np.exp(-x64)) * u
+        else:
+            h = 0.5 * x64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64 ** 3))) * u
+        prologue = (pro, cp.asarray(u))
+    ref = h @ quant.dequantize(qt).astype(np.float64).T
+    y = cp.full((n, M), np.nan, cp.float32)
+    qc.matmul(cp.asarray(x), [W], [y], prologue=prologue)
+    assert _rel(y.get(), ref) < 1e-5
