@@ -188,14 +188,22 @@ def test_ids_match_transformers(loaded, hf, name):
 
 
 @pytest.mark.parametrize("name", HF_MODELS)
-def test_known_transformers_disagreements_still_exist(loaded, hf, name):
-    """Each documented disagreement is real (if transformers fixes one, this tells us to drop it)."""
+def test_known_transformers_disagreements(loaded, hf, name):
+    """On each documented disagreement we give llama.cpp's ids; if a transformers release stops
+    disagreeing, say so (a warning, not a failure: it is not our bug either way)."""
+    import warnings
+
     _, tok, ref = loaded(name)
     hft = hf(name)
-    examples = {"smollm2-135m": "x ½ ²", "qwen2.5-coder-0.5b": "a</s>b", "gemma3-270m": " " * 40 + "x"}
-    text = examples[name]
-    assert _hf_known_disagreement(name, text)
-    assert tok.encode(text, add_bos=False) != hft.encode(text, add_special_tokens=False)
+    examples = {"smollm2-135m": ["x ½ ²", "a  1", "x\U00086e0b\U0009351f\U0006518c>\U000f9e02;y"],
+                "qwen2.5-coder-0.5b": ["a</s>b"], "gemma3-270m": [" " * 40 + "x"]}
+    for text in examples[name]:
+        assert _hf_known_disagreement(name, text)
+        if tok.encode(text, add_bos=False) == hft.encode(text, add_special_tokens=False):
+            warnings.warn(f"transformers now agrees with llama.cpp on {text!r} ({name}); "
+                          "the known-disagreement rule can be narrowed")
+    known = [c for c in ref["cases"] if _hf_known_disagreement(name, c["text"])]
+    assert known, "the llama.cpp fixture covers each disagreement"
 
 
 def test_from_hf_files_matches_transformers(loaded, hf, tmp_path):
