@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import TYPE_INFO, GGMLType, QTensor, Scratch, matmul_into, quantize
-from .matmul_cpu import kernel_name
+from .matmul_cpu import kernel_name, matmul_float_fma
 
 # (M, K) in numpy order = (out_features, in_features)
 SHAPES = {
@@ -91,7 +91,7 @@ def memory_bandwidth(nbytes: int = 256 << 20, reps: int = 7) -> dict:
     return {"copy_GBps": 2 * nbytes / t / 1e9, "read_GBps": nbytes / tr / 1e9}
 
 
-def bench_one(qtype: GGMLType, M: int, K: int, rows: int, rng, reps: int) -> dict:
+def bench_one(qtype: GGMLType, M: int, K: int, rows: int, rng, reps: int, fma: bool = False) -> dict:
     raw = _weights(qtype, M, K, rng)
     copies = max(1, math.ceil(ROTATE_BYTES / raw.nbytes))
     Ws = [QTensor(f"w{i}", qtype, (M, K), raw if i == 0 else raw.copy()) for i in range(copies)]
@@ -105,8 +105,15 @@ def bench_one(qtype: GGMLType, M: int, K: int, rows: int, rng, reps: int) -> dic
         it[0] += 1
 
     t = _time(step, reps)
-    return {"type": qtype.name, "shape": f"{M}x{K}", "rows": rows, "weight_MB": raw.nbytes / 1e6,
-            "ms": t * 1e3, "GBps": raw.nbytes / t / 1e9, "kernel": kernel_name(qtype, rows)}
+    res = {"type": qtype.name, "shape": f"{M}x{K}", "rows": rows, "weight_MB": raw.nbytes / 1e6,
+           "ms": t * 1e3, "GBps": raw.nbytes / t / 1e9, "kernel": kernel_name(qtype, rows)}
+    if fma and qtype not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16) and rows < 32:
+        def step_fma():
+            matmul_float_fma(x, Ws[it[0] % copies], out, scratch)
+            it[0] += 1
+        tf = _time(step_fma, reps)
+        res["fma_variant_GBps"] = raw.nbytes / tf / 1e9
+    return res
 
 
 def bench_numpy_f32(M: int, K: int, rows: int, rng, reps: int) -> dict:
@@ -136,8 +143,58 @@ def call_overhead(qtype: GGMLType = GGMLType.Q4_1, M: int = 576, K: int = 576, r
     t_into = _time(lambda: matmul_into(x, W, out, s), reps)
     from . import matmul
     t_mm = _time(lambda: matmul(x, W, out), reps)
+    Wt = QTensor("t", GGMLType.Q8_0, (32, 32), _weights(GGMLType.Q8_0, 32, 32, rng))
+    xt = x[:, :32].copy()
+    ot = np.empty((1, 32), np.float32)
+    t_tiny = _time(lambda: matmul_into(xt, Wt, ot, s), reps)
     return {"type": qtype.name, "shape": f"{M}x{K}", "matmul_into_us": t_into * 1e6,
-            "matmul_us": t_mm * 1e6}
+            "matmul_us": t_mm * 1e6, "tiny_32x32_matmul_into_us": t_tiny * 1e6}
+
+
+ASM_OPS = ["vpdpbusd", "vpdpwssd", "vpmaddubsw", "vpmaddwd", "vpmullw", "vcvtph2ps", "vfmadd",
+           "vcvtdq2ps", "zmm", "ymm"]
+
+
+def asm_report() -> dict:
+    """Count SIMD instructions in the generated code of each type's row kernel.
+
+    Cached Numba code cannot be inspected, so each kernel's Python source is
+    compiled afresh (same flags, no cache) on a small input."""
+    import re
+
+    from . import kernels_float as KF, kernels_k as KK, kernels_legacy as KL
+    from .act_quant import quantize_q8_32, quantize_q8_256
+    rng = np.random.default_rng(0)
+    K, M = 512, 4
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    rep = {}
+
+    def count(name, fn, *args):
+        g = numba.njit(fastmath=True)(fn.py_func)
+        g(*args)
+        asm = g.inspect_asm(g.signatures[0])
+        rep[name] = {op: len(re.findall(r"\b" + op, asm)) for op in ASM_OPS}
+
+    x32 = (np.empty((2, K), np.int16), np.empty((2, K // 32), np.float32), np.empty((2, K // 32), np.float32))
+    quantize_q8_32(x, *x32)
+    x256 = (np.empty((2, K), np.int16), np.empty((2, K // 256), np.float32), np.empty((2, K // 32), np.int32))
+    quantize_q8_256(x, *x256)
+    out = np.empty((2, M), np.float32)
+    for t, fn in [(GGMLType.Q4_0, KL.rows_q4_0), (GGMLType.Q4_1, KL.rows_q4_1), (GGMLType.Q5_0, KL.rows_q5_0),
+                  (GGMLType.Q5_1, KL.rows_q5_1), (GGMLType.Q8_0, KL.rows_q8_0)]:
+        w = QTensor("w", t, (M, K), _weights(t, M, K, rng)).data
+        count(t.name, fn, w, *x32, out, np.empty(K, np.int16), np.empty((2, K // 32), np.float32),
+              np.empty(32, np.float32), 0, M)
+    for t, fn in [(GGMLType.Q4_K, KK.rows_q4_k), (GGMLType.Q5_K, KK.rows_q5_k), (GGMLType.Q6_K, KK.rows_q6_k)]:
+        w = QTensor("w", t, (M, K), _weights(t, M, K, rng)).data
+        count(t.name, fn, w, *x256, out, np.empty(2, np.float32), np.empty(256, np.int16),
+              np.empty(8, np.int32), 0, M)
+    w = QTensor("w", GGMLType.Q4_K, (M, K), _weights(GGMLType.Q4_K, M, K, rng)).data
+    count("fma-variant", KF.rows_dequant_fma, int(GGMLType.Q4_K), x, w, out, np.empty(K, np.float32), 0, M)
+    count("F16", KF.rows_f16, x, rng.standard_normal((M, K)).astype(np.float16).view(np.uint16), out,
+          np.empty(K, np.float32), False, 0, M)
+    count("F32", KF.rows_f32, x, rng.standard_normal((M, K)).astype(np.float32), out, 0, M)
+    return rep
 
 
 def main(argv=None) -> int:
@@ -148,8 +205,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,8", help="comma-separated activation row counts")
     ap.add_argument("--reps", type=int, default=7, help="timed repetitions (median reported)")
     ap.add_argument("--threads", type=int, default=0, help="Numba threads (default: all)")
+    ap.add_argument("--fma", action="store_true",
+                    help="also time the float-FMA variant (dequantize row, f32 FMA) of each quantized type")
+    ap.add_argument("--asm", action="store_true",
+                    help="print the SIMD instructions in each type's kernel and exit")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     a = ap.parse_args(argv)
+    if a.asm:
+        for name, counts in asm_report().items():
+            print(f"{name:>12}: " + ", ".join(f"{k} {v}" for k, v in counts.items() if v))
+        return 0
     if a.threads:
         numba.set_num_threads(a.threads)
     types = REAL_MODEL_TYPES if a.types == "real" else [t.strip() for t in a.types.split(",") if t.strip()]
@@ -166,9 +231,10 @@ def main(argv=None) -> int:
               f"parallel read {bw['read_GBps']:.1f} GB/s; numba threads {numba.get_num_threads()}")
         o = res["overhead"]
         print(f"per-call time {o['type']} {o['shape']} n=1: matmul_into {o['matmul_into_us']:.1f} us, "
-              f"matmul {o['matmul_us']:.1f} us")
+              f"matmul {o['matmul_us']:.1f} us; fixed overhead (Q8_0 32x32): "
+              f"{o['tiny_32x32_matmul_into_us']:.1f} us")
         print(f"{'type':>9} {'shape':>10} {'rows':>4} {'MB':>7} {'ms':>8} {'GB/s':>6} "
-              f"{'%copy':>6} {'%read':>6} {'f32 GB/s':>8}  kernel")
+              f"{'%copy':>6} {'%read':>6} {'f32 GB/s':>8} {'fma GB/s':>8}  kernel")
     for (M, K) in shapes:
         for n in rows:
             ref = bench_numpy_f32(M, K, n, rng, a.reps)
@@ -176,7 +242,7 @@ def main(argv=None) -> int:
             for t in types:
                 if K % TYPE_INFO[t][0]:
                     continue   # e.g. K-quants need K % 256 == 0; SmolLM2's 576 is not
-                r = bench_one(t, M, K, n, rng, a.reps)
+                r = bench_one(t, M, K, n, rng, a.reps, fma=a.fma)
                 r["pct_copy_bw"] = 100 * r["GBps"] / bw["copy_GBps"]
                 r["pct_read_bw"] = 100 * r["GBps"] / bw["read_GBps"]
                 r["numpy_f32_GBps"] = ref["GBps"]
@@ -184,7 +250,8 @@ def main(argv=None) -> int:
                 if not a.json:
                     print(f"{r['type']:>9} {r['shape']:>10} {n:>4} {r['weight_MB']:7.2f} {r['ms']:8.3f} "
                           f"{r['GBps']:6.1f} {r['pct_copy_bw']:5.0f}% {r['pct_read_bw']:5.0f}% "
-                          f"{ref['GBps']:8.1f}  {r['kernel']}", flush=True)
+                          f"{ref['GBps']:8.1f} {r.get('fma_variant_GBps', float('nan')):8.1f}  "
+                          f"{r['kernel']}", flush=True)
     if a.json:
         json.dump(res, sys.stdout, indent=1)
         print()

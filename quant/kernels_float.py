@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .dequant import deq_row
 from .half import bits_to_f32, f16_to_f32
 
 F32 = np.float32
@@ -64,3 +65,20 @@ def par_f16(x, w, out, bufs, bf16, nch):
     per = (M + nch - 1) // nch
     for c in prange(nch):
         rows_f16(x, w, out, bufs[c], bf16, c * per, min(M, (c + 1) * per))
+
+
+@njit(cache=True, fastmath=True)
+def rows_dequant_fma(qt, x, w, out, buf, m0, m1):
+    """The float-FMA alternative for quantized W (benchmark comparison only):
+    dequantize each row exactly (dequant.deq_row) into buf, FMA with float x."""
+    for m in range(m0, m1):
+        deq_row(qt, w[m], buf)
+        _dots(x, buf, out, m)
+
+
+@njit(parallel=True, cache=True)
+def par_dequant_fma(qt, x, w, out, bufs, nch):
+    M = w.shape[0]
+    per = (M + nch - 1) // nch
+    for c in prange(nch):
+        rows_dequant_fma(qt, x, w, out, bufs[c], c * per, min(M, (c + 1) * per))
