@@ -6,6 +6,14 @@ sequence.  tg<N>: N single-token decode steps after a 1-token prompt (or after
 compilation, page faults), then -r timed repetitions; t/s is the mean ± sd.
 With --peer PYTHON, llama.cpp (llama-cpp-python in that interpreter's venv)
 runs the same tests in the same invocation, so the ratio is measured side by side.
+
+KV-cache tests: --ctx-depths D1,D2,..: tg at each context depth (D tokens already
+in the cache before the timed run; the context is filled once per depth and
+rolled back to D after each repetition); --plot FILE.png draws t/s against
+depth.  --prefix-reuse N: time to first token of a new turn after an N-token
+history, cold (nothing cached) against reused (the history's blocks cached).
+--cache-type q8_0 runs everything on a q8_0 KV cache.  --json rows carry the
+KV accounting (engine.stats()) of the moment the test's sequence was largest.
 """
 from __future__ import annotations
 
@@ -50,6 +58,81 @@ def time_tg(engine, n: int, rng, depth: int = 0) -> float:
         engine.release(seq)
 
 
+def time_tg_at_depth(engine, n: int, depth: int, reps: int, rng) -> tuple[list[float], dict]:
+    """tg n at a fixed context depth: fill `depth` tokens once, then per repetition
+    decode n tokens and roll the cache back to depth (first repetition untimed)."""
+    seq = engine.new_sequence()
+    try:
+        prompt = _random_tokens(engine, max(depth, 1), rng)
+        for i in range(0, len(prompt), 512):
+            logits = engine.step([seq], [prompt[i:i + 512]])
+        first = int(np.argmax(logits[0]))
+        runs, stats = [], {}
+        for r in range(reps + 1):
+            nxt = first
+            t = time.perf_counter()
+            for _ in range(n):
+                nxt = int(np.argmax(engine.step([seq], [[nxt]])[0]))
+            dt = time.perf_counter() - t
+            if r:
+                runs.append(n / dt)
+            stats = engine.stats()
+            engine.cache.truncate(seq, len(prompt))
+        return runs, stats
+    finally:
+        engine.release(seq)
+
+
+def time_prefix_reuse(engine, n_history: int, n_turn: int, reps: int, rng) -> dict:
+    """Time to first token of an n_turn-token new turn after an n_history-token
+    history: cold (fresh tokens, nothing cached) vs reused (history blocks cached
+    by the previous turn's sequence).  Medians over reps, after one warm-up."""
+    def ttft(tokens):
+        seq = engine.new_sequence()
+        try:
+            t = time.perf_counter()
+            logits = engine.prefill(seq, tokens)
+            int(np.argmax(logits))
+            return (time.perf_counter() - t) * 1e3, seq.reused_tokens
+        finally:
+            engine.release(seq)
+    cold, warm, reused = [], [], 0
+    for r in range(reps + 1):
+        history = _random_tokens(engine, n_history, rng)       # new ids: nothing of it is cached
+        turn = _random_tokens(engine, n_turn, rng)
+        c, _ = ttft(history + turn)                           # cold; leaves the history's blocks cached
+        w, reused = ttft(history + _random_tokens(engine, n_turn, rng))   # the next turn
+        if r:
+            cold.append(c); warm.append(w)
+    c, w = statistics.median(cold), statistics.median(warm)
+    return {"test": f"prefix-reuse{n_history}", "history_tokens": n_history, "new_tokens": n_turn,
+            "reused_tokens": reused, "ttft_cold_ms": c, "ttft_reused_ms": w, "speedup": c / w,
+            "ttft_cold_ms_runs": cold, "ttft_reused_ms_runs": warm}
+
+
+def plot_depths(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    series = {}
+    for r in rows:
+        if r["test"].startswith("tg") and "depth" in r:
+            series.setdefault(f"{r.get('model', '')} ({r.get('backend', '')})", []).append(r)
+    for name, rs in series.items():
+        rs.sort(key=lambda r: r["depth"])
+        ax.errorbar([r["depth"] for r in rs], [r["t_s"] for r in rs], yerr=[r["sd"] for r in rs],
+                    marker="o", capsize=3, label=name)
+    ax.set_xlabel("context depth (tokens in the KV cache)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("tg vs context depth")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def measure(fn, reps: int) -> tuple[float, float]:
     fn()                                    # warm-up: compile, fault pages in
     runs = [fn() for _ in range(reps)]
@@ -58,15 +141,20 @@ def measure(fn, reps: int) -> tuple[float, float]:
 
 def run_bench(args) -> int:
     from .engine import Engine
-    engine = Engine(args.model, device=args.device, n_ctx=max(args.ctx_size, args.n_prompt + args.n_gen + 16, 4096),
+    depths = [int(d) for d in str(getattr(args, "ctx_depths", None) or "").split(",") if d.strip()]
+    reuse_n = getattr(args, "prefix_reuse", 0) or 0
+    n_ctx = max(args.ctx_size, args.n_prompt + args.n_gen + 16, 4096, max(depths or [0]) + args.n_gen + 1,
+                reuse_n + 64)
+    engine = Engine(args.model, device=args.device, n_ctx=n_ctx, threads=args.threads,
                     gpu_layers=getattr(args, "gpu_layers", None),
-                    threads=args.threads, announce=lambda m: print(m, file=sys.stderr))
+                    cache_type=getattr(args, "cache_type", "f16") or "f16",
+                    announce=lambda m: print(m, file=sys.stderr))
     lm = engine.loaded
     rng = np.random.default_rng(0)
     model_desc = {"model": lm.path.name, "size_bytes": lm.weight_bytes, "params": lm.n_params,
                   "backend": engine.backend.name, "device": engine.backend.device_name,
                   "gpu_memory": getattr(engine.backend, "memory_report", dict)(),
-                  "threads": getattr(engine.backend, "threads", None)}
+                  "threads": getattr(engine.backend, "threads", None), "cache_type": engine.cache_type}
     rows = []
     if args.n_prompt:
         m, sd = measure(lambda: time_pp(engine, args.n_prompt, rng), args.repetitions)
@@ -81,8 +169,24 @@ def run_bench(args) -> int:
             per_tok -= lm.tensors["token_embd.weight"].nbytes
         rows[-1]["weight_bytes_per_token"] = per_tok
         rows[-1]["weight_GB_per_s"] = per_tok * m / 1e9
+    for d in depths:
+        eff = min(d, engine.n_ctx - args.n_gen - 1)
+        if eff != d:
+            print(f"depth {d} + {args.n_gen} exceeds the model's context {engine.n_ctx}: measuring at {eff}",
+                  file=sys.stderr)
+        runs, kv = time_tg_at_depth(engine, args.n_gen, eff, args.repetitions, rng)
+        rows.append({**model_desc, "test": f"tg{args.n_gen}@d{d}", "depth": eff, "depth_requested": d,
+                     "t_s": statistics.mean(runs), "sd": statistics.stdev(runs) if len(runs) > 1 else 0.0,
+                     "t_s_median": statistics.median(runs), "kv_cache": kv})
+    if reuse_n:
+        rows.append({**model_desc, **time_prefix_reuse(engine, reuse_n, 32, args.repetitions, rng)})
     if args.peer:
         rows += _peer_rows(args, lm.path)
+    kv_final = engine.stats()
+    for r in rows:
+        r.setdefault("kv_cache", kv_final)
+    if getattr(args, "plot", None):
+        plot_depths(rows, args.plot)
     if args.json:
         print(json.dumps(rows))
     else:
@@ -106,6 +210,11 @@ def _print_table(rows: list[dict]) -> None:
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for r in rows:
+        if "ttft_cold_ms" in r:
+            print(f"| {r['test']}: time to first token of a {r['new_tokens']}-token turn: cold "
+                  f"{r['ttft_cold_ms']:.1f} ms, reused ({r['reused_tokens']} tokens cached) "
+                  f"{r['ttft_reused_ms']:.1f} ms, {r['speedup']:.1f}x")
+            continue
         size = f"{r.get('size_bytes', 0) / 2**20:.1f} MiB" if r.get("size_bytes") else ""
         params = f"{r.get('params', 0) / 1e6:.0f} M" if r.get("params") else ""
         print(f"| {str(r.get('model', ''))[:40]:<40} | {size:>9} | {params:>8} | {str(r.get('backend', ''))[:28]:<28} | "

@@ -5,6 +5,7 @@ both drive this class.
 """
 from __future__ import annotations
 
+from .context import check_policy, fit_turns
 from .engine import Engine
 from .generate import GenStats, Generation
 from .sampling import SamplingParams
@@ -12,8 +13,14 @@ from .sampling import SamplingParams
 
 class ChatSession:
     def __init__(self, engine: Engine, system: str | None = None, params: SamplingParams | None = None,
-                 max_tokens: int = 1024):
+                 max_tokens: int = 1024, overflow: str | None = None):
         self.engine = engine
+        # context overflow (runtime/context.py): "stop", "drop-turns" or "shift" (engine-level)
+        self.overflow = check_policy(overflow or engine.overflow)
+        if self.overflow == "shift" and engine.overflow != "shift":
+            raise ValueError("overflow='shift' needs an Engine created with overflow='shift'")
+        self.first_shown = 0          # drop-turns: messages before this index are not in the prompt
+        self.dropped_turns = 0
         self.system = system
         self.params = params or SamplingParams()
         self.max_tokens = max_tokens
@@ -25,23 +32,39 @@ class ChatSession:
     # ---- prompt ------------------------------------------------------------------
     def conversation(self) -> list[dict]:
         msgs = [{"role": "system", "content": self.system}] if self.system else []
-        return msgs + self.messages
+        return msgs + self.messages[self.first_shown:]
 
-    def prompt_ids(self) -> list[int]:
+    def _render(self, messages: list[dict]) -> list[int]:
         from .chat_template import encode_chat
         lm = self.engine.loaded
-        return encode_chat(self.engine.tokenizer, lm.chat_template, self.conversation(),
+        msgs = [{"role": "system", "content": self.system}] if self.system else []
+        return encode_chat(self.engine.tokenizer, lm.chat_template, msgs + messages,
                            arch=self.engine.config.arch)
+
+    def prompt_ids(self) -> list[int]:
+        """The prompt the model sees; under drop-turns, the oldest turns are left out
+        until it fits with room for an answer (self.dropped_turns counts them)."""
+        if self.overflow != "drop-turns":
+            return self._render(self.messages[self.first_shown:])
+        reserve = min(self.max_tokens, self.engine.n_ctx // 4)
+        first, ids = fit_turns(self.messages[self.first_shown:], self._render, self.engine.n_ctx, reserve)
+        if first:
+            self.dropped_turns += sum(m["role"] == "user" for m in self.messages[self.first_shown:self.first_shown + first])
+            self.first_shown += first
+        return ids
 
     def _sequence_for(self, ids: list[int]):
         """Continue the cached sequence when the new prompt extends it; otherwise
         start a fresh one (its shared full blocks still come from the prefix cache)."""
         seq = self.seq
-        if seq is not None and ids[:len(seq.tokens)] == seq.tokens and len(ids) > len(seq.tokens):
-            return seq
+        if seq is not None and ids[:len(seq.history)] == seq.history and len(ids) > len(seq.history):
+            return seq        # (history: every id fed, also those a context shift dropped)
         if seq is not None:
             self.engine.release(seq)
         self.seq = self.engine.new_sequence()
+        if self.overflow == "shift":     # a context shift never drops the system prompt
+            sys_ids = self._render([]) if self.system else ids[:1]
+            self.seq.keep = next((i for i, (x, y) in enumerate(zip(sys_ids, ids)) if x != y), min(len(sys_ids), len(ids)))
         return self.seq
 
     # ---- turns -------------------------------------------------------------------
@@ -66,6 +89,7 @@ class ChatSession:
 
     def clear(self) -> None:
         self.messages.clear()
+        self.first_shown = self.dropped_turns = 0
         if self.seq is not None:
             self.engine.release(self.seq)
             self.seq = None

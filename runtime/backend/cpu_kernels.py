@@ -10,7 +10,7 @@ import math
 import numba as nb
 import numpy as np
 
-from quant.half import f16_to_f32, f32_to_f16
+from quant.half import bits_to_f32, f16_to_f32, f32_to_f16
 
 _JIT = dict(cache=True, nogil=True, fastmath=True)
 
@@ -109,6 +109,24 @@ def _q8_store(x, pool, scales, s, h):
         for j in range(b0, b0 + QK8):
             v = x[j] * inv      # round half away from zero, as GGML's roundf
             pool[s, h, j] = np.int8(int(v + np.float32(0.5)) if v >= 0 else -int(np.float32(0.5) - v))
+
+
+@nb.njit(inline="always")
+def _exp_le0(x):
+    """exp(x) for x <= 0 (0 for x < -87), branch-free so loops over it vectorize:
+    2^(x log2 e) = 2^n * 2^f with a degree-6 polynomial for 2^f, f in [0, 1)
+    (relative error ~2e-7; libm's scalar expf call was half of decode attention)."""
+    t = max(x, np.float32(-87.0)) * np.float32(1.4426950408889634)
+    n = np.floor(t)
+    f = t - n
+    p = np.float32(1.5403530e-4)
+    p = p * f + np.float32(1.3333558e-3)
+    p = p * f + np.float32(9.6181291e-3)
+    p = p * f + np.float32(5.5504109e-2)
+    p = p * f + np.float32(2.4022651e-1)
+    p = p * f + np.float32(6.9314718e-1)
+    p = p * f + np.float32(1.0)
+    return p * bits_to_f32(np.uint32((np.int32(n) + 127) << 23))
 
 
 @nb.njit(inline="always")
@@ -213,7 +231,7 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
         l = np.zeros(rows, np.float32)
         kf = np.empty((block_size, d), np.float32)
         vf = np.empty((block_size, d), np.float32)
-        sc = np.empty((rows, block_size), np.float32)
+        sc = np.empty(block_size, np.float32)
         for r in range(rows):
             for x in range(d):
                 qs[r, x] = q[t0 + r // g, kh * g + r % g, x] * scale
@@ -228,23 +246,20 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
                 _load_row(v_pool, v_scale, quantized, base + c, kh, vf, c)
             for r in range(rows):
                 pos = p0 + r // g
-                klo = 0
+                # keys of this block inside the row's causal window: c in [c0, c1)
+                c1 = min(nk, pos - j + 1)
+                c0 = 0
                 if window > 0:
-                    klo = pos - window + 1
+                    c0 = max(0, pos - window + 1 - j)
+                if c1 <= c0:
+                    continue
                 mb = -np.inf
-                for c in range(nk):
-                    kp = j + c
-                    if kp > pos or kp < klo:
-                        sc[r, c] = -np.inf
-                        continue
+                for c in range(c0, c1):
                     s = np.float32(0.0)
                     for x in range(d):
                         s += qs[r, x] * kf[c, x]
-                    sc[r, c] = s
-                    if s > mb:
-                        mb = s
-                if mb == -np.inf:
-                    continue
+                    sc[c] = s
+                    mb = max(mb, s)
                 if mb > m[r]:
                     corr = np.exp(m[r] - mb)
                     m[r] = mb
@@ -252,11 +267,14 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
                     for x in range(d):
                         acc[r, x] *= corr
                 mr = m[r]
-                for c in range(nk):
-                    if sc[r, c] == -np.inf:
-                        continue
-                    p = np.exp(sc[r, c] - mr)
-                    l[r] += p
+                lsum = np.float32(0.0)
+                for c in range(c0, c1):
+                    p = _exp_le0(sc[c] - mr)
+                    sc[c] = p
+                    lsum += p
+                l[r] += lsum
+                for c in range(c0, c1):
+                    p = sc[c]
                     for x in range(d):
                         acc[r, x] += p * vf[c, x]
             j = jb_end
