@@ -23,6 +23,11 @@ def _add_engine(p):
                    help="with --device cuda/auto: only the first N layers on the GPU, the rest on the CPU")
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (default min(4096, model's))")
+    p.add_argument("--cache-type", default="f16", choices=["f16", "q8_0"],
+                   help="KV cache precision: f16, or q8_0 (about half the memory)")
+    p.add_argument("--overflow", default="stop", choices=["stop", "drop-turns", "shift"],
+                   help="when the context is full: stop with a message (default); drop the oldest chat turns "
+                        "(keeps the system prompt); or shift out the oldest tokens, re-rotating cached keys")
     p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
                    help="checkpoint folders: quantize on load (int8: Q8_0; int4: Q4_K_M-style mix)")
 
@@ -71,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-n", "--n-gen", type=int, default=128)
     b.add_argument("-r", "--repetitions", type=int, default=3)
     b.add_argument("--json", action="store_true")
+    b.add_argument("--ctx-depths", default=None, metavar="D1,D2,..",
+                   help="also measure tg at these context depths (tokens already in the KV cache)")
+    b.add_argument("--plot", default=None, metavar="FILE.png", help="plot tokens/s against context depth")
+    b.add_argument("--prefix-reuse", type=int, default=0, metavar="N",
+                   help="time to first token of a new turn after an N-token history, cold vs reused")
     b.add_argument("--peer", default=None, help="python of a venv with llama-cpp-python: bench it side by side")
 
     i = sub.add_parser("info", help="architecture, parameters, tensor types, KV bytes per token")
@@ -86,6 +96,7 @@ def _engine(args):
         from .loader import load_model
         model = load_model(args.model, quant=args.quant)
     return Engine(model, device=args.device, n_ctx=args.ctx_size, threads=args.threads,
+                  cache_type=args.cache_type, overflow="shift" if args.overflow == "shift" else "stop",
                   gpu_layers=getattr(args, "gpu_layers", None),
                   announce=lambda m: print(m, file=sys.stderr))
 
@@ -124,7 +135,8 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     from .chat import ChatSession
     eng = _engine(args)
-    chat = ChatSession(eng, system=args.system, params=_params(args), max_tokens=args.n_predict)
+    chat = ChatSession(eng, system=args.system, params=_params(args), max_tokens=args.n_predict,
+                       overflow=args.overflow)
     print("Chatting with", eng.loaded.path.name, "— empty line or Ctrl-D to quit.", file=sys.stderr)
     while True:
         try:
