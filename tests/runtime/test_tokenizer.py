@@ -125,6 +125,32 @@ def test_stop_ids_are_the_end_of_turn_tokens(loaded):
     assert tok.token_to_id("<start_of_turn>") not in tok.stop_ids
 
 
+def _pre_variants():
+    try:
+        return refs.pre_variants()
+    except FileNotFoundError:
+        return {"pre": {}, "texts": [], "unknown_to_llama_cpp": []}
+
+
+@pytest.mark.parametrize("pre", sorted(_pre_variants()["pre"]))
+def test_pre_tokenizer_matches_llama_cpp(loaded, pre):
+    """Every split-regex set, on SmolLM2's vocabulary with tokenizer.ggml.pre replaced, against llama.cpp
+    loading the same metadata (tests/fixtures/tokenizer/pre_variants.json)."""
+    md, _, _ = loaded("smollm2-135m")
+    ref = _pre_variants()
+    md = dict(md, **{"tokenizer.ggml.pre": pre})
+    tok = Tokenizer.from_gguf(md)
+    assert tok.add_bos == ref["pre"][pre]["add_bos"]
+    bad = [(t, tok.encode(t, add_bos=False), ids) for t, ids in zip(ref["texts"], ref["pre"][pre]["ids"])
+           if tok.encode(t, add_bos=False) != ids]
+    assert not bad, f"{len(bad)} differences from llama.cpp with pre={pre!r}, first: {bad[:2]}"
+
+
+def test_pre_variants_cover_every_supported_name():
+    ref = _pre_variants()
+    assert set(ref["pre"]) | set(ref["unknown_to_llama_cpp"]) == set(tokmod.SUPPORTED_PRE)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # transformers (live)
 
