@@ -146,6 +146,23 @@ def test_pre_tokenizer_matches_llama_cpp(loaded, pre):
     assert not bad, f"{len(bad)} differences from llama.cpp with pre={pre!r}, first: {bad[:2]}"
 
 
+def test_sentencepiece_space_prefix_matches_llama_cpp(loaded):
+    """Gemma's vocabulary with add_space_prefix=true (llama-2 style): a space goes before every text fragment,
+    as llama.cpp does (tests/fixtures/tokenizer/spm_space_prefix.json)."""
+    md, _, _ = loaded("gemma3-270m")
+    ref = refs.spm_space_prefix()
+    tok = Tokenizer.from_gguf(dict(md, **ref["overrides"]))
+    assert tok.add_space_prefix
+    for i, text in enumerate(ref["texts"]):
+        assert tok.encode(text, add_bos=False) == ref["ids"][i], text
+        assert tok.encode(text, add_bos=False, parse_special=False) == ref["ids_plain"][i], text
+        if i < len(ref["ids_add_special"]):
+            assert tok.encode(text) == ref["ids_add_special"][i], text
+    ids = tok.encode("Hello world", add_bos=False)
+    assert tok.token_text(ids[0]) == "▁Hello"
+    assert tok.decode(ids) == "Hello world"          # the added space is taken off again
+
+
 def test_pre_variants_cover_every_supported_name():
     ref = _pre_variants()
     assert set(ref["pre"]) | set(ref["unknown_to_llama_cpp"]) == set(tokmod.SUPPORTED_PRE)
