@@ -49,19 +49,22 @@ def _weights(qtype: GGMLType, M: int, K: int, rng) -> np.ndarray:
     return raw.reshape(M, -1)
 
 
+CLOCK = time.perf_counter
+
+
 def _time(fn, reps: int, min_time: float = 0.3) -> float:
     """Median seconds per call over `reps` timed batches (after one warm-up)."""
     fn()
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     fn()
-    one = max(time.perf_counter() - t0, 1e-7)
+    one = max(CLOCK() - t0, 1e-7)
     inner = max(1, int(min_time / reps / one))
     ts = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         for _ in range(inner):
             fn()
-        ts.append((time.perf_counter() - t0) / inner)
+        ts.append((CLOCK() - t0) / inner)
     return float(np.median(ts))
 
 
@@ -209,12 +212,18 @@ def main(argv=None) -> int:
                     help="also time the float-FMA variant (dequantize row, f32 FMA) of each quantized type")
     ap.add_argument("--asm", action="store_true",
                     help="print the SIMD instructions in each type's kernel and exit")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall: elapsed time (default); cpu: process CPU time - on a machine shared "
+                         "with other busy processes, use with --threads 1 to measure what one core does "
+                         "while it runs")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     a = ap.parse_args(argv)
     if a.asm:
         for name, counts in asm_report().items():
             print(f"{name:>12}: " + ", ".join(f"{k} {v}" for k, v in counts.items() if v))
         return 0
+    global CLOCK
+    CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
     if a.threads:
         numba.set_num_threads(a.threads)
     types = REAL_MODEL_TYPES if a.types == "real" else [t.strip() for t in a.types.split(",") if t.strip()]
@@ -224,11 +233,13 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
 
     bw = memory_bandwidth()
-    res = {"machine": {"cpus": os.cpu_count(), "numba_threads": numba.get_num_threads(), **bw},
+    res = {"machine": {"cpus": os.cpu_count(), "numba_threads": numba.get_num_threads(), "clock": a.clock,
+                       "load_avg_1min": os.getloadavg()[0], **bw},
            "overhead": call_overhead(), "results": []}
     if not a.json:
         print(f"memory bandwidth: copy {bw['copy_GBps']:.1f} GB/s (np.copyto, read+write), "
-              f"parallel read {bw['read_GBps']:.1f} GB/s; numba threads {numba.get_num_threads()}")
+              f"parallel read {bw['read_GBps']:.1f} GB/s; numba threads {numba.get_num_threads()}; "
+              f"{a.clock} clock; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         o = res["overhead"]
         print(f"per-call time {o['type']} {o['shape']} n=1: matmul_into {o['matmul_into_us']:.1f} us, "
               f"matmul {o['matmul_us']:.1f} us; fixed overhead (Q8_0 32x32): "
