@@ -114,7 +114,8 @@ def test_greedy_32_tokens_identical(engines):
 
 
 def test_graph_replay_equals_eager(engines):
-    """The captured decode graph computes what the eager path computes."""
+    """The captured decode graph computes what the eager path computes (up to float
+    summation order: the graph splits attention for its block-table width)."""
     lm, _, gpu, _ = engines
     ids = _prompt(lm, 5, 3)
     res = []
@@ -126,7 +127,7 @@ def test_graph_replay_equals_eager(engines):
         gpu.release(seq)
     gpu.backend.use_graphs = True
     for a, b in zip(*res):
-        assert _rel(a, b.astype(np.float64)) < 1e-6
+        assert _rel(a, b.astype(np.float64)) < 1e-4
 
 
 def test_partial_offload_gpu_layers(engines):
