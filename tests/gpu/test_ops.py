@@ -139,6 +139,9 @@ def test_paged_attention(backends, hd, heads, kvh, case):
     gpu.arena.reset()
     got = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep).get()
     assert _rel(got, ref) < 1e-5, case
+    # the new tokens' K/V landed in the same slots, in fp16
+    assert np.array_equal(gpu.kv.k[0].get().view(np.uint16), cpu.kv.k[0])
+    assert np.array_equal(gpu.kv.v[0].get().view(np.uint16), cpu.kv.v[0])
     if case == "prefill":
         # RoPE of q and k folded into the KV write, against CPU RoPE then attention
         inv_freq = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
@@ -157,6 +160,3 @@ def test_paged_attention(backends, hd, heads, kvh, case):
         k_gpu = gpu.kv.k[0].get().astype(np.float32)
         k_cpu = cpu.kv.k[0].view(np.float16).astype(np.float32)
         assert np.allclose(k_gpu, k_cpu, rtol=2e-3, atol=1e-6)
-    # the new tokens' K/V landed in the same slots, in fp16
-    assert np.array_equal(gpu.kv.k[0].get().view(np.uint16), cpu.kv.k[0])
-    assert np.array_equal(gpu.kv.v[0].get().view(np.uint16), cpu.kv.v[0])
