@@ -193,7 +193,7 @@ def asm_report() -> dict:
         count(t.name, fn, w, *x256, out, np.empty(2, np.float32), np.empty(256, np.int16),
               np.empty(8, np.int32), 0, M)
     w = QTensor("w", GGMLType.Q4_K, (M, K), _weights(GGMLType.Q4_K, M, K, rng)).data
-    count("fma-variant", KF.rows_dequant_fma, int(GGMLType.Q4_K), x, w, out, np.empty(K, np.float32), 0, M)
+    count("fma-variant", KF.rows_dequant_fma, int(GGMLType.Q4_K), x, w, out, np.empty(K, np.float32), 32, 0, M)
     count("F16", KF.rows_f16, x, rng.standard_normal((M, K)).astype(np.float16).view(np.uint16), out,
           np.empty(K, np.float32), False, 0, M)
     count("F32", KF.rows_f32, x, rng.standard_normal((M, K)).astype(np.float32), out, 0, M)

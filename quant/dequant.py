@@ -41,35 +41,35 @@ def scale_min_k4(j, src, o):
 
 
 @njit(cache=True)
-def deq_row_q4_0(src, dst):
+def deq_row_q4_0(src, dst, L):
     for b in range(dst.size // QK):
         o = b * 18
         d = _h(src, o)
-        for j in range(16):
+        for j in range(L // 2):
             q = src[o + 2 + j]
             dst[b * QK + j] = d * F32(np.int32(q & 15) - 8)
             dst[b * QK + j + 16] = d * F32(np.int32(q >> 4) - 8)
 
 
 @njit(cache=True)
-def deq_row_q4_1(src, dst):
+def deq_row_q4_1(src, dst, L):
     for b in range(dst.size // QK):
         o = b * 20
         d = _h(src, o)
         m = _h(src, o + 2)
-        for j in range(16):
+        for j in range(L // 2):
             q = src[o + 4 + j]
             dst[b * QK + j] = d * F32(q & 15) + m
             dst[b * QK + j + 16] = d * F32(q >> 4) + m
 
 
 @njit(cache=True)
-def deq_row_q5_0(src, dst):
+def deq_row_q5_0(src, dst, L):
     for b in range(dst.size // QK):
         o = b * 22
         d = _h(src, o)
         qh = _u32(src, o + 2)
-        for j in range(16):
+        for j in range(L // 2):
             q = src[o + 6 + j]
             h0 = np.int32((qh >> np.uint32(j)) & np.uint32(1)) << 4
             h1 = np.int32((qh >> np.uint32(j + 16)) & np.uint32(1)) << 4
@@ -78,13 +78,13 @@ def deq_row_q5_0(src, dst):
 
 
 @njit(cache=True)
-def deq_row_q5_1(src, dst):
+def deq_row_q5_1(src, dst, L):
     for b in range(dst.size // QK):
         o = b * 24
         d = _h(src, o)
         m = _h(src, o + 2)
         qh = _u32(src, o + 4)
-        for j in range(16):
+        for j in range(L // 2):
             q = src[o + 8 + j]
             h0 = np.int32((qh >> np.uint32(j)) & np.uint32(1)) << 4
             h1 = np.int32((qh >> np.uint32(j + 16)) & np.uint32(1)) << 4
@@ -93,16 +93,16 @@ def deq_row_q5_1(src, dst):
 
 
 @njit(cache=True)
-def deq_row_q8_0(src, dst):
+def deq_row_q8_0(src, dst, L):
     for b in range(dst.size // QK):
         o = b * 34
         d = _h(src, o)
-        for j in range(32):
+        for j in range(L):
             dst[b * QK + j] = F32(np.int8(src[o + 2 + j])) * d
 
 
 @njit(cache=True)
-def deq_row_q4_k(src, dst):
+def deq_row_q4_k(src, dst, L):
     for b in range(dst.size // QK_K):
         o = b * 144
         d = _h(src, o)
@@ -115,14 +115,14 @@ def deq_row_q4_k(src, dst):
             d1 = d * F32(sc1)
             dm1 = dmin * F32(m1)
             base = b * QK_K + g * 64
-            for l in range(32):
+            for l in range(L):
                 q = src[o + 16 + g * 32 + l]
                 dst[base + l] = d0 * F32(q & 15) - dm0
                 dst[base + 32 + l] = d1 * F32(q >> 4) - dm1
 
 
 @njit(cache=True)
-def deq_row_q5_k(src, dst):
+def deq_row_q5_k(src, dst, L):
     for b in range(dst.size // QK_K):
         o = b * 176
         d = _h(src, o)
@@ -135,7 +135,7 @@ def deq_row_q5_k(src, dst):
             d1 = d * F32(sc1)
             dm1 = dmin * F32(m1)
             base = b * QK_K + g * 64
-            for l in range(32):
+            for l in range(L):
                 q = src[o + 48 + g * 32 + l]
                 h = src[o + 16 + l]
                 q0 = np.int32(q & 15) | (np.int32((h >> (2 * g)) & 1) << 4)
@@ -145,7 +145,7 @@ def deq_row_q5_k(src, dst):
 
 
 @njit(cache=True)
-def deq_row_q6_k(src, dst):
+def deq_row_q6_k(src, dst, L):
     for b in range(dst.size // QK_K):
         o = b * 210
         d = _h(src, o + 208)
@@ -154,79 +154,91 @@ def deq_row_q6_k(src, dst):
             qh = o + 128 + half * 32
             sc = o + 192 + half * 8
             base = b * QK_K + half * 128
-            for l in range(32):
-                i = l // 16
-                a = src[ql + l]
-                c = src[ql + l + 32]
-                h = src[qh + l]
-                q1 = (np.int32(a & 15) | (np.int32(h & 3) << 4)) - 32
-                q2 = (np.int32(c & 15) | (np.int32((h >> 2) & 3) << 4)) - 32
-                q3 = (np.int32(a >> 4) | (np.int32((h >> 4) & 3) << 4)) - 32
-                q4 = (np.int32(c >> 4) | (np.int32((h >> 6) & 3) << 4)) - 32
-                dst[base + l] = (d * F32(np.int8(src[sc + i]))) * F32(q1)
-                dst[base + l + 32] = (d * F32(np.int8(src[sc + i + 2]))) * F32(q2)
-                dst[base + l + 64] = (d * F32(np.int8(src[sc + i + 4]))) * F32(q3)
-                dst[base + l + 96] = (d * F32(np.int8(src[sc + i + 6]))) * F32(q4)
+            for i in range(2):
+                # the four scales of elements 16i..16i+15 of each 32-element quarter
+                d1 = d * F32(np.int8(src[sc + i]))
+                d2 = d * F32(np.int8(src[sc + i + 2]))
+                d3 = d * F32(np.int8(src[sc + i + 4]))
+                d4 = d * F32(np.int8(src[sc + i + 6]))
+                for t in range(L // 2):
+                    l = 16 * i + t
+                    a = src[ql + l]
+                    c = src[ql + l + 32]
+                    h = src[qh + l]
+                    q1 = (np.int32(a & 15) | (np.int32(h & 3) << 4)) - 32
+                    q2 = (np.int32(c & 15) | (np.int32((h >> 2) & 3) << 4)) - 32
+                    q3 = (np.int32(a >> 4) | (np.int32((h >> 4) & 3) << 4)) - 32
+                    q4 = (np.int32(c >> 4) | (np.int32((h >> 6) & 3) << 4)) - 32
+                    dst[base + l] = d1 * F32(q1)
+                    dst[base + l + 32] = d2 * F32(q2)
+                    dst[base + l + 64] = d3 * F32(q3)
+                    dst[base + l + 96] = d4 * F32(q4)
 
 
 @njit(cache=True)
-def deq_row_f16(src, dst):
+def deq_row_f16(src, dst, L):
     for i in range(dst.size):
         dst[i] = _h(src, 2 * i)
 
 
 @njit(cache=True)
-def deq_row_bf16(src, dst):
+def deq_row_bf16(src, dst, L):
     for i in range(dst.size):
         u = (np.uint32(src[2 * i]) | (np.uint32(src[2 * i + 1]) << np.uint32(8))) << np.uint32(16)
         dst[i] = bits_to_f32(u)
 
 
 @njit(cache=True)
-def deq_row_f32(src, dst):
+def deq_row_f32(src, dst, L):
     for i in range(dst.size):
         dst[i] = bits_to_f32(_u32(src, 4 * i))
 
 
 @njit(cache=True)
-def deq_row(qt, src, dst):
-    """Decode one row of type id qt (bytes src) into dst (float32, row length)."""
+def deq_row(qt, src, dst, L):
+    """Decode one row of type id qt (bytes src) into dst (float32, row length).
+
+    L is always 32; it is passed at run time because with literal trip counts
+    LLVM unrolls the short inner loops and then cannot vectorize their stores
+    (it cannot prove dst and src do not alias), while the loop vectorizer adds
+    a run-time alias check: measured 2-6x faster for Q4_0/Q4_1/Q8_0/Q6_K.
+    The arithmetic per element is unchanged, so results stay bit-exact."""
     if qt == 12:
-        deq_row_q4_k(src, dst)
+        deq_row_q4_k(src, dst, L)
     elif qt == 14:
-        deq_row_q6_k(src, dst)
+        deq_row_q6_k(src, dst, L)
     elif qt == 3:
-        deq_row_q4_1(src, dst)
+        deq_row_q4_1(src, dst, L)
     elif qt == 6:
-        deq_row_q5_0(src, dst)
+        deq_row_q5_0(src, dst, L)
     elif qt == 8:
-        deq_row_q8_0(src, dst)
+        deq_row_q8_0(src, dst, L)
     elif qt == 2:
-        deq_row_q4_0(src, dst)
+        deq_row_q4_0(src, dst, L)
     elif qt == 7:
-        deq_row_q5_1(src, dst)
+        deq_row_q5_1(src, dst, L)
     elif qt == 13:
-        deq_row_q5_k(src, dst)
+        deq_row_q5_k(src, dst, L)
     elif qt == 1:
-        deq_row_f16(src, dst)
+        deq_row_f16(src, dst, L)
     elif qt == 30:
-        deq_row_bf16(src, dst)
+        deq_row_bf16(src, dst, L)
     else:
-        deq_row_f32(src, dst)
+        deq_row_f32(src, dst, L)
 
 
 @njit(parallel=True, cache=True)
-def deq_rows_kernel(qt, data, rows, out):
-    """out[i] = decoded row rows[i] of data."""
+def deq_rows_kernel(qt, data, rows, out, L):
+    """out[i] = decoded row rows[i] of data (L = 32, see deq_row)."""
     for i in prange(rows.size):
-        deq_row(qt, data[rows[i]], out[i])
+        deq_row(qt, data[rows[i]], out[i], L)
 
 
 @njit(parallel=True, cache=True)
-def deq_range_kernel(qt, data, r0, out):
-    """out[i] = decoded row r0 + i of data (a tile of consecutive rows)."""
+def deq_range_kernel(qt, data, r0, out, L):
+    """out[i] = decoded row r0 + i of data (a tile of consecutive rows; L = 32)."""
     for i in prange(out.shape[0]):
-        deq_row(qt, data[r0 + i], out[i])
+        deq_row(qt, data[r0 + i], out[i], L)
 
 
 _NP_FLOAT = {GGMLType.F32: np.float32, GGMLType.F16: np.float16}
@@ -241,7 +253,7 @@ def dequantize(qt: QTensor) -> np.ndarray:
         return qt.data.view(np.float16).astype(np.float32).reshape(qt.shape)
     out = np.empty((qt.rows, qt.cols), np.float32)
     if qt.rows:
-        deq_range_kernel(int(t), qt.data, 0, out)
+        deq_range_kernel(int(t), qt.data, 0, out, 32)
     return out.reshape(qt.shape)
 
 
@@ -254,5 +266,5 @@ def dequantize_rows(qt: QTensor, rows) -> np.ndarray:
         return qt.data[rows].view(_NP_FLOAT[qt.qtype]).astype(np.float32)
     out = np.empty((rows.size, qt.cols), np.float32)
     if rows.size:
-        deq_rows_kernel(int(qt.qtype), qt.data, rows, out)
+        deq_rows_kernel(int(qt.qtype), qt.data, rows, out, 32)
     return out

@@ -68,17 +68,17 @@ def par_f16(x, w, out, bufs, bf16, nch):
 
 
 @njit(cache=True, fastmath=True)
-def rows_dequant_fma(qt, x, w, out, buf, m0, m1):
+def rows_dequant_fma(qt, x, w, out, buf, L, m0, m1):
     """The float-FMA alternative for quantized W (benchmark comparison only):
     dequantize each row exactly (dequant.deq_row) into buf, FMA with float x."""
     for m in range(m0, m1):
-        deq_row(qt, w[m], buf)
+        deq_row(qt, w[m], buf, L)
         _dots(x, buf, out, m)
 
 
 @njit(parallel=True, cache=True)
-def par_dequant_fma(qt, x, w, out, bufs, nch):
+def par_dequant_fma(qt, x, w, out, bufs, L, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
     for c in prange(nch):
-        rows_dequant_fma(qt, x, w, out, bufs[c], c * per, min(M, (c + 1) * per))
+        rows_dequant_fma(qt, x, w, out, bufs[c], L, c * per, min(M, (c + 1) * per))

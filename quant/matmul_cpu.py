@@ -215,7 +215,7 @@ def _matmul_large(x, W, out, scratch):
     for m0 in range(0, M, tile):
         m1 = min(M, m0 + tile)
         w = wt[: m1 - m0]
-        deq_range_kernel(qt, W.data, m0, w)
+        deq_range_kernel(qt, W.data, m0, w, 32)
         if m1 - m0 == tile:
             np.matmul(x, w.T, out=yt)
             out[:, m0:m1] = yt
@@ -320,9 +320,9 @@ def matmul_float_fma(x, W, out, scratch):
     nch = min(M, 8 * nthr) if nthr > 1 and M * K >= PARALLEL_MIN_ELEMS else 1
     bufs = scratch.get("fmarow", (nch, K))
     if nch > 1:
-        _run_parallel(KF.par_dequant_fma, int(W.qtype), x, w, out, bufs, nch)
+        _run_parallel(KF.par_dequant_fma, int(W.qtype), x, w, out, bufs, 32, nch)
     else:
-        KF.rows_dequant_fma(int(W.qtype), x, w, out, bufs[0], 0, M)
+        KF.rows_dequant_fma(int(W.qtype), x, w, out, bufs[0], 32, 0, M)
     return out
 
 

@@ -50,6 +50,13 @@ _KBLOCK = {GGMLType.F32: (32, 128), GGMLType.F16: (32, 64), GGMLType.BF16: (32, 
 
 _OPTIONS = ("-std=c++17", f"-I{_DIR}")
 
+# Integer decode path (int8 activations in blocks of 16, dp4a): the quantized types
+INT8_STRUCT = {GGMLType.Q4_0: "IQ4_0", GGMLType.Q4_1: "IQ4_1", GGMLType.Q5_0: "IQ5_0", GGMLType.Q5_1: "IQ5_1",
+               GGMLType.Q8_0: "IQ8_0", GGMLType.Q4_K: "IQ4_K", GGMLType.Q5_K: "IQ5_K", GGMLType.Q6_K: "IQ6_K"}
+INT8_MAX_ROWS = 2
+# off by default: activations rounded to 8 bits move logits ~1e-2 from the float32 reference
+INT8_MATVEC = __import__("os").environ.get("LLAMBA_CUDA_INT8", "0") == "1"
+
 
 class DeviceWeight:
     """A weight matrix [M, K] in device memory, in its GGUF block layout."""
@@ -89,6 +96,8 @@ class _Modules:
         if m is None:
             s = STRUCT[qtype]
             names = ([f"mv<{s},{r},{_rpw(r)},0>" for r in range(1, MV_MAX_ROWS + 1)]
+                     + ([f"mvq<{INT8_STRUCT[qtype]},{r},{ROWS_PER_BLOCK}>" for r in range(1, INT8_MAX_ROWS + 1)]
+                        if qtype in INT8_STRUCT else [])
                      + [f"mv<{s},{r},{_rpw(r)},{p}>" for r in range(1, PROLOGUE_MAX_ROWS + 1) for p in (1, 2, 3)]
                      + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
             src = (_DIR / "qkernels.cu").read_text()
@@ -132,10 +141,10 @@ class Workspace:
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
 
-    def get(self, attr, n):
-        b = getattr(self, attr)
+    def get(self, attr, n, dtype=None):
+        b = getattr(self, attr, None)
         if b is None or b.size < n:
-            b = cp.empty(max(n, 1), cp.float16)
+            b = cp.empty(max(n, 1), dtype or cp.float16)
             setattr(self, attr, b)
         return b[:n]
 
@@ -153,6 +162,8 @@ def matmul(x, Ws, outs, biases=None, accumulate=False, ws: Workspace | None = No
     if prologue is not None:
         assert n <= PROLOGUE_MAX_ROWS
         _matvec(x, Ws, outs, biases, accumulate, prologue)
+    elif INT8_MATVEC and n <= INT8_MAX_ROWS and all(W.qtype in INT8_STRUCT for W in Ws):
+        matvec_int8(x, Ws, outs, biases, accumulate, ws or _default_ws)
     elif n <= MV_MAX_ROWS:
         _matvec(x, Ws, outs, biases, accumulate)
     else:
@@ -198,6 +209,36 @@ def _matvec(x, Ws, outs, biases, accumulate, prologue=None):
                 + [pw if pw is not None else np.uint64(0), pu if pu is not None else np.uint64(0),
                    np.float32(eps)])
         f(grid, (threads,), tuple(args))
+        i = j
+
+
+def matvec_int8(x, Ws, outs, biases, accumulate, ws: Workspace):
+    """The integer decode path: x (n <= 2 rows) rounded to int8 in blocks of 16, dp4a dots."""
+    n, K = x.shape
+    xq = ws.get("xq", n * K, cp.int8)
+    xd = ws.get("xd", n * K // 16, cp.float32)
+    xs = ws.get("xs", n * K // 16, cp.float32)
+    _launch1d(_mods.fn("quantize_x16"), n * K // 16, (x, np.int32(n), np.int32(K), xq, xd, xs), block=128)
+    biases = list(biases) if biases else [None] * len(Ws)
+    i = 0
+    while i < len(Ws):
+        j = i + 1
+        while j < len(Ws) and j - i < 3 and Ws[j].qtype == Ws[i].qtype:
+            j += 1
+        grp = list(range(i, j))
+        pad = grp + [grp[0]] * (3 - len(grp))
+        W0 = Ws[i]
+        f = _mods.get(W0.qtype)[f"mvq<{INT8_STRUCT[W0.qtype]},{n},{ROWS_PER_BLOCK}>"]
+        Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
+        qk = _KBLOCK[W0.qtype][0]
+        nparts = K // qk * (8 if qk == QK_K else 1)
+        grid = ((max(Ms) + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, len(grp))
+        args = ([Ws[k].data for k in pad] + [outs[k] for k in pad]
+                + [biases[k] if biases[k] is not None else np.uint64(0) for k in pad]
+                + [np.int32(m) for m in Ms]
+                + [np.int32(K), np.int64(W0.row_nbytes), xq, xd, xs]
+                + [np.int32(outs[k].strides[0] // 4) for k in pad] + [np.int32(1 if accumulate else 0)])
+        f(grid, (min(128, (nparts + 31) // 32 * 32),), tuple(args))
         i = j
 
 

@@ -1,6 +1,7 @@
 // Quantized matrix-vector / small-batch matmul, and block dequantization, on
 // GGUF block layout.  Instantiated per type by name (see quant/cuda/__init__.py).
 #include "qblocks.cuh"
+#include "qint8.cuh"
 #ifndef MV_UNROLL
 #define MV_UNROLL 1
 #endif
