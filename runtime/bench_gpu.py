@@ -174,6 +174,7 @@ def main(argv=None):
     ap.add_argument("--micro", action="store_true", help="matvec bandwidth of single kernels")
     ap.add_argument("--rpw", default="", help="matvec rows-per-block values to compare in --micro (e.g. 2,4,8)")
     ap.add_argument("--ncu-kernel", action="store_true", help="run one Q4_K matvec eagerly (for ncu) and exit")
+    ap.add_argument("--variants", default="float", help="decode matvec paths to measure: float,int8")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import cupy as cp
@@ -219,13 +220,16 @@ def main(argv=None):
             t = time.perf_counter()
             write_random_gguf(path, mix=mix, **spec)
             log(f"{path.name}: written in {time.perf_counter() - t:.1f}s, {path.stat().st_size / 2**30:.2f} GiB")
-            try:
-                row = bench_ours(path, args.repetitions, args.n_prompt, args.n_gen)
-            except Exception as e:     # report and go on to the next model
-                row = {"error": f"{type(e).__name__}: {e}"}
-            row.update(shape=shape, mix=mix, engine="llamba-cuda")
-            result["runs"].append(row)
-            log(json.dumps(row, default=str))
+            for variant in args.variants.split(","):
+                qc.INT8_MATVEC = variant == "int8"
+                try:
+                    row = bench_ours(path, args.repetitions, args.n_prompt, args.n_gen)
+                except Exception as e:     # report and go on to the next model
+                    row = {"error": f"{type(e).__name__}: {e}"}
+                row.update(shape=shape, mix=mix, engine="llamba-cuda" + ("-int8" if variant == "int8" else ""))
+                result["runs"].append(row)
+                log(json.dumps(row, default=str))
+            qc.INT8_MATVEC = False
             path.unlink()
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1, default=str))
@@ -254,11 +258,12 @@ def print_table(result):
             continue
         pp, tg = r["pp"][0], r["tg"][0]
         ref = LLAMA_CPP.get((r["shape"], r["mix"]))
-        vs = f"{pp / ref[0]:.2f}x / {tg / ref[1]:.2f}x" if ref and r["engine"] == "llamba-cuda" else ""
+        ours = r["engine"].startswith("llamba-cuda")
+        vs = f"{pp / ref[0]:.2f}x / {tg / ref[1]:.2f}x" if ref and ours else ""
         gbs = f"{r['weight_GBps']:.0f} ({100 * r['weight_GBps'] / bw:.0f}%)" if "weight_GBps" in r else ""
         h = hf.get(r["shape"])
         vh = (f"{tg / h['tg'][0]:.1f}x / {tg / HF_COMPILED[r['shape']]:.2f}x"
-              if h and r["engine"] == "llamba-cuda" else "")
+              if h and ours else "")
         print(f"| {r['shape']} | {r['mix']} | {r['engine']} | {pp:.0f} ± {r['pp'][1]:.0f} | {tg:.1f} ± {r['tg'][1]:.1f} "
               f"| {vs} | {gbs} | {vh} |")
 
