@@ -39,9 +39,10 @@ from .tensor import QTensor
 from .types import GGMLType
 
 # Row counts at or above this take the dequantize-tile + sgemm path.  Measured
-# (one core, 1536x1536): the integer kernels win up to 32 rows for Q4_1/Q8_0 and
-# tie at 32 for Q4_K; sgemm wins from 64 rows (by 1.2-1.6x at 128).
-LARGE_BATCH_MIN = 48
+# (one core, 1536x1536, CPU time): the integer kernels win at 16 rows (1.3-1.7x),
+# sgemm wins at 32 rows for Q4_1/Q8_0 (1.2x; Q4_K still 1.4x slower there) and
+# for every type from 64 rows (1.2-1.9x at 128).
+LARGE_BATCH_MIN = 32
 # Rows of W dequantized per sgemm tile on the large-batch path.
 TILE_ROWS = 256
 # Below this many weights a matmul runs on the calling thread (a 2**19-weight
