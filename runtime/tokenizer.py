@@ -21,7 +21,18 @@ pre-tokenizer (`tokenizer.ggml.pre`).  We rebuild from that a Rust
 
 Decoding is ours (per-token bytes, joined, decoded as UTF-8), so that a
 streaming decoder can emit exactly what `decode` would, one complete character
-at a time.
+at a time.  (llama.cpp's `clean_spaces` post-pass of llama_detokenize is not
+applied: it cannot be streamed, and none of our models use it.)
+
+Built tokenizers are cached per process (by a digest of the vocabulary), and
+the merges derived for a SentencePiece vocabulary are cached on disk under the
+user cache folder (`LLAMBA_CACHE_DIR` overrides it; `off` disables it).
+
+Checked against llama.cpp token for token (tests/runtime/test_tokenizer.py).
+Known limit: the split regexes run on Oniguruma's Unicode tables, which are
+newer than llama.cpp's, so a character assigned in a recent Unicode version
+(e.g. U+135DE, Egyptian Hieroglyphs Ext-A, Unicode 16) may be classed as a
+letter here and as "other" there.
 """
 from __future__ import annotations
 
