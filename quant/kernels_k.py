@@ -173,3 +173,27 @@ def par_q6_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
     per = (M + nch - 1) // nch
     for c in prange(nch):
         rows_q6_k(w, xq, xd, xb, out, acc[c], wbuf[c], mbuf[c], c * per, min(M, (c + 1) * per))
+
+
+@njit(parallel=True, cache=True)
+def multi_q4_k(ws, xq, xd, xb, outs, acc, wbuf, mbuf, cw, cm0, cm1):
+    """Several W (a tuple, same type and K) in one parallel region: chunk c is
+    rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
+    for c in prange(cw.size):
+        rows_q4_k(ws[cw[c]], xq, xd, xb, outs[cw[c]], acc[c], wbuf[c], mbuf[c], cm0[c], cm1[c])
+
+
+@njit(parallel=True, cache=True)
+def multi_q5_k(ws, xq, xd, xb, outs, acc, wbuf, mbuf, cw, cm0, cm1):
+    """Several W (a tuple, same type and K) in one parallel region: chunk c is
+    rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
+    for c in prange(cw.size):
+        rows_q5_k(ws[cw[c]], xq, xd, xb, outs[cw[c]], acc[c], wbuf[c], mbuf[c], cm0[c], cm1[c])
+
+
+@njit(parallel=True, cache=True)
+def multi_q6_k(ws, xq, xd, xb, outs, acc, wbuf, mbuf, cw, cm0, cm1):
+    """Several W (a tuple, same type and K) in one parallel region: chunk c is
+    rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
+    for c in prange(cw.size):
+        rows_q6_k(ws[cw[c]], xq, xd, xb, outs[cw[c]], acc[c], wbuf[c], mbuf[c], cm0[c], cm1[c])

@@ -161,3 +161,43 @@ def par_q8_0(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
     per = (M + nch - 1) // nch
     for c in prange(nch):
         rows_q8_0(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], accbuf[c], c * per, min(M, (c + 1) * per))
+
+
+@njit(parallel=True, cache=True)
+def multi_q4_0(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
+    """Several W (a tuple, same type and K) in one parallel region: chunk c is
+    rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
+    for c in prange(cw.size):
+        rows_q4_0(ws[cw[c]], xq, xd, xs, outs[cw[c]], wqbuf[c], wfbuf[c], accbuf[c], cm0[c], cm1[c])
+
+
+@njit(parallel=True, cache=True)
+def multi_q4_1(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
+    """Several W (a tuple, same type and K) in one parallel region: chunk c is
+    rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
+    for c in prange(cw.size):
+        rows_q4_1(ws[cw[c]], xq, xd, xs, outs[cw[c]], wqbuf[c], wfbuf[c], accbuf[c], cm0[c], cm1[c])
+
+
+@njit(parallel=True, cache=True)
+def multi_q5_0(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
+    """Several W (a tuple, same type and K) in one parallel region: chunk c is
+    rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
+    for c in prange(cw.size):
+        rows_q5_0(ws[cw[c]], xq, xd, xs, outs[cw[c]], wqbuf[c], wfbuf[c], accbuf[c], cm0[c], cm1[c])
+
+
+@njit(parallel=True, cache=True)
+def multi_q5_1(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
+    """Several W (a tuple, same type and K) in one parallel region: chunk c is
+    rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
+    for c in prange(cw.size):
+        rows_q5_1(ws[cw[c]], xq, xd, xs, outs[cw[c]], wqbuf[c], wfbuf[c], accbuf[c], cm0[c], cm1[c])
+
+
+@njit(parallel=True, cache=True)
+def multi_q8_0(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
+    """Several W (a tuple, same type and K) in one parallel region: chunk c is
+    rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
+    for c in prange(cw.size):
+        rows_q8_0(ws[cw[c]], xq, xd, xs, outs[cw[c]], wqbuf[c], wfbuf[c], accbuf[c], cm0[c], cm1[c])

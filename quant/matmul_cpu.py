@@ -61,6 +61,10 @@ _K = {GGMLType.Q4_K: (KK.rows_q4_k, KK.par_q4_k), GGMLType.Q5_K: (KK.rows_q5_k, 
 _LEGACY = {GGMLType.Q4_0: (KL.rows_q4_0, KL.par_q4_0), GGMLType.Q4_1: (KL.rows_q4_1, KL.par_q4_1),
            GGMLType.Q5_0: (KL.rows_q5_0, KL.par_q5_0), GGMLType.Q5_1: (KL.rows_q5_1, KL.par_q5_1),
            GGMLType.Q8_0: (KL.rows_q8_0, KL.par_q8_0)}
+# several weights of one type in one parallel region (matmul_multi)
+_MULTI = {GGMLType.Q4_K: KK.multi_q4_k, GGMLType.Q5_K: KK.multi_q5_k, GGMLType.Q6_K: KK.multi_q6_k,
+          GGMLType.Q4_0: KL.multi_q4_0, GGMLType.Q4_1: KL.multi_q4_1, GGMLType.Q5_0: KL.multi_q5_0,
+          GGMLType.Q5_1: KL.multi_q5_1, GGMLType.Q8_0: KL.multi_q8_0}
 
 
 class Scratch:
@@ -282,21 +286,56 @@ def matmul_multi(x: np.ndarray, Ws: list[QTensor], outs: list[np.ndarray | None]
     if not x.flags.c_contiguous:
         x = np.ascontiguousarray(x)
     scratch = scratch or default_scratch()
-    res = []
-    acts = {}
+    n = x.shape[0]
     for W, o in zip(Ws, outs):
         _check(x, W, o)
-        if o is None:
-            o = np.empty((x.shape[0], W.shape[0]), np.float32)
-        tgt = o if o.flags.c_contiguous else np.empty(o.shape, np.float32)
-        if x.shape[0] >= LARGE_BATCH_MIN:
-            _matmul_large(x, W, tgt, scratch)
-        else:
-            _small_batch(x, W, tgt, scratch, acts)
-        if tgt is not o:
-            o[...] = tgt
-        res.append(o)
-    return res
+    outs = [np.empty((n, W.shape[0]), np.float32) if o is None else o for W, o in zip(Ws, outs)]
+    tgts = [o if o.flags.c_contiguous else np.empty(o.shape, np.float32) for o in outs]
+    if n < LARGE_BATCH_MIN and not _fused(x, Ws, tgts, scratch):
+        acts = {}
+        for W, t in zip(Ws, tgts):
+            _small_batch(x, W, t, scratch, acts)
+    elif n >= LARGE_BATCH_MIN:
+        for W, t in zip(Ws, tgts):
+            _matmul_large(x, W, t, scratch)
+    for o, t in zip(outs, tgts):
+        if t is not o:
+            o[...] = t
+    return outs
+
+
+def _fused(x, Ws, outs, scratch) -> bool:
+    """Run same-type weights in one parallel region (one thread-pool wake-up
+    instead of one per weight).  False when it does not apply."""
+    qt = Ws[0].qtype
+    fn = _MULTI.get(qt)
+    if fn is None or len(Ws) < 2 or any(W.qtype != qt for W in Ws):
+        return False
+    n, K = x.shape
+    total = sum(W.data.shape[0] for W in Ws)
+    nthr = numba.get_num_threads()
+    if nthr < 2 or total * K < PARALLEL_MIN_ELEMS:
+        return False
+    key = ("multi", tuple(W.data.shape[0] for W in Ws), nthr)
+    plan = scratch._sets.get(key)
+    if plan is None:
+        # chunks of about total / (8 threads) rows, never straddling two weights
+        per = max(1, -(-total // (8 * nthr)))
+        cw, c0, c1 = [], [], []
+        for i, W in enumerate(Ws):
+            M = W.data.shape[0]
+            for m0 in range(0, M, per):
+                cw.append(i)
+                c0.append(m0)
+                c1.append(min(M, m0 + per))
+        plan = scratch._sets[key] = (np.array(cw, np.int64), np.array(c0, np.int64), np.array(c1, np.int64))
+    cw, c0, c1 = plan
+    nch = cw.size
+    fam = _FAMILY[qt]
+    bufs = _buffers(scratch, fam, n, K, nch)
+    xa = _q8_activations(x, 256 if fam == 0 else 32, bufs, {})
+    _run_parallel(fn, tuple(W.data for W in Ws), *xa, tuple(outs), bufs[3], bufs[4], bufs[5], cw, c0, c1)
+    return True
 
 
 def activation_block(qtype, n: int) -> int:

@@ -109,3 +109,19 @@ def test_parallel_split_is_bit_identical(qtype, rng, monkeypatch):
     parallel = matmul(x, W)
     np.testing.assert_array_equal(parallel, serial)
     _check(x, W, parallel)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_1, GGMLType.Q8_0],
+                         ids=lambda t: t.name)
+def test_matmul_multi_fused_region_is_bit_identical(qtype, rng, monkeypatch):
+    """matmul_multi runs same-type weights (q/k/v, gate/up) in one parallel
+    region; each output equals the separate matmul exactly."""
+    import quant.matmul_cpu as mc
+    monkeypatch.setattr(mc, "PARALLEL_MIN_ELEMS", 0)
+    K = 512
+    Ws = [QTensor(f"w{i}", qtype, (M, K), random_weight_bytes(rng, qtype, M, K))
+          for i, M in enumerate((40, 9, 23))]
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    outs = matmul_multi(x, Ws)
+    for W, o in zip(Ws, outs):
+        np.testing.assert_array_equal(o, matmul(x, W))
