@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 _i8 = ir.IntType(8)

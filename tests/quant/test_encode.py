@@ -101,7 +101,6 @@ def test_q4_k_error_bound(rng):
     q = quantize(x, GGMLType.Q4_K)
     y = dequantize(QTensor("x", GGMLType.Q4_K, x.shape, q))
     # grid of each sub-block from the dequantized codes 0 and 15
-    zero = np.zeros((1, 256), np.uint8)
     grid_lo = np.empty((32, 32)); step = np.empty((32, 32))
     for r in range(32):
         for b in range(4):

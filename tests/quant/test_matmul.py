@@ -13,7 +13,6 @@ Stated tolerance, per output element y[r, m] (a rigorous bound, not a fit):
 import numpy as np
 import pytest
 
-import quant
 from quant import TYPE_INFO, GGMLType, QTensor, dequantize, matmul, matmul_into, matmul_multi
 from quant.matmul_cpu import activation_block, BATCH_INVARIANT_MAX_ROWS, Scratch
 from conftest import random_weight_bytes, real_tensors
