@@ -53,7 +53,7 @@ class Generation:
         eng = self.engine
         tok = eng.tokenizer
         sampler = Sampler(self.params)
-        seq = self.seq or eng.new_sequence()
+        seq = self.seq if self.seq is not None else eng.new_sequence()   # an empty Sequence is falsy
         self.seq = seq
         st = self.stats
         st.prompt_tokens = len(self.prompt_ids)
