@@ -18,7 +18,11 @@ def main(argv=None) -> int:
     if args.data_dir:
         os.environ["LLAMBA_DATA_DIR"] = args.data_dir
 
+    import PySide6
     from PySide6.QtWidgets import QApplication
+    if PySide6.__version_info__[:3] == (6, 12, 0) and sys.version_info < (3, 12):
+        print("warning: PySide6 6.12.0 loses references in Signal.emit on Python < 3.12 and can abort; "
+              "pip install 'PySide6-Essentials!=6.12.0'", file=sys.stderr)
 
     from .window import MainWindow
     app = QApplication.instance() or QApplication(sys.argv[:1])
@@ -30,7 +34,11 @@ def main(argv=None) -> int:
         win.settings.theme = args.theme
         win.apply_look()
     win.show()
-    return app.exec()
+    code = app.exec()
+    from .window import _THREADS
+    for thread, _worker in _THREADS:        # a model still loading: let it end before Python does
+        thread.wait(60_000)
+    return code
 
 
 if __name__ == "__main__":

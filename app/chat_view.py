@@ -100,7 +100,7 @@ class MessageView(QFrame):
             if i < len(self.codes):
                 QGuiApplication.clipboard().setText(self.codes[i])
                 self.note.setText("code copied")
-                QTimer.singleShot(1500, lambda: self.note.setText(""))
+                QTimer.singleShot(1500, self.note, lambda: self.note.setText(""))   # cancelled if deleted
         else:
             from PySide6.QtGui import QDesktopServices
             QDesktopServices.openUrl(url)

@@ -126,8 +126,7 @@ class EnginePanel(QFrame):
         self.model_label.setText(f"{info['name']} · {info['arch']} · {human_count(info['n_params'])} params "
                                  f"· {human_bytes(info['weight_bytes'])}")
         self.device_label.setText(info["device"])
-        self.draft_label.setText(f"{info['draft']} (not used: this runtime has no draft hook yet)"
-                                 if info.get("draft") else "no draft model")
+        self.draft_label.setText(info.get("draft") or "no draft model")
         self.set_kv(info["kv"])
         self.ctx_label.setText(f"0 / {info['n_ctx']} tokens")
         self.ctx_bar.setValue(0)
@@ -138,8 +137,9 @@ class EnginePanel(QFrame):
         self.kv_label.setText(f"{human_bytes(kv['bytes_used'])} · {kv['blocks_used']} of {kv['blocks_total']} blocks")
         self.kv_bar.setValue(int(1000 * kv["blocks_used"] / max(kv["blocks_total"], 1)))
         self.cached_label.setText(f"{human_bytes(kv['bytes_cached'])} · {kv['blocks_cached']} blocks")
+        kind = f" · {kv['cache_type']}" if kv.get("cache_type") else ""
         self.capacity_label.setText(f"{human_bytes(kv['bytes_total'])} · {kv['blocks_total']} × {bs} tokens "
-                                    f"· {human_bytes(kv['bytes_per_token'])}/token")
+                                    f"· {human_bytes(kv['bytes_per_token'])}/token{kind}")
         if reused_tokens is not None:
             self.reused_label.setText(f"{reused_tokens} tokens · {human_bytes(reused_tokens * kv['bytes_per_token'])}")
         self.shown["kv"] = kv

@@ -9,8 +9,9 @@ from models.catalog import DEFAULT_MODEL
 
 from .paths import settings_file
 
-OVERFLOW_POLICIES = {
-    "drop-oldest": "Drop the oldest messages to make room",
+OVERFLOW_POLICIES = {       # runtime/context.py's policies
+    "drop-turns": "Leave the oldest turns out of the prompt",
+    "shift": "Shift the context (drop the oldest tokens, keep the system prompt)",
     "stop": "Stop and say the context is full",
 }
 DEVICES = {"auto": "Auto (GPU if available)", "cpu": "CPU", "cuda": "GPU (CUDA)"}
@@ -32,7 +33,7 @@ class Settings:
     repeat_penalty: float = 1.0
     max_tokens: int = 1024
     n_ctx: int = 4096
-    overflow: str = "drop-oldest"
+    overflow: str = "drop-turns"
     default_system: str = "You are a helpful assistant."
     theme: str = "system"
     show_engine_panel: bool = True
@@ -43,7 +44,7 @@ class Settings:
 
     def engine_key(self) -> tuple:
         """What a change of forces the model to be loaded again."""
-        return (self.model, self.device, self.gpu_layers, self.n_ctx, self.draft_model)
+        return (self.model, self.device, self.gpu_layers, self.n_ctx, self.draft_model, self.overflow)
 
 
 def _qsettings() -> QSettings:
@@ -68,6 +69,8 @@ def load_settings() -> Settings:
         except (TypeError, ValueError):
             continue                    # a hand-edited bad value falls back to the default
         setattr(s, f.name, value)
+    if s.overflow not in OVERFLOW_POLICIES:
+        s.overflow = Settings.overflow
     return s
 
 

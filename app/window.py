@@ -9,10 +9,11 @@ was on screen.
 """
 from __future__ import annotations
 
+import json
 import platform
 import time
 
-from PySide6.QtCore import Qt, QThread, QTimer, Signal
+from PySide6.QtCore import Qt, QThread, QTimer, Signal, Slot
 from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (QApplication, QFileDialog, QHBoxLayout, QInputDialog, QLabel, QLineEdit,
                                QListWidget, QListWidgetItem, QMainWindow, QMessageBox, QPlainTextEdit,
@@ -52,8 +53,8 @@ class Composer(QPlainTextEdit):
 
 
 class MainWindow(QMainWindow):
-    request_load = Signal(object)
-    request_generate = Signal(object)
+    request_load = Signal(str)          # JSON for the worker thread (see worker.py on why)
+    request_generate = Signal(str)
 
     def __init__(self, model: str | None = None, store: ChatStore | None = None, settings: Settings | None = None,
                  autoload: bool = True):
@@ -252,6 +253,7 @@ class MainWindow(QMainWindow):
         w.stats.connect(self._on_stats)
         w.finished.connect(self._on_finished)
         w.failed.connect(self._on_failed)
+        self.thread.started.connect(self.worker.lower_priority)
         self.thread.start()
 
     def load_model(self, model: str | None = None) -> None:
@@ -264,8 +266,9 @@ class MainWindow(QMainWindow):
         self.model_info = None
         self._set_banner(f"Loading {s.model}…")
         self._update_buttons()
-        self.request_load.emit({"model": s.model, "device": s.device, "gpu_layers": s.gpu_layers,
-                                "n_ctx": s.n_ctx, "draft_model": s.draft_model})
+        self.request_load.emit(json.dumps({"model": s.model, "device": s.device, "gpu_layers": s.gpu_layers,
+                                           "n_ctx": s.n_ctx, "draft_model": s.draft_model,
+                                           "overflow": s.overflow}))
 
     def _set_banner(self, text: str | None) -> None:
         if text:
@@ -274,11 +277,13 @@ class MainWindow(QMainWindow):
         else:
             self.banner.hide()
 
+    @Slot(str)
     def _on_status(self, text: str) -> None:
         self.status_label.setText(text)
         if self.loading:
             self._set_banner(text)
 
+    @Slot(float, float, str)
     def _on_download(self, done, total, label) -> None:
         if self._download is None:
             self._download = QProgressDialog(f"Downloading {label}…", "", 0, 1000, self)
@@ -295,7 +300,9 @@ class MainWindow(QMainWindow):
             self._download.deleteLater()
             self._download = None
 
-    def _on_loaded(self, info: dict) -> None:
+    @Slot(str)
+    def _on_loaded(self, info_json: str) -> None:
+        info = json.loads(info_json)
         self._close_download()
         self.loading = False
         self.model_info = info
@@ -309,6 +316,7 @@ class MainWindow(QMainWindow):
                                   f"{info['load_seconds']:.1f} s{warm})")
         self._update_buttons()
 
+    @Slot(str)
     def _on_load_failed(self, msg: str) -> None:
         self._close_download()
         self.loading = False
@@ -500,11 +508,11 @@ class MainWindow(QMainWindow):
         self.busy = True
         self.notice.hide()
         self._update_buttons()
-        self.request_generate.emit({
-            "id": self.req_id, "kind": kind, "system": self.system_edit.text().strip(), "history": history,
+        self.request_generate.emit(json.dumps({
+            "id": self.req_id, "chat_id": self.chat_id, "kind": kind, "system": self.system_edit.text().strip(), "history": history,
             "params": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
                        "repeat_penalty": s.repeat_penalty},
-            "max_tokens": s.max_tokens, "overflow": s.overflow, **extra})
+            "max_tokens": s.max_tokens, "overflow": s.overflow, **extra}))
         self.flush_timer.start()
 
     def stop(self) -> None:
@@ -514,14 +522,16 @@ class MainWindow(QMainWindow):
             self.status_label.setText("Stopping…")
 
     # ---- streaming (UI thread; each slot is a few Python operations) --------------
+    @Slot(int, str)
     def _on_piece(self, rid: int, text: str) -> None:
         if rid == self.req_id:
             self.stream_text += text
             self._dirty = True
 
-    def _on_stats(self, rid: int, s: dict) -> None:
+    @Slot(int, str)
+    def _on_stats(self, rid: int, s: str) -> None:
         if rid == self.req_id:
-            self._live = s
+            self._live = s          # parsed at the next tick: only the newest is ever shown
 
     def flush(self) -> None:
         """Commit, then show: the answer so far and the newest engine numbers."""
@@ -532,13 +542,15 @@ class MainWindow(QMainWindow):
             self.stream_view.note.setText("")
             self._dirty = False
         if self._live is not None:
-            self.panel.update_live(self._live)
+            self.panel.update_live(json.loads(self._live))
             self._live = None
 
-    def _on_finished(self, rid: int, final: dict) -> None:
+    @Slot(int, str)
+    def _on_finished(self, rid: int, final_json: str) -> None:
         if rid != self.req_id:
             return
-        self._live = final
+        self._live = final_json
+        final = json.loads(final_json)
         self.flush()
         self.flush_timer.stop()
         self.last_final = final
@@ -553,12 +565,13 @@ class MainWindow(QMainWindow):
             self._notify(f"The context is full ({final['context_tokens']} of {final['n_ctx']} tokens): the answer "
                          f"was cut off. Start a new chat or raise the context length in Settings.")
         elif final.get("dropped"):
-            self._notify(f"The conversation did not fit the context: the {final['dropped']} oldest message(s) "
-                         f"were left out of the prompt.")
+            self._notify(f"The conversation did not fit the context: its {final['dropped']} oldest turn(s) "
+                         f"are no longer in the prompt.")
         self.status_label.setText(f"{final['generated_tokens']} tokens at {final['tokens_per_s']:.1f} t/s"
                                   + (f" — {note}" if note else ""))
         self._end_stream()
 
+    @Slot(int, str)
     def _on_failed(self, rid: int, msg: str) -> None:
         if rid != self.req_id:
             return

@@ -7,12 +7,15 @@ every decoded token — a queued signal could not get in while the loop runs.
 from __future__ import annotations
 
 import inspect
+import json
+import os
 import threading
 import time
 import traceback
 
 from PySide6.QtCore import QObject, Signal, Slot
 
+WORKER_NICE = 5
 _ENGINES: dict = {}      # the one loaded engine, kept across windows (reopening a window is instant)
 
 
@@ -25,6 +28,9 @@ def friendly_error(e: BaseException, device: str = "") -> str:
                 f"smaller model. ({name})")
     if isinstance(e, FileNotFoundError):
         return str(e)
+    if name == "ContextOverflow":
+        return (f"Context overflow: {e}. Start a new chat, raise the context length, or choose "
+                f"another overflow policy (drop the oldest turns, or shift the context) in Settings.")
     if isinstance(e, KeyError) and e.args:
         return str(e.args[0])
     return f"{e} ({name})" if str(e) else name
@@ -32,13 +38,15 @@ def friendly_error(e: BaseException, device: str = "") -> str:
 
 class EngineWorker(QObject):
     status = Signal(str)                      # a line for the status bar
-    download_progress = Signal(object, object, str)  # done bytes, total bytes, label
-    loaded = Signal(object)                   # model info (dict)
+    download_progress = Signal(float, float, str)  # done bytes, total bytes, label
+    loaded = Signal(str)                      # model info (JSON)
     load_failed = Signal(str)
     piece = Signal(int, str)                  # request id, text
-    stats = Signal(int, object)               # request id, live numbers (see _live_stats)
-    finished = Signal(int, object)            # request id, final numbers with stop_reason
+    stats = Signal(int, str)                  # request id, live numbers as JSON (see _live_stats)
+    finished = Signal(int, str)               # request id, final numbers with stop_reason (JSON)
     failed = Signal(int, str)                 # request id, message
+    # Only ints and strings cross threads: PySide6 6.8+ has crashed on Python-object
+    # payloads in queued cross-thread signals (PYSIDE-3124).
 
     def __init__(self):
         super().__init__()
@@ -46,14 +54,26 @@ class EngineWorker(QObject):
         self.session = None
         self.info: dict = {}
         self._stop = threading.Event()
+        self.chat_id = None
+
+    @Slot()
+    def lower_priority(self) -> None:
+        """Run in the worker thread at start: a nicer scheduling priority for it (and
+        for Numba's pool threads, which it starts and which inherit it on Linux), so
+        the UI thread wins the CPU when both want it and the window never stutters."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
+        except (AttributeError, OSError):
+            pass            # not Linux, or not allowed: the window is merely less smooth
 
     # ---- called from the UI thread --------------------------------------------
     def request_stop(self) -> None:
         self._stop.set()
 
     # ---- loading ---------------------------------------------------------------
-    @Slot(object)
-    def load(self, cfg: dict) -> None:
+    @Slot(str)
+    def load(self, cfg_json: str) -> None:
+        cfg = json.loads(cfg_json)
         try:
             self._load(cfg)
         except BaseException as e:           # a bad model must never take the window down
@@ -66,18 +86,26 @@ class EngineWorker(QObject):
         from runtime.engine import Engine
         from runtime.loader import resolve_model_path
 
-        key = (cfg["model"], cfg.get("device", "cpu"), cfg.get("gpu_layers", -1), cfg.get("n_ctx", 0))
-        engine = _ENGINES.get(key)
+        device = cfg.get("device", "cpu")
+        overflow = cfg.get("overflow", "stop")
+        engine_overflow = "shift" if overflow == "shift" else "stop"
+        gpu_layers = cfg.get("gpu_layers", -1)
+        key = (cfg["model"], device, gpu_layers, cfg.get("n_ctx", 0), engine_overflow, cfg.get("draft_model", ""))
+        cached = _ENGINES.get(key)
         t0 = time.perf_counter()
-        if engine is None:
+        warm = 0.0
+        if cached is None:
             _ENGINES.clear()          # let the previous model's memory go before loading the next
             self.engine = self.session = None
             self.status.emit(f"Looking for {cfg['model']}…")
-            path = resolve_model_path(cfg["model"], progress=self.download_progress.emit)
+            path = resolve_model_path(cfg["model"], progress=lambda d, t, label: self.download_progress.emit(d, t, label))
             self.status.emit(f"Loading {path.name}…")
-            kwargs = dict(device=cfg.get("device", "cpu"), n_ctx=cfg.get("n_ctx", 0), announce=self.status.emit)
-            if "gpu_layers" in inspect.signature(Engine).parameters:
-                kwargs["gpu_layers"] = cfg.get("gpu_layers", -1)
+            kwargs = dict(device=device, n_ctx=cfg.get("n_ctx", 0), announce=self.status.emit)
+            params = inspect.signature(Engine).parameters
+            if "gpu_layers" in params and device != "cpu" and gpu_layers >= 0:
+                kwargs["gpu_layers"] = gpu_layers           # -1: the whole model on the GPU
+            if "overflow" in params:
+                kwargs["overflow"] = engine_overflow
             engine = Engine(str(path), **kwargs)
             # Numba compiles the kernels on their first call and caches them on disk:
             # a tiny throwaway forward pays that cost here, not in the first answer.
@@ -89,11 +117,18 @@ class EngineWorker(QObject):
             engine.step([seq], [[ids[-1]]])
             engine.release(seq)
             warm = time.perf_counter() - tw
-            _ENGINES[key] = engine
-        else:
-            warm = 0.0
+            drafter, draft_note = self._load_draft(cfg.get("draft_model", ""), engine)
+            cached = _ENGINES[key] = (engine, drafter, draft_note)
+        engine, drafter, draft_note = cached
         self.engine = engine
-        self.session = ChatSession(engine)
+        kwargs = {}
+        session_params = inspect.signature(ChatSession).parameters
+        if "overflow" in session_params:
+            kwargs["overflow"] = overflow if overflow in ("stop", "drop-turns", "shift") else "stop"
+        if drafter is not None and "drafter" in session_params:
+            kwargs["drafter"] = drafter
+        self.session = ChatSession(engine, **kwargs)
+        self.chat_id = None
         cfg_m = engine.config
         lm = engine.loaded
         self.info = {
@@ -101,17 +136,34 @@ class EngineWorker(QObject):
             "arch": cfg_m.arch, "n_params": lm.n_params, "weight_bytes": lm.weight_bytes,
             "device": getattr(engine.backend, "device_name", getattr(engine.backend, "name", "?")),
             "n_ctx": engine.n_ctx, "load_seconds": time.perf_counter() - t0, "warmup_seconds": warm,
-            "has_template": bool(lm.chat_template), "draft": cfg.get("draft_model", ""),
-            "kv": engine.stats(),
+            "has_template": bool(lm.chat_template), "draft": draft_note, "kv": engine.stats(),
         }
         self.status.emit(f"Ready: {lm.path.name} on {self.info['device']}")
-        self.loaded.emit(self.info)
+        self.loaded.emit(json.dumps(self.info))
+
+    def _load_draft(self, draft_model: str, engine):
+        """(Drafter or None, a line for the panel).  A draft that cannot be used is
+        reported, not fatal: the model answers without it."""
+        if not draft_model:
+            return None, ""
+        try:
+            from runtime.chat import ChatSession
+            from runtime.speculative import Drafter
+            if "drafter" not in inspect.signature(ChatSession).parameters:
+                return None, f"{draft_model}: not used (this runtime's chat has no draft support)"
+            self.status.emit(f"Loading the draft model {draft_model}…")
+            d = Drafter.load(draft_model, engine, announce=self.status.emit)
+            return d, draft_model
+        except Exception as e:
+            traceback.print_exc()
+            return None, f"{draft_model}: not used ({friendly_error(e)})"
 
     # ---- answering -------------------------------------------------------------
-    @Slot(object)
-    def generate(self, req: dict) -> None:
-        """req: id, kind (send | regenerate | edit), system, history (turns before the
+    @Slot(str)
+    def generate(self, req_json: str) -> None:
+        """req (JSON): id, kind (send | regenerate | edit), system, history (turns before the
         answer, the last one the user's), params, max_tokens, overflow."""
+        req = json.loads(req_json)
         rid = req["id"]
         if self.session is None:
             self.failed.emit(rid, "No model is loaded.")
@@ -128,7 +180,7 @@ class EngineWorker(QObject):
                 pass
             self.failed.emit(rid, friendly_error(e, self.info.get("device", "")))
             return
-        self.finished.emit(rid, final)
+        self.finished.emit(rid, json.dumps(final))
 
     def _answer(self, req: dict) -> dict:
         from runtime.sampling import SamplingParams
@@ -140,9 +192,13 @@ class EngineWorker(QObject):
                                   repeat_penalty=p.get("repeat_penalty", 1.0), seed=p.get("seed"))
         s.max_tokens = int(req.get("max_tokens", 1024))
         s.system = req.get("system") or None
-        turns, dropped = self._fit(list(req["history"]), s.max_tokens, req.get("overflow", "drop-oldest"))
-        if dropped:
-            self.status.emit(f"Context is full: left out the {dropped} oldest message(s) of this chat.")
+        turns = list(req["history"])
+        if req.get("chat_id") != self.chat_id:
+            s.clear()                 # another chat: its own prompt, its own sequence
+            self.chat_id = req.get("chat_id")
+        if getattr(s, "first_shown", 0) >= len(turns):
+            s.first_shown = 0         # an edit went back before the turns it had dropped
+        dropped_before = getattr(s, "dropped_turns", 0)
         kind = req.get("kind", "send")
         # Hand ChatSession the conversation as the UI shows it, then ask for the turn
         # the user asked for (so its KV reuse sees the same messages).
@@ -161,27 +217,12 @@ class EngineWorker(QObject):
             self.piece.emit(rid, text)
             if first:
                 first = False
-                self.stats.emit(rid, self._live_stats(s.last_generation))
+                self.stats.emit(rid, json.dumps(self._live_stats(s.last_generation)))
         gen = s.last_generation
         out = self._live_stats(gen)
         out["stop_reason"] = gen.stats.stop_reason
-        out["dropped"] = dropped
+        out["dropped"] = getattr(s, "dropped_turns", 0) - dropped_before
         return out
-
-    def _fit(self, turns: list[dict], max_tokens: int, policy: str) -> tuple[list[dict], int]:
-        """Make the prompt fit the context with room to answer, or say it cannot."""
-        s, n_ctx = self.session, self.engine.n_ctx
-        room = min(max_tokens, max(n_ctx // 4, 16))
-        dropped = 0
-        while True:
-            s.messages = turns
-            n = len(s.prompt_ids())
-            if n + room <= n_ctx:
-                return turns, dropped
-            if policy != "drop-oldest" or len(turns) <= 1:
-                raise ContextFull(n, n_ctx, room)
-            turns = turns[1:]
-            dropped += 1
 
     def _on_step(self, gen) -> None:
         now = time.perf_counter()
@@ -190,7 +231,7 @@ class EngineWorker(QObject):
             if dt > 0:
                 self._rates.append(1.0 / dt)
         self._last_step = now
-        self.stats.emit(self._rid, self._live_stats(gen))
+        self.stats.emit(self._rid, json.dumps(self._live_stats(gen)))
 
     def _live_stats(self, gen) -> dict:
         st = gen.stats
@@ -201,12 +242,14 @@ class EngineWorker(QObject):
             "prompt_tokens_per_s": st.prompt_tokens_per_s, "generated_tokens": st.generated_tokens,
             "tokens_per_s": st.tokens_per_s, "rate_history": list(self._rates[-200:]),
             "context_tokens": len(seq) if seq is not None else 0, "n_ctx": eng.n_ctx,
-            "speculative": dict(st.speculative or {}), "kv": eng.stats(),
+            "speculative": self._spec(gen), "kv": eng.stats(),
         }
 
 
-class ContextFull(RuntimeError):
-    def __init__(self, n: int, n_ctx: int, room: int):
-        super().__init__(f"Context overflow: this conversation needs {n} tokens plus {room} to answer, "
-                         f"but the context holds {n_ctx}. Start a new chat, raise the context length, "
-                         f"or choose the “drop the oldest messages” overflow policy in Settings.")
+    @staticmethod
+    def _spec(gen) -> dict:
+        """The draft's live numbers (the Generation copies them only at its end)."""
+        d = getattr(gen, "drafter", None)
+        if d is not None and hasattr(d, "stats"):
+            return d.stats.as_dict()
+        return dict(gen.stats.speculative or {})

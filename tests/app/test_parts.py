@@ -1,0 +1,83 @@
+"""The window's parts on their own: Markdown rendering, the chat store,
+settings, the About box, shortcuts."""
+from __future__ import annotations
+
+import sqlite3
+
+from PySide6.QtGui import QGuiApplication
+
+from app import __version__
+from app.markdown import render
+from app.settings import Settings, load_settings, save_settings
+from app.store import ChatStore
+
+
+def test_markdown_code_blocks_are_monospace_with_a_copy_link():
+    html, codes = render("Here:\n\n```python\nprint(1 < 2)\n```\n\nand `x` **bold** *it*\n\n- a\n- b")
+    assert codes == ["print(1 < 2)"]
+    assert "<pre" in html and "monospace" in html and 'href="copy:0"' in html
+    assert "print(1 &lt; 2)" in html
+    assert "<b>bold</b>" in html and "<i>it</i>" in html and "<ul><li>a</li><li>b</li></ul>" in html
+
+
+def test_markdown_accepts_a_half_streamed_document():
+    html, codes = render("Sure:\n```js\nconsole.log(")        # the fence is still open
+    assert codes == ["console.log("] and "<pre" in html
+    html, _ = render("a **half bold")
+    assert "**half bold" in html and "<b>" not in html
+    assert render("<script>x</script>")[0] == "<p>&lt;script&gt;x&lt;/script&gt;</p>"
+
+
+def test_copy_button_puts_the_code_on_the_clipboard(qtbot):
+    from app.chat_view import MessageView
+    from app.theme import BUBBLE
+    from app.markdown import LIGHT
+    from PySide6.QtCore import QUrl
+    v = MessageView("assistant", 1, BUBBLE["light"], LIGHT)
+    qtbot.addWidget(v)
+    v.set_text("Two blocks:\n```\nfirst\n```\n```sh\necho second\n```")
+    v._link(QUrl("copy:1"))
+    assert QGuiApplication.clipboard().text() == "echo second"
+
+
+def test_store_is_wal_and_commits_each_message(tmp_path):
+    s = ChatStore(tmp_path / "c.db")
+    cid = s.new_chat("t", system="be nice")
+    m = s.add(cid, "user", "hi")
+    a = s.add(cid, "assistant", "", complete=False)
+    s.update(a.id, "hel")
+    # another connection sees it at once: nothing waits in an open transaction
+    other = sqlite3.connect(tmp_path / "c.db")
+    assert other.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert other.execute("SELECT content, complete FROM messages WHERE id=?", (a.id,)).fetchone() == ("hel", 0)
+    s.update(a.id, "hello", complete=True, stats={"tokens_per_s": 3.5})
+    assert [(x.role, x.content, x.complete) for x in s.messages(cid)] == [("user", "hi", True),
+                                                                          ("assistant", "hello", True)]
+    assert s.messages(cid)[1].stats == {"tokens_per_s": 3.5}
+    s.truncate(cid, m.position + 1)
+    assert len(s.messages(cid)) == 1
+    s.delete(cid)
+    assert s.chats() == [] and other.execute("SELECT COUNT(*) FROM messages").fetchone() == (0,)
+
+
+def test_settings_persist(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMBA_DATA_DIR", str(tmp_path))
+    s = Settings(model="/x/y.gguf", temperature=0.3, top_k=7, device="cpu", overflow="stop",
+                 show_engine_panel=False)
+    s.add_recent("/x/y.gguf")
+    s.add_recent("smollm2-135m")
+    save_settings(s)
+    back = load_settings()
+    assert back == s
+    assert back.recent_models == ["smollm2-135m", "/x/y.gguf"]
+
+
+def test_about_shows_the_package_version_and_shortcuts_exist(make_window):
+    import tomllib
+    from pathlib import Path
+    w = make_window(load=False)
+    with open(Path(__file__).resolve().parents[2] / "pyproject.toml", "rb") as f:
+        assert __version__ == tomllib.load(f)["project"]["version"]
+    assert f"Llamba {__version__}" in w.about_text()
+    shortcuts = {a.shortcut().toString() for a in w.findChildren(type(w.stop_action)) if not a.shortcut().isEmpty()}
+    assert {"Ctrl+N", "Ctrl+O", "Ctrl+R", "Esc", "Ctrl+L", "Ctrl+E", "Ctrl+,", "F1"} <= shortcuts
