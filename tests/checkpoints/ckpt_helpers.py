@@ -1,0 +1,25 @@
+"""Helpers shared by the checkpoint tests: a prompt, our logits, KL divergence."""
+from __future__ import annotations
+
+import numpy as np
+
+PROMPT = ("The GNU General Public License is a free, copyleft license for software and other kinds of "
+          "works. In 1905, Albert Einstein published four papers that")
+
+
+def engine_logits(lm, ids):
+    from runtime.engine import Engine
+    eng = Engine(lm, n_ctx=256)
+    return eng.step([eng.new_sequence()], [ids], all_logits=True)
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def kl(p_logits, q_logits):
+    """Per-row KL(P || Q) in nats."""
+    lp, lq = log_softmax(p_logits), log_softmax(q_logits)
+    return (np.exp(lp) * (lp - lq)).sum(-1)
