@@ -13,7 +13,7 @@ from .sampling import SamplingParams
 
 class ChatSession:
     def __init__(self, engine: Engine, system: str | None = None, params: SamplingParams | None = None,
-                 max_tokens: int = 1024, overflow: str | None = None):
+                 max_tokens: int = 1024, overflow: str | None = None, drafter=None):
         self.engine = engine
         # context overflow (runtime/context.py): "stop", "drop-turns" or "shift" (engine-level)
         self.overflow = check_policy(overflow or engine.overflow)
@@ -21,6 +21,7 @@ class ChatSession:
             raise ValueError("overflow='shift' needs an Engine created with overflow='shift'")
         self.first_shown = 0          # drop-turns: messages before this index are not in the prompt
         self.dropped_turns = 0
+        self.drafter = drafter      # speculative.Drafter or None
         self.system = system
         self.params = params or SamplingParams()
         self.max_tokens = max_tokens
@@ -98,7 +99,7 @@ class ChatSession:
         ids = self.prompt_ids()
         seq = self._sequence_for(ids)
         gen = Generation(self.engine, ids, self.params, max_tokens=self.max_tokens, seq=seq,
-                         should_stop=should_stop, on_step=on_step)
+                         should_stop=should_stop, on_step=on_step, drafter=self.drafter)
         self.last_generation = gen
         reply = {"role": "assistant", "content": ""}
         self.messages.append(reply)

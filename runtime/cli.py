@@ -41,20 +41,30 @@ def _add_sampling(p):
     p.add_argument("--seed", type=int, default=None)
 
 
+def _add_draft(p):
+    p.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="speculative decoding: a small model sharing the target's vocabulary drafts tokens")
+    p.add_argument("--draft-n", type=int, default=8, metavar="K",
+                   help="most tokens drafted per round; k adapts below it to the acceptance (default 8)")
+    p.add_argument("--draft-fixed", action="store_true", help="always draft exactly --draft-n tokens")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="draft only among the first N token ids (cheaper draft output layer; 0: all)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="llamba-cli", description="Llamba: local LLM inference")
     ap.add_argument("--version", action="version", version=f"llamba {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="continue a raw prompt")
-    _add_model(g); _add_engine(g); _add_sampling(g)
+    _add_model(g); _add_engine(g); _add_sampling(g); _add_draft(g)
     g.add_argument("-p", "--prompt", required=True)
     g.add_argument("-n", "--n-predict", type=int, default=128)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--json", action="store_true")
 
     c = sub.add_parser("chat", help="interactive chat with the model's chat template")
-    _add_model(c); _add_engine(c); _add_sampling(c)
+    _add_model(c); _add_engine(c); _add_sampling(c); _add_draft(c)
     c.add_argument("--system", default=None)
     c.add_argument("-n", "--n-predict", type=int, default=1024)
 
@@ -71,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--json", action="store_true")
 
     b = sub.add_parser("bench", help="llama-bench-style speed test")
-    _add_model(b); _add_engine(b)
+    _add_model(b); _add_engine(b); _add_draft(b)
     b.add_argument("-p", "--n-prompt", type=int, default=512)
     b.add_argument("-n", "--n-gen", type=int, default=128)
     b.add_argument("-r", "--repetitions", type=int, default=3)
@@ -82,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prefix-reuse", type=int, default=0, metavar="N",
                    help="time to first token of a new turn after an N-token history, cold vs reused")
     b.add_argument("--peer", default=None, help="python of a venv with llama-cpp-python: bench it side by side")
+    b.add_argument("--draft-sweep", default="2,3,4,6", metavar="K,K,...",
+                   help="with --draft-model: fixed draft lengths to compare besides adaptive k")
+    b.add_argument("--spec-prompt", action="append", default=None, metavar="TEXT",
+                   help="with --draft-model: a prompt to decode from (repeatable; default: code prompts)")
 
     i = sub.add_parser("info", help="architecture, parameters, tensor types, KV bytes per token")
     _add_model(i, positional=True)
@@ -101,6 +115,15 @@ def _engine(args):
                   announce=lambda m: print(m, file=sys.stderr))
 
 
+def _drafter(args, eng):
+    if not getattr(args, "draft_model", None):
+        return None
+    from .speculative import DEFAULT_DRAFT_VOCAB, Drafter
+    vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
+    return Drafter.load(args.draft_model, eng, k=args.draft_n, adaptive=not args.draft_fixed,
+                        draft_vocab=vocab, announce=lambda m: print(m, file=sys.stderr))
+
+
 def _params(args):
     from .sampling import SamplingParams
     return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -111,7 +134,8 @@ def cmd_generate(args) -> int:
     from .generate import Generation
     eng = _engine(args)
     ids = eng.tokenizer.encode(args.prompt)
-    gen = Generation(eng, ids, _params(args), max_tokens=args.n_predict, stop=tuple(args.stop))
+    gen = Generation(eng, ids, _params(args), max_tokens=args.n_predict, stop=tuple(args.stop),
+                     drafter=_drafter(args, eng))
     if args.json:
         gen.run()
         st = gen.stats
@@ -119,6 +143,8 @@ def cmd_generate(args) -> int:
                "prompt_tokens_per_s": round(st.prompt_tokens_per_s, 2),
                "tokens_per_s": round(st.tokens_per_s, 2), "stop_reason": st.stop_reason,
                "kv_cache": eng.stats()}
+        if st.speculative:
+            out["speculative"] = st.speculative
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write(args.prompt)
@@ -129,14 +155,23 @@ def cmd_generate(args) -> int:
         print(f"\n\n[{st.prompt_tokens} prompt tokens at {st.prompt_tokens_per_s:.1f} t/s, "
               f"{st.generated_tokens} generated at {st.tokens_per_s:.1f} t/s, stop: {st.stop_reason}]",
               file=sys.stderr)
+        if st.speculative:
+            print(_spec_line(st.speculative), file=sys.stderr)
     return 0
+
+
+def _spec_line(sp: dict) -> str:
+    return (f"[draft: {sp['accepted']}/{sp['drafted']} accepted ({sp['acceptance_rate']:.0%}), "
+            f"{sp['tokens_per_target_forward']:.2f} tokens per target step, speedup {sp['speedup']:.2f}x, "
+            f"speculation {sp['speculation']}]")
 
 
 def cmd_chat(args) -> int:
     from .chat import ChatSession
     eng = _engine(args)
     chat = ChatSession(eng, system=args.system, params=_params(args), max_tokens=args.n_predict,
-                       overflow=args.overflow)
+                       overflow=args.overflow,
+                       drafter=_drafter(args, eng))
     print("Chatting with", eng.loaded.path.name, "— empty line or Ctrl-D to quit.", file=sys.stderr)
     while True:
         try:
@@ -151,6 +186,8 @@ def cmd_chat(args) -> int:
             sys.stdout.flush()
         st = chat.last_stats
         print(f"\n[{st.generated_tokens} tokens, {st.tokens_per_s:.1f} t/s]", file=sys.stderr)
+        if st.speculative:
+            print(_spec_line(st.speculative), file=sys.stderr)
 
 
 def cmd_tokenize(args) -> int:
@@ -184,6 +221,9 @@ def cmd_perplexity(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.draft_model:
+        from .bench_speculative import run_spec_bench
+        return run_spec_bench(args)
     from .bench import run_bench
     return run_bench(args)
 

@@ -38,8 +38,9 @@ class Generation:
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams | None = None,
                  max_tokens: int = 128, stop: tuple[str, ...] = (), seq: Sequence | None = None,
-                 should_stop=None, on_step=None):
+                 should_stop=None, on_step=None, drafter=None):
         self.engine, self.prompt_ids = engine, list(prompt_ids)
+        self.drafter = drafter      # a speculative.Drafter: decode with a draft model
         self.params = params or SamplingParams()
         self.max_tokens, self.stop = max_tokens, tuple(s for s in stop if s)
         self.seq = seq
@@ -65,8 +66,14 @@ class Generation:
         stream = tok.stream()
         pending = ""            # text held back while it could still begin a stop string
         t1 = time.perf_counter()
+        source = (self.drafter.tokens(seq, logits, history, sampler) if self.drafter
+                  else _plain_tokens(eng, seq, logits, history, sampler))
         while True:
-            nxt = sampler.sample(logits, history)
+            try:
+                nxt = next(source)
+            except ContextOverflow:
+                st.stop_reason = "context"
+                break
             if nxt in tok.stop_ids:
                 st.stop_reason = "eos"
                 break
@@ -90,15 +97,15 @@ class Generation:
             if self.should_stop():
                 st.stop_reason = "cancelled"
                 break
-            try:
-                logits = eng.step([seq], [[nxt]])[0]
-            except ContextOverflow:
-                st.stop_reason = "context"
-                break
             st.generate_seconds = time.perf_counter() - t1
             if self.on_step:
                 self.on_step(self)
         st.generate_seconds = time.perf_counter() - t1
+        if self.drafter:
+            # leave the cache as plain decoding would: every emitted token fed but the
+            # last (all after EOS); accepted drafts past the stop must not stay
+            self.drafter.finish(seq, len(self.prompt_ids) + len(self.ids) - (st.stop_reason != "eos"))
+            st.speculative = self.drafter.stats.as_dict()
         tail = pending + (stream.flush() if st.stop_reason != "stop" else "")
         if tail:
             self.text += tail
@@ -122,3 +129,11 @@ class Generation:
         for _ in self:
             pass
         return self
+
+
+def _plain_tokens(eng: Engine, seq: Sequence, logits, history: list[int], sampler: Sampler):
+    """One target step per token; the consumer appends each token to history."""
+    while True:
+        nxt = sampler.sample(logits, history)
+        yield nxt
+        logits = eng.step([seq], [[nxt]])[0]

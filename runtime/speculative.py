@@ -1,0 +1,445 @@
+"""Draft-model speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
+
+A small draft model guesses the next k tokens on its own KV cache; the target
+scores all k+1 positions in one `Engine.step(..., all_logits=True)` (the k-row
+quantized matmul reads each weight block once); tokens are accepted up to the
+first rejection and both caches roll back to the accepted length.
+
+* Greedy: a draft token is accepted iff it is the target's argmax at its
+  position, so the output is the target's own greedy output — exactly, because
+  the target's batched verify step computes each row bit-identically to a
+  one-token step (quant.matmul is batch invariant for <= 16 rows).
+* Sampling: accept a draft token x ~ q with probability min(1, p(x)/q(x)); on
+  rejection draw from norm(max(0, p - q)).  The emitted token is then
+  distributed exactly as p.  p and q are both `Sampler.probs` of the same
+  sampling settings, so the output follows the target's filtered distribution.
+
+The draft can be made cheaper than the model file alone allows: `draft_vocab=N`
+keeps only the first N rows of its output layer (BPE ids are roughly ordered by
+merge frequency, so low ids cover most text) plus the end-of-generation ids.
+That only changes what the draft proposes; the target still checks every token
+over the full vocabulary, so exactness is unaffected.
+
+k adapts to the measured acceptance and costs (see `KController`); when no k
+beats plain decoding the Drafter falls back to it and says so in its stats.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from quant import QTensor
+
+from .engine import ContextOverflow, Engine
+from .kv_cache import Sequence
+from .sampling import Sampler, SamplingParams
+
+# llama.cpp's tolerance for vocabularies that differ only in padding at the end
+VOCAB_SIZE_SLACK = 128
+# default --draft-vocab: the first 32768 ids cover ~95% of the tokens of Python code
+# for Qwen2.5's BPE and cut the 0.5B draft's output layer to a fifth
+DEFAULT_DRAFT_VOCAB = 32768
+
+
+class VocabMismatch(ValueError):
+    """Draft and target models do not share a vocabulary."""
+
+
+# ---- vocabulary check ------------------------------------------------------------------
+def check_same_vocab(draft, target) -> None:
+    """Raise VocabMismatch saying what differs unless draft and target (LoadedModel)
+    tokenize identically: same tokenizer model, the same token strings for every
+    id they share, and at most VOCAB_SIZE_SLACK extra (padding) ids on one side."""
+    dm, tm = draft.metadata, target.metadata
+    dname, tname = draft.path.name, target.path.name
+    problems = []
+    d_model, t_model = dm.get("tokenizer.ggml.model"), tm.get("tokenizer.ggml.model")
+    if d_model != t_model:
+        problems.append(f"tokenizer type: draft {d_model!r}, target {t_model!r}")
+    d_pre, t_pre = dm.get("tokenizer.ggml.pre"), tm.get("tokenizer.ggml.pre")
+    if d_pre != t_pre:
+        problems.append(f"pre-tokenizer: draft {d_pre!r}, target {t_pre!r}")
+    d_tok, t_tok = list(dm.get("tokenizer.ggml.tokens") or []), list(tm.get("tokenizer.ggml.tokens") or [])
+    if not d_tok or not t_tok:
+        problems.append("a model file has no tokenizer.ggml.tokens list to compare")
+    else:
+        if abs(len(d_tok) - len(t_tok)) > VOCAB_SIZE_SLACK:
+            problems.append(f"vocabulary size: draft {len(d_tok)}, target {len(t_tok)}")
+        n = min(len(d_tok), len(t_tok))
+        diff = [i for i in range(n) if d_tok[i] != t_tok[i]]
+        if diff:
+            i = diff[0]
+            problems.append(f"{len(diff)} of {n} shared token ids have different strings, first id {i}: "
+                            f"draft {d_tok[i]!r}, target {t_tok[i]!r}")
+    for key in ("bos_id", "eos_id"):
+        d, t = getattr(draft.tokenizer, key, None), getattr(target.tokenizer, key, None)
+        if d != t:
+            problems.append(f"{key}: draft {d}, target {t}")
+    if problems:
+        raise VocabMismatch(f"draft model {dname} cannot draft for {tname}: they do not share a "
+                            "vocabulary (" + "; ".join(problems) + ")")
+
+
+# ---- the accept/reject rule ---------------------------------------------------------------
+def _dense(ids: np.ndarray, probs: np.ndarray, support: np.ndarray) -> np.ndarray:
+    """probs of (ids, probs) on the sorted id array `support`."""
+    out = np.zeros(support.size, np.float64)
+    out[np.searchsorted(support, ids)] = probs
+    return out
+
+
+def accept_or_resample(p: tuple[np.ndarray, np.ndarray], q: tuple[np.ndarray, np.ndarray], x: int,
+                       rng: np.random.Generator) -> tuple[bool, int]:
+    """One step of speculative sampling.
+
+    p, q: (token ids, probabilities) of the target and draft distributions (as
+    `Sampler.probs` returns them); x: the draft's token, drawn from q.  Returns
+    (accepted, token): (True, x) with probability min(1, p(x)/q(x)), otherwise
+    (False, y) with y ~ norm(max(0, p - q)).  The token is distributed as p.
+    """
+    p_ids, p_pr = np.asarray(p[0], np.int64), np.asarray(p[1], np.float64)
+    q_ids, q_pr = np.asarray(q[0], np.int64), np.asarray(q[1], np.float64)
+    px = float(p_pr[p_ids == x].sum())
+    qx = float(q_pr[q_ids == x].sum())
+    if qx <= 0.0:
+        raise ValueError(f"draft token {x} has probability 0 under the draft distribution")
+    if px >= qx or rng.random() * qx < px:
+        return True, int(x)
+    support = np.union1d(p_ids, q_ids)
+    resid = np.maximum(_dense(p_ids, p_pr, support) - _dense(q_ids, q_pr, support), 0.0)
+    total = resid.sum()
+    if total <= 0.0:            # p == q up to rounding: rejection had probability ~0
+        resid, total = _dense(p_ids, p_pr, support), 1.0
+    return False, int(support[rng.choice(support.size, p=resid / total)])
+
+
+# ---- a cheaper draft: output layer on a subset of the vocabulary ------------------------
+def restrict_draft_vocab(engine: Engine, n_first: int, always=()) -> np.ndarray | None:
+    """Make the draft engine's output layer compute logits only for ids < n_first
+    plus `always` (e.g. the end-of-generation ids).  Returns the token id of each
+    logit row (None when nothing was cut).  A contiguous prefix of rows is a plain
+    view of the weight; extra rows are copied once."""
+    model = engine.model
+    W = getattr(model, "full_output", None) or getattr(model, "output", None)
+    if not isinstance(W, QTensor):
+        return None
+    model.full_output = W           # so a later Drafter on this engine can choose again
+    if n_first <= 0 or n_first >= W.shape[0]:
+        model.output = W
+        return None
+    extra = sorted(int(i) for i in set(always) if n_first <= int(i) < W.shape[0])
+    ids = np.concatenate([np.arange(n_first), np.asarray(extra, np.int64)]).astype(np.int64)
+    data = W.data[:n_first] if not extra else np.ascontiguousarray(W.data[ids])
+    model.output = QTensor(W.name + f"[:{n_first}]", W.qtype, (ids.size, W.shape[1]), data)
+    return ids
+
+
+# ---- choosing k ------------------------------------------------------------------------
+@dataclass
+class KController:
+    """Picks the draft length that maximizes expected tokens per second.
+
+    With per-token acceptance a, a round of k drafts yields on average
+    (1 - a^(k+1)) / (1 - a) tokens and costs k draft steps plus one verify step,
+    t_verify(k) ~ t_plain + k * t_row.  All costs are running averages of
+    measured times; a comes from tested draft tokens with a weak prior.  k = 0 is
+    plain decoding.
+    """
+    k_max: int = 8
+    adaptive: bool = True
+    k_fixed: int = 4
+    alpha_prior: float = 0.7
+    prior_weight: float = 4.0
+    ema: float = 0.2
+    tested: float = 0.0
+    accepted: float = 0.0
+    t_plain: float | None = None
+    t_draft: float | None = None
+    t_row: float | None = None
+
+    @property
+    def alpha(self) -> float:
+        a = (self.accepted + self.alpha_prior * self.prior_weight) / (self.tested + self.prior_weight)
+        return min(a, 0.999)
+
+    def _avg(self, old, new):
+        return new if old is None else (1 - self.ema) * old + self.ema * new
+
+    def observe_round(self, k: int, n_accepted: int, draft_s: float, verify_s: float) -> None:
+        # acceptance is geometric: after the first rejection nothing more was tested
+        self.accepted = self.accepted * 0.98 + n_accepted
+        self.tested = self.tested * 0.98 + n_accepted + (1 if n_accepted < k else 0)
+        self.t_draft = self._avg(self.t_draft, draft_s / k)
+        if self.t_plain is not None:
+            self.t_row = self._avg(self.t_row, max(0.0, verify_s - self.t_plain) / k)
+
+    def forget(self) -> None:
+        """Weaken the acceptance history so the prior and new rounds dominate."""
+        self.accepted *= 0.25
+        self.tested *= 0.25
+
+    def observe_plain(self, seconds: float) -> None:
+        self.t_plain = self._avg(self.t_plain, seconds)
+
+    def expected_tokens(self, k: int, a: float | None = None) -> float:
+        a = self.alpha if a is None else a
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def rate(self, k: int) -> float:
+        """Expected tokens per second of rounds with k drafts (k = 0: plain)."""
+        tp = self.t_plain or 1.0
+        if k == 0:
+            return 1.0 / tp
+        cost = k * (self.t_draft or 0.0) + tp + k * (self.t_row or 0.0)
+        return self.expected_tokens(k) / cost
+
+    def choose(self) -> int:
+        if not self.adaptive:
+            return self.k_fixed
+        if self.t_plain is None or self.t_draft is None:
+            return min(self.k_fixed, self.k_max)
+        return max(range(self.k_max + 1), key=self.rate)
+
+
+# ---- stats -------------------------------------------------------------------------------
+@dataclass
+class SpecStats:
+    drafted: int = 0              # draft tokens proposed
+    accepted: int = 0             # draft tokens the target accepted
+    verify_forwards: int = 0      # target steps that checked drafts
+    plain_forwards: int = 0       # target steps without drafts (probes and fallback)
+    emitted: int = 0              # tokens produced by those target steps
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    plain_seconds: float = 0.0
+    k_rounds: dict = field(default_factory=dict)   # k -> rounds drafted with it
+    fallback: str = ""            # why speculation was last switched off
+    fallbacks: int = 0            # times it was switched off
+    active: bool = True           # drafting at the end of the run
+    t_plain: float | None = None  # measured seconds of one plain target step
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        n = self.verify_forwards + self.plain_forwards
+        return self.emitted / n if n else 0.0
+
+    @property
+    def speedup(self) -> float:
+        """Tokens/s achieved over the tokens/s of plain decoding, from the measured
+        time of plain target steps taken in the same run."""
+        spent = self.draft_seconds + self.verify_seconds + self.plain_seconds
+        if not self.t_plain or not spent or not self.emitted:
+            return 0.0
+        return self.emitted / spent * self.t_plain
+
+    def as_dict(self) -> dict:
+        return {"drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": round(self.acceptance_rate, 4),
+                "tokens_per_target_forward": round(self.tokens_per_target_forward, 3),
+                "speedup": round(self.speedup, 3),
+                "verify_forwards": self.verify_forwards, "plain_forwards": self.plain_forwards,
+                "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4),
+                "plain_seconds": round(self.plain_seconds, 4),
+                "k_rounds": {str(k): v for k, v in sorted(self.k_rounds.items())},
+                "fallbacks": self.fallbacks,
+                "speculation": ("on" if self.active else "off") + (f" ({self.fallback})" if self.fallback else "")}
+
+
+# ---- the drafter -------------------------------------------------------------------------
+class Drafter:
+    """A draft engine paired with a target engine.  `Generation(..., drafter=d)`
+    decodes through `d.tokens(...)`; one Drafter serves one generation at a time.
+
+    k: the draft length (adaptive: the most it may grow to; fixed otherwise).
+    draft_vocab: keep only this many output ids in the draft (0: all).
+    """
+
+    # rounds in a row where plain decoding looks faster before giving up on drafting
+    FALLBACK_AFTER = 4
+    # with speculation off, plain tokens before drafting is tried again
+    RETRY_AFTER = 64
+    # one plain step every this many rounds keeps the plain-step time current
+    PROBE_EVERY = 32
+
+    def __init__(self, draft: Engine, target: Engine, k: int = 4, adaptive: bool = True,
+                 draft_vocab: int = 0):
+        check_same_vocab(draft.loaded, target.loaded)
+        if k < 1:
+            raise ValueError("--draft-n must be at least 1")
+        self.draft, self.target = draft, target
+        self.k = min(k, 15)          # k+1 rows stay within quant's batch-invariant range
+        self.adaptive = adaptive
+        stops = set(target.tokenizer.stop_ids) | {target.tokenizer.eos_id or 0}
+        self.vocab_ids = restrict_draft_vocab(draft, draft_vocab, stops)
+        self.dseq: Sequence | None = None
+        self.stats = SpecStats()
+
+    @classmethod
+    def load(cls, draft_model: str, target: Engine, k: int = 4, adaptive: bool = True,
+             draft_vocab: int = 0, announce=None) -> "Drafter":
+        from .loader import load_model
+        lm = load_model(draft_model)
+        check_same_vocab(lm, target.loaded)   # before building an engine for nothing
+        eng = Engine(lm, device=target.backend.name, n_ctx=target.n_ctx, announce=announce)
+        return cls(eng, target, k=k, adaptive=adaptive, draft_vocab=draft_vocab)
+
+    def release(self) -> None:
+        if self.dseq is not None:
+            self.draft.release(self.dseq)
+            self.dseq = None
+
+    # ---- draft side ---------------------------------------------------------------------
+    def _draft_logits(self, history: list[int]) -> np.ndarray:
+        """Bring the draft's cache up to `history` (keeping the common prefix) and
+        return its logits for the next token."""
+        seq = self.dseq
+        if seq is None:
+            seq = self.dseq = self.draft.new_sequence()
+        n = 0
+        lim = min(len(seq.tokens), len(history) - 1)
+        while n < lim and seq.tokens[n] == history[n]:
+            n += 1
+        if n < len(seq.tokens):
+            self.draft.cache.truncate(seq, n)
+        return self.draft.prefill(seq, history)
+
+    def _draft_pick(self, logits: np.ndarray, sampler: Sampler, history: list[int], rng):
+        """(token, q) where q = (ids, probs) is the distribution it was drawn from
+        (None for greedy)."""
+        ids = self.vocab_ids
+        p = sampler.p
+        hist = history[-p.repeat_last_n:] if p.repeat_penalty != 1.0 else ()
+        if ids is not None and len(hist):
+            # penalties index the draft's own (restricted) logits
+            pos = np.searchsorted(ids, hist)
+            ok = (pos < ids.size) & (ids[np.minimum(pos, ids.size - 1)] == np.asarray(hist))
+            hist = [int(i) for i in pos[ok]]
+        if p.greedy:
+            j = sampler.sample(logits, hist)
+            return (int(ids[j]) if ids is not None else j), None
+        q_ids, q_pr = sampler.probs(logits, hist)
+        j = int(q_ids[rng.choice(q_ids.size, p=q_pr)])
+        if ids is not None:
+            q_ids = ids[q_ids]
+            j = int(ids[j])
+        return j, (q_ids, q_pr)
+
+    def _propose(self, history, k, sampler, rng):
+        logits = self._draft_logits(history)
+        toks, qs = [], []
+        hist = list(history)
+        for i in range(k):
+            t, q = self._draft_pick(logits, sampler, hist, rng)
+            toks.append(t); qs.append(q); hist.append(t)
+            if i + 1 < k:
+                logits = self.draft.step([self.dseq], [[t]])[0]
+        return toks, qs
+
+    # ---- the decode loop ------------------------------------------------------------------
+    def tokens(self, seq: Sequence, logits: np.ndarray, history: list[int], sampler: Sampler):
+        """Yield the target's tokens after a prefill that gave `logits`.  The caller
+        appends each yielded token to `history` before asking for the next, and may
+        stop at any time (then call `finish`).  Between rounds the target cache
+        holds every token of history but the last."""
+        eng = self.target
+        st = self.stats = SpecStats()
+        ctl = self.controller = KController(k_max=self.k, adaptive=self.adaptive, k_fixed=self.k)
+        rng = np.random.default_rng(sampler.p.seed)
+        tok = sampler.sample(logits, history)
+        yield tok
+        pending = tok
+        off_until = -1          # speculation is off until history reaches this length
+        losing = 0              # consecutive decisions for plain decoding
+        rounds = 0
+        while True:
+            if rounds == 0 or self.adaptive and rounds % self.PROBE_EVERY == 0:
+                k = 0           # time a plain step: the cost model and the speedup need it
+            elif off_until > len(history):
+                k = 0
+            elif off_until >= 0:
+                off_until = -1  # retry: one forced round re-measures the acceptance
+                ctl.forget()
+                k = self.k
+            else:
+                k = ctl.choose()
+                losing = losing + 1 if k == 0 else 0
+                if losing >= self.FALLBACK_AFTER:
+                    off_until = len(history) + self.RETRY_AFTER
+                    st.fallbacks += 1
+                    st.fallback = (f"drafting stopped paying (acceptance {ctl.alpha:.0%}, draft step "
+                                   f"{1e3 * ctl.t_draft:.0f} ms, plain target step {1e3 * ctl.t_plain:.0f} ms)")
+                    losing = 0
+            st.active = off_until < 0
+            k = max(0, min(k, eng.n_ctx - len(seq) - 1))
+            rounds += 1
+            if k == 0:
+                t0 = time.perf_counter()
+                logits = eng.step([seq], [[pending]])[0]
+                dt = time.perf_counter() - t0
+                ctl.observe_plain(dt)
+                st.plain_forwards += 1; st.plain_seconds += dt; st.emitted += 1
+                st.t_plain = ctl.t_plain
+                out = [sampler.sample(logits, history)]
+            else:
+                try:
+                    out = self._round(seq, pending, history, k, sampler, rng, ctl)
+                except ContextOverflow:     # the draft's context is full: the target goes on alone
+                    off_until = 1 << 62
+                    st.fallbacks += 1
+                    st.fallback = "the draft model's context is full"
+                    continue
+            for t in out:
+                yield t
+            pending = out[-1]
+
+    def _round(self, seq, pending, history, k, sampler, rng, ctl):
+        """Draft k tokens, verify them in one target step, roll back; return the
+        tokens to emit (accepted drafts plus the target's own next token)."""
+        st = self.stats
+        eng = self.target
+        t0 = time.perf_counter()
+        drafts, qs = self._propose(history, k, sampler, rng)
+        t1 = time.perf_counter()
+        base = len(seq)
+        logits = eng.step([seq], [[pending] + drafts], all_logits=True)
+        t2 = time.perf_counter()
+        out = []
+        hist = list(history)
+        for i, d in enumerate(drafts):
+            if sampler.p.greedy:
+                t = sampler.sample(logits[i], hist)
+                ok = t == d
+            else:
+                ok, t = accept_or_resample(sampler.probs(logits[i], hist), qs[i], d, rng)
+            out.append(t)
+            hist.append(t)
+            if not ok:
+                break
+        else:
+            out.append(sampler.sample(logits[k], hist))
+        n_acc = len(out) - 1
+        eng.cache.truncate(seq, base + 1 + n_acc)
+        # the draft holds history + drafts[:k-1]; keep what the target accepted
+        self.draft.cache.truncate(self.dseq, min(len(self.dseq), len(history) + n_acc))
+        ctl.observe_round(k, n_acc, t1 - t0, t2 - t1)
+        st.drafted += k; st.accepted += n_acc
+        st.verify_forwards += 1; st.emitted += len(out)
+        st.draft_seconds += t1 - t0; st.verify_seconds += t2 - t1
+        st.k_rounds[k] = st.k_rounds.get(k, 0) + 1
+        return out
+
+    def finish(self, seq: Sequence, n_fed: int) -> None:
+        """After the caller stopped: roll the target back so that at most n_fed ids
+        (prompt + emitted) have been fed (tokens accepted but never emitted must
+        not stay in a reused sequence).  Counted in seq.history, which a context
+        shift does not shorten."""
+        extra = len(getattr(seq, "history", seq.tokens)) - n_fed
+        if extra > 0:
+            self.target.cache.truncate(seq, len(seq) - extra)

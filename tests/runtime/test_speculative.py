@@ -1,0 +1,311 @@
+"""Speculative decoding: exact greedy output, the target's distribution under
+sampling, cache rollback without leaks, batch invariance of verification, the
+vocabulary check, and the k controller."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from runtime.engine import Engine
+from runtime.generate import Generation
+from runtime.sampling import Sampler, SamplingParams
+from runtime.speculative import (Drafter, KController, VocabMismatch, accept_or_resample,
+                                 check_same_vocab)
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+# ---- the accept/resample rule on synthetic distributions -----------------------------------
+def _chi2_critical(df: int, alpha: float = 1e-3) -> float:
+    """Upper alpha quantile of chi-square(df) (Wilson-Hilferty; close enough for df >= 3)."""
+    from statistics import NormalDist
+    z = NormalDist().inv_cdf(1 - alpha)
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _draws(p, q, n, rng, rule):
+    counts = {}
+    for _ in range(n):
+        x = int(q[0][rng.choice(len(q[0]), p=q[1])])
+        _, y = rule(p, q, x, rng)
+        counts[y] = counts.get(y, 0) + 1
+    return counts
+
+
+# p and q overlap only partly: q proposes ids p never emits (7) and misses ids p
+# does emit (0, 5); the resampling step must fill in exactly what q lacks.
+P = (np.array([0, 1, 2, 3, 4, 5]), np.array([0.05, 0.30, 0.25, 0.20, 0.15, 0.05]))
+Q = (np.array([1, 2, 3, 4, 7]), np.array([0.10, 0.45, 0.05, 0.30, 0.10]))
+
+
+def _fit(counts, p, n):
+    ids, probs = p
+    support = sorted(set(counts) | set(int(i) for i in ids))
+    expected = {int(i): n * float(pr) for i, pr in zip(ids, probs)}
+    if any(expected.get(i, 0.0) == 0.0 and counts.get(i, 0) for i in support):
+        return math.inf, 1.0                       # emitted a token p gives probability 0
+    chi2 = sum((counts.get(i, 0) - e) ** 2 / e for i, e in expected.items())
+    tv = 0.5 * sum(abs(counts.get(i, 0) / n - expected.get(i, 0.0) / n) for i in support)
+    return chi2, tv
+
+
+def test_accept_or_resample_reproduces_target_distribution():
+    n = 20000
+    rng = np.random.default_rng(1234)
+    counts = _draws(P, Q, n, rng, accept_or_resample)
+    chi2, tv = _fit(counts, P, n)
+    assert chi2 < _chi2_critical(len(P[0]) - 1), (chi2, counts)
+    assert tv < 0.015, (tv, counts)
+    # the test has power: accepting every draft (emitting q) fails it clearly
+    naive = _draws(P, Q, n, np.random.default_rng(1234), lambda p, q, x, r: (True, x))
+    chi2_naive, tv_naive = _fit(naive, P, n)
+    assert chi2_naive > 100 * _chi2_critical(len(P[0]) - 1) and tv_naive > 0.2
+
+
+def test_acceptance_rate_is_sum_of_min_p_q():
+    rng = np.random.default_rng(7)
+    n = 20000
+    acc = 0
+    for _ in range(n):
+        x = int(Q[0][rng.choice(len(Q[0]), p=Q[1])])
+        acc += accept_or_resample(P, Q, x, rng)[0]
+    p = dict(zip(P[0].tolist(), P[1])); q = dict(zip(Q[0].tolist(), Q[1]))
+    theory = sum(min(p.get(i, 0.0), q.get(i, 0.0)) for i in set(p) | set(q))   # 1 - TV(p, q)
+    assert abs(acc / n - theory) < 4 * math.sqrt(theory * (1 - theory) / n)
+
+
+def test_identical_distributions_always_accept():
+    rng = np.random.default_rng(0)
+    for x in P[0]:
+        assert accept_or_resample(P, P, int(x), rng) == (True, int(x))
+
+
+# ---- engines -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol(model_path):
+    return model_path("smollm2-135m")
+
+
+@pytest.fixture
+def smol_pair(smol):
+    """Target and draft: the same SmolLM2 file in two fresh engines (two KV caches)."""
+    return Engine(str(smol), n_ctx=512), Engine(str(smol), n_ctx=512)
+
+
+def _generate(target, prompt, params, n, drafter=None, seq=None):
+    ids = target.tokenizer.encode(prompt)
+    return Generation(target, ids, params, max_tokens=n, drafter=drafter, seq=seq).run()
+
+
+def _released(engine, *seqs):
+    for s in seqs:
+        engine.release(s)
+    return engine.stats()["blocks_used"]
+
+
+def test_batched_verify_is_bit_identical_to_single_steps(smol_pair):
+    """The premise of exact greedy speculation: row i of a k+1-token step equals
+    the logits of feeding those tokens one at a time (matmul, attention, norms,
+    rope all batch invariant at this context length)."""
+    eng, _ = smol_pair
+    prompt = eng.tokenizer.encode("def fibonacci(n):\n    ")
+    extra = eng.tokenizer.encode(" if n < 2:\n        return n")[:6]
+    seq = eng.new_sequence()
+    eng.prefill(seq, prompt)
+    base = len(seq)
+    batched = eng.step([seq], [extra], all_logits=True)
+    eng.cache.truncate(seq, base)
+    single = np.stack([eng.step([seq], [[t]])[0] for t in extra])
+    assert np.array_equal(batched, single)
+    assert _released(eng, seq) == 0
+
+
+@pytest.mark.xfail(reason="Engine._splits picks the flash-decoding split count from the number of "
+                          "new tokens: at >= 256 context a 1-token step splits attention, a k+1-token "
+                          "verify does not, and the two merges round differently", strict=False)
+def test_batched_verify_is_bit_identical_at_long_context(smol_pair):
+    eng, _ = smol_pair
+    rng = np.random.default_rng(0)
+    prompt = [int(x) for x in rng.integers(100, 5000, 300)]
+    extra = [int(x) for x in rng.integers(100, 5000, 5)]
+    seq = eng.new_sequence()
+    try:
+        eng.prefill(seq, prompt)
+        base = len(seq)
+        batched = eng.step([seq], [extra], all_logits=True)
+        eng.cache.truncate(seq, base)
+        single = np.stack([eng.step([seq], [[t]])[0] for t in extra])
+        assert np.array_equal(batched, single)
+    finally:
+        eng.release(seq)
+
+
+def test_greedy_equal_with_a_draft_that_disagrees_often(smol_pair):
+    """The draft is the target's own file with its output layer cut to the first
+    400 token ids: it cannot propose most words, so many drafts are rejected,
+    every round rolls back, and the output must still be the target's."""
+    target, draft_eng = smol_pair
+    prompt = "def quicksort(arr):"
+    plain = _generate(target, prompt, GREEDY, 32)
+    drafter = Drafter(draft_eng, target, k=4, adaptive=False, draft_vocab=400)
+    spec = _generate(target, prompt, GREEDY, 32, drafter)
+    assert spec.ids == plain.ids
+    assert spec.text == plain.text
+    sp = spec.stats.speculative
+    assert sp["drafted"] > 0 and sp["verify_forwards"] > 0
+    assert 0.0 < sp["acceptance_rate"] < 0.9, sp
+    assert sp["accepted"] < sp["drafted"]
+    # every target forward emitted one token plus the drafts it accepted
+    assert sp["accepted"] + sp["verify_forwards"] + sp["plain_forwards"] == len(spec.ids) - 1
+    # the target's sequence holds exactly prompt + output minus the last token,
+    # as after plain decoding
+    assert spec.seq.tokens == plain.seq.tokens
+    assert _released(target, plain.seq, spec.seq) == 0
+    drafter.release()
+    assert draft_eng.stats()["blocks_used"] == 0
+
+
+def test_greedy_equal_with_full_draft_accepts_everything(smol_pair):
+    target, draft_eng = smol_pair
+    plain = _generate(target, "class LRUCache:", GREEDY, 24)
+    drafter = Drafter(draft_eng, target, k=5, adaptive=False)
+    spec = _generate(target, "class LRUCache:", GREEDY, 24, drafter)
+    assert spec.ids == plain.ids
+    sp = spec.stats.speculative
+    assert sp["acceptance_rate"] == 1.0 and sp["tokens_per_target_forward"] > 3
+    assert _released(target, plain.seq, spec.seq) == 0
+    drafter.release()
+    assert draft_eng.stats()["blocks_used"] == 0
+
+
+def test_stop_inside_a_round_and_multi_turn_reuse(smol_pair):
+    """max_tokens that falls inside an accepted run: the output stops there and
+    the accepted-but-unused tokens leave the target's cache; a second generation
+    continuing the same sequence (a chat turn) stays exact."""
+    target, draft_eng = smol_pair
+    drafter = Drafter(draft_eng, target, k=6, adaptive=False)
+    prompt = target.tokenizer.encode("import numpy as np\n")
+    plain = Generation(target, prompt, GREEDY, max_tokens=9).run()
+    spec = Generation(target, prompt, GREEDY, max_tokens=9, drafter=drafter).run()
+    assert spec.ids == plain.ids and len(spec.ids) == 9
+    assert spec.seq.tokens == plain.seq.tokens
+    follow = prompt + spec.ids + target.tokenizer.encode("\n# next\n")
+    plain2 = Generation(target, follow, GREEDY, max_tokens=12, seq=plain.seq).run()
+    spec2 = Generation(target, follow, GREEDY, max_tokens=12, seq=spec.seq, drafter=drafter).run()
+    assert spec2.ids == plain2.ids
+    assert spec2.seq is spec.seq and spec2.seq.tokens == plain2.seq.tokens
+    assert _released(target, plain.seq, spec.seq) == 0
+    drafter.release()
+    assert draft_eng.stats()["blocks_used"] == 0
+
+
+def test_sampling_runs_and_rolls_back_without_leaks(smol_pair):
+    target, draft_eng = smol_pair
+    drafter = Drafter(draft_eng, target, k=4, adaptive=False, draft_vocab=2000)
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1, seed=3)
+    prompt = target.tokenizer.encode("Once upon a time")
+    spec = Generation(target, prompt, params, max_tokens=16, drafter=drafter).run()
+    sp = spec.stats.speculative
+    assert 0 < len(spec.ids) <= 16
+    assert sp["drafted"] > 0 and 0 <= sp["accepted"] <= sp["drafted"]
+    # rolled back to what was emitted: no rejected or unused draft stays in the cache
+    n = len(spec.seq.tokens)
+    assert spec.seq.tokens == (prompt + spec.ids)[:n] and n >= len(prompt) + len(spec.ids) - 1
+    assert _released(target, spec.seq) == 0
+    drafter.release()
+    assert draft_eng.stats()["blocks_used"] == 0
+
+
+def test_sampling_first_token_distribution_matches_target(smol_pair):
+    """End to end through Sampler.probs on real logits: the verified token after a
+    real draft proposal follows the target's filtered distribution."""
+    target, draft_eng = smol_pair
+    params = SamplingParams(temperature=1.0, top_k=8, top_p=1.0, min_p=0.0)
+    ids = target.tokenizer.encode("My favourite colour is")
+    seq_t, seq_d = target.new_sequence(), draft_eng.new_sequence()
+    lt = target.prefill(seq_t, ids)
+    ld = draft_eng.prefill(seq_d, ids)
+    ld = ld + np.random.default_rng(5).normal(0, 2.0, ld.shape).astype(np.float32)   # a worse draft
+    s = Sampler(params)
+    p, q = s.probs(lt), s.probs(ld)
+    n = 6000
+    rng = np.random.default_rng(11)
+    counts = _draws(p, q, n, rng, accept_or_resample)
+    chi2, tv = _fit(counts, p, n)
+    assert chi2 < _chi2_critical(len(p[0]) - 1), (chi2, counts)
+    assert _released(target, seq_t) == 0 and _released(draft_eng, seq_d) == 0
+
+
+# ---- the real pair -----------------------------------------------------------------------
+def test_greedy_equal_on_qwen_coder_pair(model_path):
+    """Qwen2.5-Coder 1.5B drafted by the 0.5B (kept short: the 1.5B is slow on 2 cores)."""
+    target = Engine(str(model_path("qwen2.5-coder-1.5b")), n_ctx=256)
+    draft = Engine(str(model_path("qwen2.5-coder-0.5b")), n_ctx=256)
+    prompt = "def quicksort(arr):"
+    plain = _generate(target, prompt, GREEDY, 24)
+    drafter = Drafter(draft, target, k=4, adaptive=False, draft_vocab=32768)
+    spec = _generate(target, prompt, GREEDY, 24, drafter)
+    assert spec.ids == plain.ids, (target.tokenizer.decode(plain.ids), target.tokenizer.decode(spec.ids))
+    sp = spec.stats.speculative
+    assert sp["acceptance_rate"] > 0.3, sp
+    assert _released(target, plain.seq, spec.seq) == 0
+    drafter.release()
+    assert draft.stats()["blocks_used"] == 0
+
+
+# ---- vocabulary check ----------------------------------------------------------------------
+def test_vocab_mismatch_names_what_differs(model_path, smol):
+    from runtime.loader import load_model
+    a, b = load_model(str(smol)), load_model(str(model_path("qwen2.5-coder-0.5b")))
+    with pytest.raises(VocabMismatch) as e:
+        check_same_vocab(b, a)
+    msg = str(e.value)
+    assert "vocabulary size: draft 151936, target 49152" in msg
+    assert "pre-tokenizer" in msg and "first id" in msg
+    check_same_vocab(a, a)      # a model always shares its own vocabulary
+
+
+def test_cli_generate_json_has_speculative_stats(smol, capsys):
+    from runtime.cli import main
+    rc = main(["generate", "-m", str(smol), "-p", "def add(a, b):", "-n", "12", "--temp", "0",
+               "--draft-model", str(smol), "--draft-n", "3", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    sp = out["speculative"]
+    assert len(out["ids"]) == 12
+    for key in ("drafted", "accepted", "acceptance_rate", "tokens_per_target_forward", "speedup", "speculation"):
+        assert key in sp
+    assert sp["accepted"] <= sp["drafted"]
+
+
+def test_cli_mismatched_draft_is_one_clean_line(model_path, smol, capsys):
+    from runtime.cli import main
+    rc = main(["generate", "-m", str(smol), "-p", "hi", "-n", "2",
+               "--draft-model", str(model_path("qwen2.5-coder-0.5b"))])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1
+    assert err[-1].startswith("error: draft model") and "do not share a vocabulary" in err[-1]
+
+
+# ---- choosing k ----------------------------------------------------------------------------
+def _controller(alpha, t_plain, t_draft, t_row):
+    c = KController(k_max=8)
+    c.observe_plain(t_plain)
+    c.accepted, c.tested, c.prior_weight = 1000 * alpha, 1000, 0.0
+    c.t_draft, c.t_row = t_draft, t_row
+    return c
+
+
+def test_controller_picks_k_from_acceptance_and_costs():
+    # cheap draft, high acceptance: draft several tokens
+    assert _controller(0.85, 0.08, 0.02, 0.004).choose() >= 4
+    # lower acceptance: shorter drafts
+    assert 1 <= _controller(0.5, 0.08, 0.02, 0.004).choose() <= 3
+    # a draft nearly as slow as the target: plain decoding wins
+    assert _controller(0.5, 0.08, 0.06, 0.01).choose() == 0
+    # the expected yield formula: sum of a^i for i <= k
+    c = _controller(0.5, 1, 1, 1)
+    assert abs(c.expected_tokens(3) - (1 + 0.5 + 0.25 + 0.125)) < 1e-12
