@@ -1,0 +1,190 @@
+"""Paged KV cache: block pool bookkeeping, prefix reuse, eviction, accounting,
+sliding-window release and the q8_0 cache, first on the bare cache, then on
+real models."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from runtime.kv_cache import RELEASED, CacheFull, LayerGroup, PagedKVCache
+
+
+def _fill(cache, seq, tokens):
+    slots = cache.reserve(seq, len(tokens))
+    cache.commit(seq, tokens)
+    return slots
+
+
+def _distinct_blocks(cache, gi=0):
+    return {b for s in cache._seqs.values() for b in s.tables[gi] if b != RELEASED}
+
+
+# ---- the bare cache ----------------------------------------------------------------
+
+def test_accounting_matches_allocated_blocks():
+    bs, bpt = 4, 100
+    cache = PagedKVCache(16, bs, bpt)
+    a, b = cache.new_sequence(), cache.new_sequence()
+    _fill(cache, a, list(range(10)))      # 3 blocks, last one half full
+    _fill(cache, b, list(range(50, 55)))  # 2 blocks
+    st = cache.stats()
+    assert st.blocks_used == len(_distinct_blocks(cache)) == 5
+    assert st.blocks_free == 11 and st.blocks_cached == 0
+    assert st.bytes_used == 5 * bs * bpt and st.bytes_free == 11 * bs * bpt
+    assert st.bytes_per_token == bpt
+    assert st.tokens_per_sequence == {a.seq_id: 10, b.seq_id: 5}
+    # internal waste: reserved but unused slots stay under one block per sequence
+    assert st.reserved_unused_slots == {a.seq_id: [2], b.seq_id: [3]}
+    cache.release(a)                      # its 2 full blocks are hashed: kept for reuse
+    st = cache.stats()
+    assert (st.blocks_used, st.blocks_cached, st.blocks_free) == (2, 2, 12)
+    assert st.blocks_used + st.blocks_cached + st.blocks_free == st.blocks_total
+
+
+def test_prefix_reuse_shares_blocks_and_keeps_last_token():
+    cache = PagedKVCache(16, 4, 1)
+    a = cache.new_sequence()
+    toks = list(range(100, 112))          # exactly 3 full blocks
+    _fill(cache, a, toks)
+    b = cache.new_sequence()
+    # the whole prompt is cached, but the last token must be recomputed for its logits
+    assert cache.reuse_prefix(b, toks) == 8
+    assert b.blocks == a.blocks[:2] and cache.ref[a.blocks[0]] == 2
+    c = cache.new_sequence()
+    assert cache.reuse_prefix(c, toks[:5] + [1, 2, 3, 4, 5]) == 4    # diverges in block 2
+    d = cache.new_sequence()
+    assert cache.reuse_prefix(d, [7] + toks[1:]) == 0                  # hashes chain from the start
+
+
+def test_copy_on_write_when_a_shared_block_grows():
+    copies = []
+    cache = PagedKVCache(8, 4, 1, copy_block=lambda s, d, g: copies.append((s, d)))
+    a = cache.new_sequence()
+    _fill(cache, a, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    b = cache.new_sequence()
+    cache.reuse_prefix(b, [1, 2, 3, 4, 5, 6, 7, 8, 9])   # 2 shared blocks
+    cache.truncate(b, 6)                                  # b now ends inside shared block 1
+    assert copies == [(a.blocks[1], b.blocks[1])] and b.blocks[0] == a.blocks[0]
+    assert cache.ref[a.blocks[1]] == 1
+
+
+def test_eviction_under_a_small_pool_is_lru():
+    cache = PagedKVCache(4, 2, 1)
+    a, b = cache.new_sequence(), cache.new_sequence()
+    _fill(cache, a, [1, 2, 3, 4])        # 2 hashed blocks
+    _fill(cache, b, [5, 6, 7, 8])
+    cache.release(a)                     # cached first: least recently used
+    cache.release(b)
+    assert cache.stats().blocks_cached == 4 and cache.stats().blocks_free == 0
+    c = cache.new_sequence()
+    _fill(cache, c, [9, 9, 9])           # needs 2 blocks: evicts a's, keeps b's
+    probe = cache.new_sequence()
+    assert cache.reuse_prefix(probe, [1, 2, 3, 4, 0]) == 0
+    assert cache.reuse_prefix(probe, [5, 6, 7, 8, 0]) == 4
+    cache.release(probe)
+    with pytest.raises(CacheFull):
+        _fill(cache, c, [0] * 8)         # 11 tokens need 6 blocks of 2: more than the pool
+
+
+def test_sliding_window_group_releases_old_blocks():
+    bs, window = 4, 8
+    groups = [LayerGroup("global", [0], 0, 10), LayerGroup("local", [1, 2], window, 20)]
+    cache = PagedKVCache(64, bs, groups=groups, window_slack=bs)
+    s = cache.new_sequence()
+    for i in range(0, 60, 3):
+        _fill(cache, s, list(range(i, i + 3)))
+    n = len(s)
+    glob, local = s.tables
+    assert RELEASED not in glob and len(glob) == 15
+    needed_from = n - window + 1 - bs                  # window plus slack stays
+    assert all(b == RELEASED for b in local[:needed_from // bs])
+    assert all(b != RELEASED for b in local[needed_from // bs:])
+    st = cache.stats()
+    held = [g["blocks_used"] + g["blocks_cached"] for g in st.groups]
+    assert st.groups[1]["blocks_used"] <= (window + bs) // bs + 1 < st.groups[0]["blocks_used"]
+    assert held[0] == held[1] == 15                   # released full blocks stay cached (hashed)
+    assert st.bytes_used == sum(g["bytes_used"] for g in st.groups)
+    assert all(w < bs for w in st.reserved_unused_slots[s.seq_id])
+    # a new sequence with the same prefix reuses the global blocks and the local window
+    t = cache.new_sequence()
+    assert cache.reuse_prefix(t, list(range(60)) + [1]) == 60
+    assert t.tables[0] == glob and t.tables[1][-2:] == local[-2:]
+    with pytest.raises(RuntimeError, match="sliding window"):
+        cache.truncate(s, 20)
+
+
+# ---- real models ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol(model_path):
+    from runtime.loader import load_model
+    return load_model(model_path("smollm2-135m"))
+
+
+def _prompt(n, seed=0):
+    return np.random.default_rng(seed).integers(100, 40000, n).tolist()
+
+
+def test_prefix_reuse_logits_identical_to_cold_run(smol):
+    from runtime.engine import Engine
+    P = _prompt(70)
+    warm = Engine(smol, n_ctx=256)
+    first = warm.new_sequence()
+    warm.prefill(first, P[:40])
+    warm.release(first)                      # 2 full blocks (32 tokens) stay cached
+    seq = warm.new_sequence()
+    reused = warm.prefill(seq, P).copy()
+    assert seq.reused_tokens == 32
+    assert warm.stats()["blocks_used"] == 5 and warm.stats()["blocks_cached"] == 0
+    # a cold run of the same steps on an empty cache: bit-identical logits
+    cold = Engine(smol, n_ctx=256)
+    c = cold.new_sequence()
+    cold.step([c], [P[:32]])
+    np.testing.assert_array_equal(cold.step([c], [P[32:]])[0], reused)
+
+
+def test_engine_accounting_and_q8_0_cache(smol):
+    from runtime.engine import Engine
+    f16 = Engine(smol, n_ctx=128, cache_type="f16")
+    q8 = Engine(smol, n_ctx=128, cache_type="q8_0")
+    cfg = smol.config
+    assert f16.stats()["bytes_per_token"] == cfg.n_layers * 2 * cfg.kv_dim * 2
+    assert q8.stats()["bytes_per_token"] / f16.stats()["bytes_per_token"] == pytest.approx(34 / 64)
+    P = _prompt(37, seed=1)
+    logits = {}
+    for name, eng in (("f16", f16), ("q8_0", q8)):
+        s = eng.new_sequence()
+        logits[name] = eng.prefill(s, P)
+        st = eng.stats()
+        assert st["blocks_used"] == len(s.blocks) == 3
+        assert st["bytes_used"] == 3 * 16 * st["bytes_per_token"]
+        assert st["tokens_per_sequence"] == {s.seq_id: 37}
+        assert st["reserved_unused_slots"][s.seq_id] == [48 - 37]
+    assert np.argmax(logits["f16"]) == np.argmax(logits["q8_0"])
+    p = np.exp(logits["f16"] - logits["f16"].max()); p /= p.sum()
+    r = np.exp(logits["q8_0"] - logits["q8_0"].max()); r /= r.sum()
+    assert float(np.sum(p * (np.log(p + 1e-30) - np.log(r + 1e-30)))) < 0.05
+
+
+def test_gemma3_sliding_window_release_is_exact(model_path):
+    """Local layers that drop blocks outside their window give the same logits as
+    keeping every block (window shrunk to 32 so a short prompt crosses it)."""
+    from runtime.engine import Engine
+    from runtime.loader import load_model
+    lm = load_model(model_path("gemma3-270m"))
+    lm = dataclasses.replace(lm, config=dataclasses.replace(lm.config, sliding_window=32))
+    P = _prompt(90, seed=2)
+    out = {}
+    for slack in (16, 10 ** 6):
+        eng = Engine(lm, n_ctx=256)
+        eng.cache.window_slack = slack
+        s = eng.new_sequence()
+        eng.prefill(s, P[:50])
+        eng.step([s], [P[50:80]])          # commit at 80 releases local blocks of positions < 33
+        out[slack] = (eng.step([s], [P[80:]])[0], eng.stats()["groups"])
+    np.testing.assert_array_equal(out[16][0], out[10 ** 6][0])
+    released, kept = out[16][1], out[10 ** 6][1]
+    assert [g["window"] for g in released] == [0, 32]
+    assert released[1]["blocks_used"] < kept[1]["blocks_used"] == kept[0]["blocks_used"]
