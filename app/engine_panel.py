@@ -23,7 +23,7 @@ def human_bytes(n: float) -> str:
 
 
 def human_count(n: int) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.0f} M" if n >= 1e6 else str(n)
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else str(n)
 
 
 class Sparkline(QWidget):

@@ -35,7 +35,7 @@ class Palette:
     link: str = "#2563eb"
 
 
-LIGHT = Palette()
+LIGHT = Palette(code_border="#e5e7eb")
 DARK = Palette(code_bg="#1f2430", code_border="#374151", code_head="#9ca3af", quote="#9ca3af", link="#60a5fa")
 
 
@@ -59,9 +59,10 @@ def _inline(text: str, pal: Palette) -> str:
 def _code_block(code: str, lang: str, n: int, pal: Palette) -> str:
     head = html.escape(lang) if lang else "code"
     body = html.escape(code.rstrip("\n")) or "&nbsp;"
-    return (f'<table width="100%" cellspacing="0" cellpadding="6" '
-            f'style="background-color:{pal.code_bg}; border: 1px solid {pal.code_border}; margin: 4px 0;">'
-            f'<tr><td style="color:{pal.code_head}; font-size: small;">{head}</td>'
+    return (f'<table width="100%" border="0" cellspacing="0" cellpadding="6" '
+            f'style="background-color:{pal.code_bg}; margin: 4px 0;">'
+            f'<tr style="background-color:{pal.code_border};">'
+            f'<td style="color:{pal.code_head}; font-size: small;">{head}</td>'
             f'<td align="right" style="font-size: small;"><a href="copy:{n}" style="color:{pal.link};">Copy</a></td></tr>'
             f'<tr><td colspan="2"><pre style="font-family:{MONO}; margin:0;">{body}</pre></td></tr></table>')
 

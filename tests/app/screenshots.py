@@ -47,7 +47,7 @@ def shoot(app, look: str, out: Path) -> None:
     w.open_chat(w.store.chats()[-1].id)
     w.send(QUESTION)
     # mid-answer: the code block and some prose are in, the answer is still streaming
-    wait(app, lambda: w.stream_text.count("\n") >= 9 and "```" in w.stream_text, 600)
+    wait(app, lambda: w.stream_text.count("\n") >= 6 and "```" in w.stream_text, 900)
     wait(app, lambda: False, 0.3)
     assert w.busy, "the answer ended before the screenshot"
     w.grab().save(str(out))

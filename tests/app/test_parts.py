@@ -81,3 +81,21 @@ def test_about_shows_the_package_version_and_shortcuts_exist(make_window):
     assert f"Llamba {__version__}" in w.about_text()
     shortcuts = {a.shortcut().toString() for a in w.findChildren(type(w.stop_action)) if not a.shortcut().isEmpty()}
     assert {"Ctrl+N", "Ctrl+O", "Ctrl+R", "Esc", "Ctrl+L", "Ctrl+E", "Ctrl+,", "F1"} <= shortcuts
+
+
+def test_download_progress_dialog_follows_the_worker(make_window, qtbot):
+    """The worker's catalog-download progress drives a dialog (no network here:
+    the signal is emitted as runtime.download's callback would)."""
+    w = make_window(load=False)
+    w.loading = True
+    w.worker.download_progress.emit(25e6, 100e6, "smollm2-135m")
+    qtbot.waitUntil(lambda: w._download is not None and w._download.isVisible(), timeout=5000)
+    assert w._download.value() == 250 and "smollm2-135m" in w._download.labelText()
+    w.worker.download_progress.emit(100e6, 100e6, "smollm2-135m")
+    qtbot.waitUntil(lambda: w._download.value() == 1000, timeout=5000)
+    w.worker.status.emit("Compiling kernels (first run only)…")
+    qtbot.waitUntil(lambda: "Compiling kernels" in w.banner_label.text(), timeout=5000)
+    assert w.banner.isVisible()
+    w._on_load_failed("stopped for the test")
+    assert w._download is None and not w.banner.isVisible()
+    w.error_box.accept()

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_history_survives_a_restart(make_window, qtbot):
-    w = make_window()
+    w = make_window(max_tokens=8)
     w.system_edit.setText("You answer briefly.")
     w.system_edit.editingFinished.emit()
     with qtbot.waitSignal(w.worker.finished, timeout=ANSWER_TIMEOUT_MS):
@@ -28,7 +28,7 @@ def test_history_survives_a_restart(make_window, qtbot):
     w.close()
     w.store.close()
 
-    w2 = make_window()
+    w2 = make_window(max_tokens=8)
     titles = [w2.chat_list.item(i).text() for i in range(w2.chat_list.count())]
     assert titles == ["Say hello.", "What is the capital of France?"]
     after = {c.id: (c.title, [(m.role, m.content) for m in w2.store.messages(c.id)]) for c in w2.store.chats()}
