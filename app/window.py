@@ -291,6 +291,9 @@ class MainWindow(QMainWindow):
             self._download.setCancelButton(None)
             self._download.setMinimumDuration(0)
             self._download.setWindowModality(Qt.WindowModality.WindowModal)
+            self._download.setAutoReset(False)     # it closes when the model has loaded
+            self._download.setAutoClose(False)
+            self._download.show()
         self._download.setLabelText(f"Downloading {label}: {human_bytes(done)} of {human_bytes(total)}")
         self._download.setValue(int(1000 * done / total) if total else 0)
 
@@ -339,7 +342,6 @@ class MainWindow(QMainWindow):
         ready = self.model_info is not None and not self.loading
         self.send_button.setEnabled(ready and not self.busy)
         self.stop_button.setEnabled(self.busy)
-        self.chat_list.setEnabled(not self.busy)
         self.new_button.setEnabled(not self.busy)
         self.view.set_busy(self.busy)
 

@@ -132,7 +132,7 @@ class EngineWorker(QObject):
         cfg_m = engine.config
         lm = engine.loaded
         self.info = {
-            "model": cfg["model"], "path": str(lm.path), "name": cfg_m.name or lm.path.stem,
+            "model": cfg["model"], "path": str(lm.path), "name": lm.path.stem or cfg_m.name,
             "arch": cfg_m.arch, "n_params": lm.n_params, "weight_bytes": lm.weight_bytes,
             "device": getattr(engine.backend, "device_name", getattr(engine.backend, "name", "?")),
             "n_ctx": engine.n_ctx, "load_seconds": time.perf_counter() - t0, "warmup_seconds": warm,

@@ -1,7 +1,7 @@
 """Failures show a message in the window; they never crash or close it."""
 from __future__ import annotations
 
-ANSWER_TIMEOUT_MS = 180_000
+ANSWER_TIMEOUT_MS = 400_000
 LOAD_TIMEOUT_MS = 300_000
 
 

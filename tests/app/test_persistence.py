@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-ANSWER_TIMEOUT_MS = 180_000
+ANSWER_TIMEOUT_MS = 400_000
 ROOT = Path(__file__).resolve().parents[2]
 
 
