@@ -138,7 +138,11 @@ def config_from_hf(hf: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> Model
     )
     if arch == "gemma3":
         cfg.sliding_window = int(hf.get("sliding_window") or 512)
-        cfg.sliding_pattern = int(hf.get("sliding_window_pattern") or 6)
+        kinds = hf.get("layer_types")
+        if isinstance(kinds, list) and "full_attention" in kinds:   # transformers 5 spells the pattern out
+            cfg.sliding_pattern = kinds.index("full_attention") + 1
+        else:
+            cfg.sliding_pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
         local = _rope(hf, "sliding_attention")
         cfg.rope_theta_local = float(hf.get("rope_local_base_freq") or local.get("rope_theta", 10000.0))
         if rope_type == "linear":

@@ -73,7 +73,7 @@ def _vocab(folder: Path, n_vocab: int, tokenizer_json: dict):
     tokens, types = [], []
     for i in range(n_vocab):
         t = by_id.get(i)
-        if t is None:
+        if t is None or t == f"[PAD{i}]":   # llama.cpp's filler name, also what transformers writes
             tokens.append(f"[PAD{i}]")
             types.append(GGUF_TOKEN_UNUSED)
         elif i in added:

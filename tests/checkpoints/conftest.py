@@ -14,12 +14,12 @@ def smollm_ckpt():
 
 
 @pytest.fixture(scope="session")
-def qwen_ckpt():
-    """Qwen2.5-Coder-0.5B as an f16 checkpoint: only where it was already made
-    (python tests/checkpoints/make_checkpoints.py qwen2.5-coder-0.5b), to keep CI short."""
-    d = checkpoint_dir("qwen2.5-coder-0.5b")
-    if not (d / ".complete").exists():
-        pytest.skip("qwen checkpoint not made here (tests/checkpoints/make_checkpoints.py qwen2.5-coder-0.5b)")
-    return d
-
-
+def made_checkpoint():
+    """made_checkpoint(name) -> folder, for the larger checkpoints only where they were
+    already made (python tests/checkpoints/make_checkpoints.py NAME), to keep CI short."""
+    def get(name):
+        d = checkpoint_dir(name)
+        if not (d / ".complete").exists():
+            pytest.skip(f"{name} checkpoint not made here (tests/checkpoints/make_checkpoints.py {name})")
+        return d
+    return get

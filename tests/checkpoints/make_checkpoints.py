@@ -17,10 +17,12 @@ from pathlib import Path
 CACHE = Path(os.environ.get("LLAMBA_TEST_CACHE", Path.home() / ".cache" / "llamba-test"))
 
 # name -> (catalog name, torch dtype, max shard size).  smollm2 is saved in bf16
-# and sharded so that one checkpoint exercises bf16 and the shard index; qwen in f16.
+# and sharded so that one checkpoint exercises bf16 and the shard index; qwen in f16;
+# gemma3 (norms stored as w, not 1 + w) in bf16.
 CHECKPOINTS = {
     "smollm2-135m": ("smollm2-135m", "bfloat16", "100MB"),
     "qwen2.5-coder-0.5b": ("qwen2.5-coder-0.5b", "float16", "2GB"),
+    "gemma3-270m": ("gemma3-270m", "bfloat16", "2GB"),
 }
 
 

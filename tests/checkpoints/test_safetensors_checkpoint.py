@@ -42,12 +42,14 @@ def test_bf16_sharded_checkpoint_matches_transformers(smollm_ckpt, smollm_none):
     assert kl(ref, ours).max() < 1e-4
 
 
-def test_f16_qwen2_checkpoint_matches_transformers(qwen_ckpt):
-    lm = load_model(qwen_ckpt)
-    assert lm.config.arch == "qwen2" and lm.config.qkv_bias
+@pytest.mark.parametrize("name,arch", [("qwen2.5-coder-0.5b", "qwen2"), ("gemma3-270m", "gemma3")])
+def test_other_architectures_match_transformers(made_checkpoint, name, arch):
+    folder = made_checkpoint(name)
+    lm = load_model(folder)
+    assert lm.config.arch == arch and lm.config.qkv_bias == (arch == "qwen2")
     ids = lm.tokenizer.encode(PROMPT)
     ours = engine_logits(lm, ids)
-    ref = _transformers_logits(qwen_ckpt, ids)
+    ref = _transformers_logits(folder, ids)
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
     assert kl(ref, ours).max() < 1e-4
 
