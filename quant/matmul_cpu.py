@@ -33,7 +33,8 @@ import numpy as np
 from . import kernels_float as KF
 from . import kernels_k as KK
 from . import kernels_legacy as KL
-from .act_quant import quantize_q8_256, quantize_q8_32
+from . import vnni as KV
+from .act_quant import quantize_q8_256, quantize_q8_256_i8, quantize_q8_32, quantize_q8_32_i8
 from .dequant import deq_range_kernel
 from .tensor import QTensor
 from .types import GGMLType
@@ -150,6 +151,59 @@ def _buffers(scratch, fam, n, K, nch):
     return b
 
 
+# AVX512-VNNI kernels (quant/vnni.py) where the CPU has them: kind code per type.
+# USE_VNNI is read per call, so tests can run the int16 fallback too.
+USE_VNNI = KV.HAVE_VNNI
+_VNNI_KIND = {GGMLType.Q4_0: 0, GGMLType.Q4_1: 1, GGMLType.Q5_0: 2, GGMLType.Q5_1: 3,
+              GGMLType.Q8_0: 4, GGMLType.Q4_K: 10, GGMLType.Q6_K: 11}
+
+
+def _vnni_buffers(scratch, kk, n, K, nch):
+    key = ("vnni", kk, n, K, nch)
+    b = scratch._sets.get(key)
+    if b is None:
+        g = scratch.get
+        if kk:
+            b = (g("vxq256", (n * K,), np.int8), g("vxd256", (n * (K // 256),)),
+                 g("vxb32", (n * (K // 32),), np.int32), g("vxb16", (n * (K // 16),), np.int32),
+                 g("vres", (nch, 4)))
+        else:
+            b = (g("vxq32", (n * K,), np.int8), g("vxd32", (n * (K // 32),)),
+                 g("vxsum32", (n * (K // 32),), np.int32), g("vxs32", (n * (K // 32),)),
+                 g("vres", (nch, 4)))
+        scratch._sets[key] = b
+    return b
+
+
+def _vnni_activations(x, kind, bufs, acts):
+    """(xq, xd, xs1, xs2) as vnni.rows_any wants them for this kind."""
+    kk = kind >= 10
+    if ("v", kk) not in acts:
+        acts[("v", kk)] = True
+        (quantize_q8_256_i8 if kk else quantize_q8_32_i8)(x, *bufs[:4])
+    if not kk:
+        return bufs[:4]
+    return bufs[0], bufs[1], bufs[2] if kind == 10 else bufs[3], bufs[1]
+
+
+def _small_batch_vnni(x, W, out, scratch, acts, kind):
+    w = W.data
+    n, K = x.shape
+    M = w.shape[0]
+    nch = 1
+    if M * K >= PARALLEL_MIN_ELEMS:
+        nthr = numba.get_num_threads()
+        if nthr > 1:
+            nch = min(M, 8 * nthr)
+    kk = kind >= 10
+    bufs = _vnni_buffers(scratch, kk, n, K, nch)
+    xq, xd, x1, x2 = _vnni_activations(x, kind, bufs, acts)
+    if nch > 1:
+        _run_parallel(KV.par_any, kind, w, xq, xd, x1, x2, out, bufs[4], n, K, nch)
+    else:
+        KV.rows_any(kind, w, xq, xd, x1, x2, out, bufs[4][0], n, K, 0, M)
+
+
 _FAMILY = {t: 0 for t in _K} | {t: 1 for t in _LEGACY} | {GGMLType.F32: 2, GGMLType.F16: 2,
                                                           GGMLType.BF16: 2}
 
@@ -168,6 +222,11 @@ def _run_parallel(kernel, *args):
 
 def _small_batch(x, W, out, scratch, acts):
     qt = W.qtype
+    if USE_VNNI:
+        kind = _VNNI_KIND.get(qt)
+        if kind is not None:
+            _small_batch_vnni(x, W, out, scratch, acts, kind)
+            return
     w = W._kernel_view
     if w is None:
         w = _kernel_view(W)
@@ -331,6 +390,14 @@ def _fused(x, Ws, outs, scratch) -> bool:
         plan = scratch._sets[key] = (np.array(cw, np.int64), np.array(c0, np.int64), np.array(c1, np.int64))
     cw, c0, c1 = plan
     nch = cw.size
+    kind = _VNNI_KIND.get(qt) if USE_VNNI else None
+    if kind is not None:
+        kk = kind >= 10
+        bufs = _vnni_buffers(scratch, kk, n, K, nch)
+        xa = _vnni_activations(x, kind, bufs, {})
+        _run_parallel(KV.multi_any, kind, tuple(W.data for W in Ws), *xa, tuple(outs), bufs[4], n, K,
+                      cw, c0, c1)
+        return True
     fam = _FAMILY[qt]
     bufs = _buffers(scratch, fam, n, K, nch)
     xa = _q8_activations(x, 256 if fam == 0 else 32, bufs, {})
@@ -371,6 +438,8 @@ def kernel_name(qtype, n: int) -> str:
     if n >= LARGE_BATCH_MIN:
         return "dequant-tile+sgemm"
     t = GGMLType(qtype)
+    if USE_VNNI and t in _VNNI_KIND:
+        return f"vnni u8xs8-dot, x as q8/{256 if _VNNI_KIND[t] >= 10 else 32}"
     if t in _K:
         return "int16-dot, x as q8/256"
     if t in _LEGACY:

@@ -20,6 +20,18 @@ from conftest import random_weight_bytes, real_tensors
 TYPES = list(TYPE_INFO)
 
 
+@pytest.fixture(params=["vnni", "int16"], autouse=True)
+def kernel_path(request, monkeypatch):
+    """Every test runs on both small-batch kernel sets: the AVX512-VNNI one
+    (quant/vnni.py, where this CPU has it) and the portable int16 fallback."""
+    import quant.matmul_cpu as mc
+    from quant.vnni import HAVE_VNNI
+    if request.param == "vnni" and not HAVE_VNNI:
+        pytest.skip("this CPU has no AVX512-VNNI")
+    monkeypatch.setattr(mc, "USE_VNNI", request.param == "vnni")
+    return request.param
+
+
 def _bound(x, Wd, qtype):
     x64 = x.astype(np.float64)
     bound = 1e-5 * (np.abs(x64) @ np.abs(Wd).T) + 1e-30

@@ -1,0 +1,469 @@
+"""AVX-512 VNNI decode kernels (u8 x s8 -> int32, vpdpbusd), as llama.cpp's.
+
+Generic Numba code never becomes vpdpbusd (LLVM does not match the u8 x s8
+pattern), and the int16 kernels in kernels_legacy / kernels_k are compute
+bound at a quarter of the memory bandwidth.  Here the inner loops are written
+directly in LLVM IR with the target intrinsic `llvm.x86.avx512.vpdpbusd.256`
+(EVEX-encoded, needs AVX512_VNNI + AVX512VL; Zen4, Ice Lake and later).
+HAVE_VNNI says whether this CPU has it; nothing here is compiled otherwise
+(the int16 kernels remain the path for every other x86-64 / ARM CPU).
+
+How a weight block is used: its codes are unpacked to 32 unsigned bytes
+(nibbles, nibbles + 5th bit, or Q8_0's int8 xor 0x80) and multiplied with the
+activation row's int8 codes (act_quant.quantize_q8_*_i8) by one vpdpbusd.  The
+unsigned offset (8, 16, 128, 32 for Q6_K) comes back out exactly with the
+row's integer block sum.  Each block is decoded once for R = 1, 2 or 4
+activation rows, all in registers.
+
+Exactness: for a given (row, output) the float operations are the same
+whatever R is and whatever the other rows hold (batch invariance), and the
+integer parts are exact.  The results differ from the int16 kernels' in the
+last bits (different float summation order).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+
+def _cpu_has_vnni() -> bool:
+    if os.environ.get("LLAMBA_QUANT_VNNI", "1") == "0":
+        return False
+    try:
+        from llvmlite import binding
+        f = binding.get_host_cpu_features()
+        return all(f.get(k, False) for k in ("avx512f", "avx512bw", "avx512vl", "avx512vnni"))
+    except Exception:
+        return False
+
+
+HAVE_VNNI = _cpu_has_vnni()
+
+F32 = np.float32
+_i1 = ir.IntType(1)
+_i8 = ir.IntType(8)
+_i16 = ir.IntType(16)
+_i32 = ir.IntType(32)
+_i64 = ir.IntType(64)
+_f32 = ir.FloatType()
+_v32i8 = ir.VectorType(_i8, 32)
+_v16i8 = ir.VectorType(_i8, 16)
+_v8i32 = ir.VectorType(_i32, 8)
+_v8f32 = ir.VectorType(_f32, 8)
+
+# legacy kinds: (block bytes, min offset or -1, qh offset or -1, qs offset, code kind, offset)
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 4
+_LEG = {Q4_0: (18, -1, -1, 2, "nib", 8), Q4_1: (20, 2, -1, 4, "nib", 0),
+        Q5_0: (22, -1, 2, 6, "nib5", 16), Q5_1: (24, 2, 4, 8, "nib5", 0),
+        Q8_0: (34, -1, -1, 2, "i8", 128)}
+Q4_K, Q6_K = 0, 1
+
+
+def _fn(builder, name, ret, args):
+    mod = builder.module
+    try:
+        return mod.get_global(name)
+    except KeyError:
+        return ir.Function(mod, ir.FunctionType(ret, args), name)
+
+
+def _data(context, builder, ty, val):
+    return context.make_array(ty)(context, builder, val).data
+
+
+def _ptr(builder, base, off, elt):
+    """base (elt-typed array data pointer) + off elements, cast to elt*."""
+    return builder.gep(base, [off])
+
+
+def _load_vec(builder, base_i8, off, vt):
+    p = builder.gep(base_i8, [off])
+    return builder.load(builder.bitcast(p, vt.as_pointer()), align=1)
+
+
+def _load_half(builder, base_i8, off):
+    p = builder.bitcast(builder.gep(base_i8, [off]), ir.IntType(16).as_pointer())
+    h = builder.load(p, align=1)
+    return builder.fpext(builder.bitcast(h, ir.HalfType()), _f32)
+
+
+def _splat(builder, v, vt):
+    one = builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(_i32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_i32, vt.count), [0] * vt.count))
+
+
+def _c(v, t=_i64):
+    return ir.Constant(t, v)
+
+
+def _vpdpbusd(builder, acc, u8, s8):
+    fn = _fn(builder, "llvm.x86.avx512.vpdpbusd.256", _v8i32, [_v8i32, _v8i32, _v8i32])
+    return builder.call(fn, [acc, builder.bitcast(u8, _v8i32), builder.bitcast(s8, _v8i32)])
+
+
+def _fma(builder, a, b, c):
+    fn = _fn(builder, f"llvm.fma.{'v8f32' if a.type == _v8f32 else 'f32'}", a.type, [a.type] * 3)
+    return builder.call(fn, [a, b, c])
+
+
+def _hsum8f(builder, v):
+    """Fixed-order halving tree over 8 float lanes."""
+    n = 8
+    while n > 1:
+        h = n // 2
+        a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, h), list(range(h))))
+        b = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, h), list(range(h, n))))
+        v = builder.fadd(a, b)
+        n = h
+    return builder.extract_element(v, _c(0, _i32))
+
+
+def _hsum8i(builder, v):
+    n = 8
+    while n > 1:
+        h = n // 2
+        a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, h), list(range(h))))
+        b = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, h), list(range(h, n))))
+        v = builder.add(a, b)
+        n = h
+    return builder.extract_element(v, _c(0, _i32))
+
+
+def _nibbles(builder, q16):
+    lo = builder.and_(q16, ir.Constant(_v16i8, [15] * 16))
+    hi = builder.lshr(q16, ir.Constant(_v16i8, [4] * 16))
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
+
+
+def _literal(t):
+    return isinstance(t, types.IntegerLiteral)
+
+
+@intrinsic
+def leg_dot(typingctx, kind, R, src, nb, xq, xd, xsum, xs, r0, K, res):
+    """res[i] = row (r0+i) of x . this W row, i < R, for a 32-element format.
+
+    src: the W row's bytes (uint8 1-D); xq int8 [n*K] flat; xd f32, xsum int32,
+    xs f32 [n*nb] flat (act_quant.quantize_q8_32_i8); res f32 [>= R]."""
+    if not (_literal(kind) and _literal(R)):
+        return None
+    k = kind.literal_value
+    nrow = R.literal_value
+    BB, MOFF, QHOFF, QSOFF, CODE, OFF = _LEG[k]
+    sig = types.void(kind, R, src, nb, xq, xd, xsum, xs, r0, K, res)
+
+    def codegen(context, builder, signature, args):
+        ta = signature.args
+        _, _, srcv, nbv, xqv, xdv, xsumv, xsv, r0v, Kv, resv = args
+        w = _data(context, builder, ta[2], srcv)
+        xqp = _data(context, builder, ta[4], xqv)
+        xdp = _data(context, builder, ta[5], xdv)
+        xsump = _data(context, builder, ta[6], xsumv)
+        xsp = _data(context, builder, ta[7], xsv)
+        resp = _data(context, builder, ta[10], resv)
+        nbv = builder.sext(nbv, _i64) if nbv.type != _i64 else nbv
+        r0v = builder.sext(r0v, _i64) if r0v.type != _i64 else r0v
+        Kv = builder.sext(Kv, _i64) if Kv.type != _i64 else Kv
+        xrow = [builder.mul(builder.add(r0v, _c(i)), Kv) for i in range(nrow)]
+        brow = [builder.mul(builder.add(r0v, _c(i)), nbv) for i in range(nrow)]
+        accA = [cgutils.alloca_once_value(builder, ir.Constant(_v8f32, None)) for _ in range(nrow)]
+        accB = [cgutils.alloca_once_value(builder, ir.Constant(_v8f32, None)) for _ in range(nrow)]
+        mA = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in range(nrow)]
+        mB = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in range(nrow)]
+
+        def block(b, accs, maccs):
+            wo = builder.mul(b, _c(BB))
+            dw = _load_half(builder, w, wo)
+            if CODE == "i8":
+                q = _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v32i8)
+                u = builder.xor(q, ir.Constant(_v32i8, [0x80] * 32))
+            else:
+                u = _nibbles(builder, _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v16i8))
+                if CODE == "nib5":
+                    qp = builder.bitcast(builder.gep(w, [builder.add(wo, _c(QHOFF))]), _i32.as_pointer())
+                    bits = builder.bitcast(builder.load(qp, align=1), ir.VectorType(_i1, 32))
+                    u = builder.or_(u, builder.select(bits, ir.Constant(_v32i8, [16] * 32),
+                                                      ir.Constant(_v32i8, None)))
+            mw = _load_half(builder, w, builder.add(wo, _c(MOFF))) if MOFF >= 0 else None
+            for i in range(nrow):
+                xv = _load_vec(builder, xqp, builder.add(xrow[i], builder.mul(b, _c(32))), _v32i8)
+                bi = builder.add(brow[i], b)
+                dx = builder.load(builder.gep(xdp, [bi]))
+                init = ir.Constant(_v8i32, None)
+                if OFF:
+                    sx = builder.load(builder.gep(xsump, [bi]))
+                    init = builder.insert_element(init, builder.mul(sx, _c(-OFF, _i32)), _c(0, _i32))
+                dp = _vpdpbusd(builder, init, u, xv)
+                s = builder.fmul(dw, dx)
+                acc = builder.load(accs[i])
+                builder.store(_fma(builder, builder.sitofp(dp, _v8f32), _splat(builder, s, _v8f32), acc),
+                              accs[i])
+                if mw is not None:
+                    xsv_ = builder.load(builder.gep(xsp, [bi]))
+                    builder.store(_fma(builder, mw, xsv_, builder.load(maccs[i])), maccs[i])
+
+        npair = builder.sdiv(nbv, _c(2))
+        with cgutils.for_range(builder, npair) as loop:
+            b = builder.mul(loop.index, _c(2))
+            block(b, accA, mA)
+            block(builder.add(b, _c(1)), accB, mB)
+        odd = builder.icmp_signed("!=", builder.and_(nbv, _c(1)), _c(0))
+        with builder.if_then(odd):
+            block(builder.sub(nbv, _c(1)), accA, mA)
+        for i in range(nrow):
+            v = builder.fadd(builder.load(accA[i]), builder.load(accB[i]))
+            t = _hsum8f(builder, v)
+            if MOFF >= 0:
+                t = builder.fadd(t, builder.fadd(builder.load(mA[i]), builder.load(mB[i])))
+            builder.store(t, builder.gep(resp, [_c(i)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _reduce_add(builder, v):
+    fn = _fn(builder, f"llvm.vector.reduce.add.v{v.type.count}i32", _i32, [v.type])
+    return builder.call(fn, [v])
+
+
+def _shuf(builder, v, idx):
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, len(idx)), idx))
+
+
+@intrinsic
+def kq_row(typingctx, kind, R, src, nsb, xq, xd, xb, r0, K, res):
+    """res[i] = row (r0+i) of x . this W row, i < R, for Q4_K / Q6_K.
+
+    src: the W row's bytes; xq int8 [n*K] flat; xd f32 [n*K/256] flat; xb
+    int32 code sums flat, per 32 ([n*K/32], Q4_K's mins) or per 16 ([n*K/16],
+    Q6_K's -32 offset).  Per super-block and row the integer dot is exact and
+    the float update is a = a + ((d*dx)*isum - (dmin*dx)*msum) (Q4_K) or
+    a = a + (d*dx)*(isum - 32*corr) (Q6_K)."""
+    if not (_literal(kind) and _literal(R)):
+        return None
+    k = kind.literal_value
+    nrow = R.literal_value
+    sig = types.void(kind, R, src, nsb, xq, xd, xb, r0, K, res)
+
+    def codegen(context, builder, signature, args):
+        ta = signature.args
+        _, _, srcv, nsbv, xqv, xdv, xbv, r0v, Kv, resv = args
+        w = _data(context, builder, ta[2], srcv)
+        xqp = _data(context, builder, ta[4], xqv)
+        xdp = _data(context, builder, ta[5], xdv)
+        xbp = _data(context, builder, ta[6], xbv)
+        resp = _data(context, builder, ta[9], resv)
+        nsbv, r0v, Kv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (nsbv, r0v, Kv)]
+        per = 8 if k == Q4_K else 16          # xb entries per super-block
+        bb = 144 if k == Q4_K else 210
+        xrow = [builder.mul(builder.add(r0v, _c(i)), Kv) for i in range(nrow)]
+        drow = [builder.mul(builder.add(r0v, _c(i)), nsbv) for i in range(nrow)]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in range(nrow)]
+        with cgutils.for_range(builder, nsbv) as loop:
+            sb = loop.index
+            o = builder.mul(sb, _c(bb))
+            vecs = []
+            if k == Q4_K:
+                d = _load_half(builder, w, o)
+                dmin = _load_half(builder, w, builder.add(o, _c(2)))
+                u = [builder.load(builder.bitcast(builder.gep(w, [builder.add(o, _c(4 + 4 * t))]),
+                                                  _i32.as_pointer()), align=1) for t in range(3)]
+                k1, k2, k3 = _c(0x3F3F3F3F, _i32), _c(0x0F0F0F0F, _i32), _c(0x03030303, _i32)
+                sc_lo = builder.and_(u[0], k1)
+                sc_hi = builder.or_(builder.and_(u[2], k2),
+                                    builder.shl(builder.and_(builder.lshr(u[0], _c(6, _i32)), k3), _c(4, _i32)))
+                mn_lo = builder.and_(u[1], k1)
+                mn_hi = builder.or_(builder.and_(builder.lshr(u[2], _c(4, _i32)), k2),
+                                    builder.shl(builder.and_(builder.lshr(u[1], _c(6, _i32)), k3), _c(4, _i32)))
+
+                def bytes8(lo, hi):
+                    two = builder.insert_element(ir.Constant(ir.VectorType(_i32, 2), None), lo, _c(0, _i32))
+                    two = builder.insert_element(two, hi, _c(1, _i32))
+                    return builder.zext(builder.bitcast(two, ir.VectorType(_i8, 8)), _v8i32)
+                scv = bytes8(sc_lo, sc_hi)
+                mnv = bytes8(mn_lo, mn_hi)
+                for g in range(4):
+                    q = _load_vec(builder, w, builder.add(o, _c(16 + 32 * g)), _v32i8)
+                    vecs.append((builder.and_(q, ir.Constant(_v32i8, [15] * 32)), _shuf(builder, scv, [2 * g] * 8)))
+                    vecs.append((builder.lshr(q, ir.Constant(_v32i8, [4] * 32)), _shuf(builder, scv, [2 * g + 1] * 8)))
+            else:
+                d = _load_half(builder, w, builder.add(o, _c(208)))
+                S = builder.sext(_load_vec(builder, w, builder.add(o, _c(192)), _v16i8), ir.VectorType(_i32, 16))
+                for half in range(2):
+                    qh = _load_vec(builder, w, builder.add(o, _c(128 + 32 * half)), _v32i8)
+                    qa = [_load_vec(builder, w, builder.add(o, _c(64 * half + 32 * j)), _v32i8) for j in range(2)]
+                    for t in range(4):
+                        a = qa[t & 1]
+                        low = (builder.and_(a, ir.Constant(_v32i8, [15] * 32)) if t < 2
+                               else builder.lshr(a, ir.Constant(_v32i8, [4] * 32)))
+                        hb = builder.and_(builder.lshr(qh, ir.Constant(_v32i8, [2 * t] * 32)),
+                                          ir.Constant(_v32i8, [3] * 32))
+                        uu = builder.or_(low, builder.shl(hb, ir.Constant(_v32i8, [4] * 32)))
+                        j = 8 * half + 2 * t
+                        vecs.append((uu, _shuf(builder, S, [j] * 4 + [j + 1] * 4)))
+            for i in range(nrow):
+                base = builder.add(xrow[i], builder.mul(sb, _c(256)))
+                acc = ir.Constant(_v8i32, None)
+                for j, (uu, scl) in enumerate(vecs):
+                    xv = _load_vec(builder, xqp, builder.add(base, _c(32 * j)), _v32i8)
+                    dp = _vpdpbusd(builder, ir.Constant(_v8i32, None), uu, xv)
+                    acc = builder.add(acc, builder.mul(dp, scl))
+                isum = _reduce_add(builder, acc)
+                dx = builder.load(builder.gep(xdp, [builder.add(drow[i], sb)]))
+                xbo = builder.add(builder.mul(builder.add(r0v, _c(i)), builder.mul(nsbv, _c(per))),
+                                  builder.mul(sb, _c(per)))
+                xbv_ = builder.load(builder.bitcast(builder.gep(xbp, [xbo]),
+                                                    ir.VectorType(_i32, per).as_pointer()), align=4)
+                a = builder.load(accs[i])
+                if k == Q4_K:
+                    msum = _reduce_add(builder, builder.mul(mnv, xbv_))
+                    t1 = builder.fmul(builder.fmul(d, dx), builder.sitofp(isum, _f32))
+                    t2 = builder.fmul(builder.fmul(dmin, dx), builder.sitofp(msum, _f32))
+                    a = builder.fadd(a, builder.fsub(t1, t2))
+                else:
+                    corr = _reduce_add(builder, builder.mul(S, xbv_))
+                    tot = builder.sub(isum, builder.mul(corr, _c(32, _i32)))
+                    a = builder.fadd(a, builder.fmul(builder.fmul(d, dx), builder.sitofp(tot, _f32)))
+                builder.store(a, accs[i])
+        for i in range(nrow):
+            builder.store(builder.load(accs[i]), builder.gep(resp, [_c(i)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# ---------------------------------------------------------------- legacy rows
+
+@njit(inline="always")
+def _leg_rows(kind, w, xq, xd, xsum, xs, out, res, n, K, m):
+    nb = K // 32
+    src = w[m]
+    r = 0
+    while r + 4 <= n:
+        leg_dot(kind, 4, src, nb, xq, xd, xsum, xs, r, K, res)
+        for i in range(4):
+            out[r + i, m] = res[i]
+        r += 4
+    if r + 2 <= n:
+        leg_dot(kind, 2, src, nb, xq, xd, xsum, xs, r, K, res)
+        out[r, m] = res[0]
+        out[r + 1, m] = res[1]
+        r += 2
+    if r < n:
+        leg_dot(kind, 1, src, nb, xq, xd, xsum, xs, r, K, res)
+        out[r, m] = res[0]
+
+
+@njit(cache=True)
+def rows_q4_0(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
+    for m in range(m0, m1):
+        _leg_rows(0, w, xq, xd, xsum, xs, out, res, n, K, m)
+
+
+@njit(cache=True)
+def rows_q4_1(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
+    for m in range(m0, m1):
+        _leg_rows(1, w, xq, xd, xsum, xs, out, res, n, K, m)
+
+
+@njit(cache=True)
+def rows_q5_0(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
+    for m in range(m0, m1):
+        _leg_rows(2, w, xq, xd, xsum, xs, out, res, n, K, m)
+
+
+@njit(cache=True)
+def rows_q5_1(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
+    for m in range(m0, m1):
+        _leg_rows(3, w, xq, xd, xsum, xs, out, res, n, K, m)
+
+
+@njit(cache=True)
+def rows_q8_0(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
+    for m in range(m0, m1):
+        _leg_rows(4, w, xq, xd, xsum, xs, out, res, n, K, m)
+
+
+# ---------------------------------------------------------------- K-quants
+
+@njit(inline="always")
+def _kq_rows(kind, w, xq, xd, xb, out, res, n, K, m):
+    nsb = K // 256
+    src = w[m]
+    r = 0
+    while r + 4 <= n:
+        kq_row(kind, 4, src, nsb, xq, xd, xb, r, K, res)
+        for i in range(4):
+            out[r + i, m] = res[i]
+        r += 4
+    if r + 2 <= n:
+        kq_row(kind, 2, src, nsb, xq, xd, xb, r, K, res)
+        out[r, m] = res[0]
+        out[r + 1, m] = res[1]
+        r += 2
+    if r < n:
+        kq_row(kind, 1, src, nsb, xq, xd, xb, r, K, res)
+        out[r, m] = res[0]
+
+
+@njit(cache=True)
+def rows_q4_k(w, xq, xd, xb, unused, out, res, n, K, m0, m1):
+    """xq, xd, xb: flat outputs of act_quant.quantize_q8_256_i8 (xb the sums
+    per 32); `unused` keeps the legacy kernels' argument types."""
+    for m in range(m0, m1):
+        _kq_rows(0, w, xq, xd, xb, out, res, n, K, m)
+
+
+@njit(cache=True)
+def rows_q6_k(w, xq, xd, xb16, unused, out, res, n, K, m0, m1):
+    """As rows_q4_k with xb16, the code sums per 16."""
+    for m in range(m0, m1):
+        _kq_rows(1, w, xq, xd, xb16, out, res, n, K, m)
+
+
+@njit(inline="always")
+def _rows_any(kind, w, xq, xd, xs1, xs2, out, res, n, K, m0, m1):
+    """kind: 0-4 the 32-element formats (xs1 = xsum int32, xs2 = xs f32), 10
+    Q4_K (xs1 = sums per 32) and 11 Q6_K (xs1 = sums per 16); xs2 unused."""
+    if kind == 0:
+        rows_q4_0(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
+    elif kind == 1:
+        rows_q4_1(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
+    elif kind == 2:
+        rows_q5_0(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
+    elif kind == 3:
+        rows_q5_1(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
+    elif kind == 4:
+        rows_q8_0(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
+    elif kind == 10:
+        rows_q4_k(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
+    else:
+        rows_q6_k(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
+
+
+@njit(cache=True)
+def rows_any(kind, w, xq, xd, xs1, xs2, out, res, n, K, m0, m1):
+    _rows_any(kind, w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
+
+
+@njit(parallel=True, cache=True)
+def par_any(kind, w, xq, xd, xs1, xs2, out, res, n, K, nch):
+    """nch chunks of W rows in parallel; res f32 [nch, 4] per-chunk scratch."""
+    M = w.shape[0]
+    per = (M + nch - 1) // nch
+    for c in prange(nch):
+        _rows_any(kind, w, xq, xd, xs1, xs2, out, res[c], n, K, c * per, min(M, (c + 1) * per))
+
+
+@njit(parallel=True, cache=True)
+def multi_any(kind, ws, xq, xd, xs1, xs2, outs, res, n, K, cw, cm0, cm1):
+    """Several W (a tuple, same type and K) in one parallel region: chunk c is
+    rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
+    for c in prange(cw.size):
+        _rows_any(kind, ws[cw[c]], xq, xd, xs1, xs2, outs[cw[c]], res[c], n, K, cm0[c], cm1[c])
