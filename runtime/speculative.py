@@ -151,6 +151,8 @@ class KController:
     k_max: int = 8
     adaptive: bool = True
     k_fixed: int = 4
+    explore_rounds: int = 3     # drafted rounds measured before k may drop to 0
+    rounds: int = 0
     alpha_prior: float = 0.7
     prior_weight: float = 4.0
     ema: float = 0.2
@@ -168,11 +170,14 @@ class KController:
     def _avg(self, old, new):
         return new if old is None else (1 - self.ema) * old + self.ema * new
 
-    def observe_round(self, k: int, n_accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe_round(self, k: int, n_accepted: int, draft_s: float | None, verify_s: float) -> None:
+        """draft_s: seconds per draft forward this round (None: not representative)."""
+        self.rounds += 1
         # acceptance is geometric: after the first rejection nothing more was tested
         self.accepted = self.accepted * 0.98 + n_accepted
         self.tested = self.tested * 0.98 + n_accepted + (1 if n_accepted < k else 0)
-        self.t_draft = self._avg(self.t_draft, draft_s / k)
+        if draft_s is not None:
+            self.t_draft = self._avg(self.t_draft, draft_s)
         if self.t_plain is not None:
             self.t_row = self._avg(self.t_row, max(0.0, verify_s - self.t_plain) / k)
 
@@ -180,6 +185,7 @@ class KController:
         """Weaken the acceptance history so the prior and new rounds dominate."""
         self.accepted *= 0.25
         self.tested *= 0.25
+        self.rounds = 0
 
     def observe_plain(self, seconds: float) -> None:
         self.t_plain = self._avg(self.t_plain, seconds)
@@ -199,8 +205,9 @@ class KController:
     def choose(self) -> int:
         if not self.adaptive:
             return self.k_fixed
-        if self.t_plain is None or self.t_draft is None:
-            return min(self.k_fixed, self.k_max)
+        start = min(self.k_fixed, self.k_max)
+        if self.t_plain is None or self.t_draft is None or self.rounds < self.explore_rounds:
+            return start
         return max(range(self.k_max + 1), key=self.rate)
 
 
@@ -332,7 +339,12 @@ class Drafter:
         return j, (q_ids, q_pr)
 
     def _propose(self, history, k, sampler, rng):
+        """k draft tokens, their distributions, and the seconds per draft forward
+        (None when this round's catch-up fed the draft many tokens, e.g. the prompt)."""
+        t0 = time.perf_counter()
+        behind = len(history) - (len(self.dseq) if self.dseq is not None else 0)
         logits = self._draft_logits(history)
+        t1 = time.perf_counter()
         toks, qs = [], []
         hist = list(history)
         for i in range(k):
@@ -340,7 +352,12 @@ class Drafter:
             toks.append(t); qs.append(q); hist.append(t)
             if i + 1 < k:
                 logits = self.draft.step([self.dseq], [[t]])[0]
-        return toks, qs
+        t2 = time.perf_counter()
+        if behind <= 2:       # the usual catch-up: 1-2 tokens, about one draft step
+            per = (t2 - t0) / k
+        else:
+            per = (t2 - t1) / (k - 1) if k > 1 else None
+        return toks, qs, per
 
     # ---- the decode loop ------------------------------------------------------------------
     def tokens(self, seq: Sequence, logits: np.ndarray, history: list[int], sampler: Sampler):
@@ -350,7 +367,8 @@ class Drafter:
         holds every token of history but the last."""
         eng = self.target
         st = self.stats = SpecStats()
-        ctl = self.controller = KController(k_max=self.k, adaptive=self.adaptive, k_fixed=self.k)
+        ctl = self.controller = KController(k_max=self.k, adaptive=self.adaptive,
+                                            k_fixed=self.k if not self.adaptive else min(self.k, 4))
         rng = np.random.default_rng(sampler.p.seed)
         tok = sampler.sample(logits, history)
         yield tok
@@ -366,7 +384,7 @@ class Drafter:
             elif off_until >= 0:
                 off_until = -1  # retry: one forced round re-measures the acceptance
                 ctl.forget()
-                k = self.k
+                k = ctl.choose()
             else:
                 k = ctl.choose()
                 losing = losing + 1 if k == 0 else 0
@@ -405,7 +423,7 @@ class Drafter:
         st = self.stats
         eng = self.target
         t0 = time.perf_counter()
-        drafts, qs = self._propose(history, k, sampler, rng)
+        drafts, qs, per_draft = self._propose(history, k, sampler, rng)
         t1 = time.perf_counter()
         base = len(seq)
         logits = eng.step([seq], [[pending] + drafts], all_logits=True)
@@ -428,7 +446,7 @@ class Drafter:
         eng.cache.truncate(seq, base + 1 + n_acc)
         # the draft holds history + drafts[:k-1]; keep what the target accepted
         self.draft.cache.truncate(self.dseq, min(len(self.dseq), len(history) + n_acc))
-        ctl.observe_round(k, n_acc, t1 - t0, t2 - t1)
+        ctl.observe_round(k, n_acc, per_draft, t2 - t1)
         st.drafted += k; st.accepted += n_acc
         st.verify_forwards += 1; st.emitted += len(out)
         st.draft_seconds += t1 - t0; st.verify_seconds += t2 - t1
