@@ -51,16 +51,6 @@ def _add_draft(p):
                    help="draft only among the first N token ids (cheaper draft output layer; 0: all)")
 
 
-def _add_draft(p):
-    p.add_argument("--draft-model", default=None, metavar="MODEL",
-                   help="speculative decoding: a small model sharing the target's vocabulary drafts tokens")
-    p.add_argument("--draft-n", type=int, default=8, metavar="K",
-                   help="most tokens drafted per round; k adapts below it to the acceptance (default 8)")
-    p.add_argument("--draft-fixed", action="store_true", help="always draft exactly --draft-n tokens")
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="draft only among the first N token ids (cheaper draft output layer; 0: all)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="llamba-cli", description="Llamba: local LLM inference")
     ap.add_argument("--version", action="version", version=f"llamba {__version__}")
@@ -106,10 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --draft-model: fixed draft lengths to compare besides adaptive k")
     b.add_argument("--spec-prompt", action="append", default=None, metavar="TEXT",
                    help="with --draft-model: a prompt to decode from (repeatable; default: code prompts)")
-    b.add_argument("--draft-sweep", default="2,3,4,6", metavar="K,K,...",
-                   help="with --draft-model: fixed draft lengths to compare besides adaptive k")
-    b.add_argument("--spec-prompt", action="append", default=None, metavar="TEXT",
-                   help="with --draft-model: a prompt to decode from (repeatable; default: code prompts)")
 
     i = sub.add_parser("info", help="architecture, parameters, tensor types, KV bytes per token")
     _add_model(i, positional=True)
@@ -127,15 +113,6 @@ def _engine(args):
                   cache_type=args.cache_type, overflow="shift" if args.overflow == "shift" else "stop",
                   gpu_layers=getattr(args, "gpu_layers", None),
                   announce=lambda m: print(m, file=sys.stderr))
-
-
-def _drafter(args, eng):
-    if not getattr(args, "draft_model", None):
-        return None
-    from .speculative import DEFAULT_DRAFT_VOCAB, Drafter
-    vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
-    return Drafter.load(args.draft_model, eng, k=args.draft_n, adaptive=not args.draft_fixed,
-                        draft_vocab=vocab, announce=lambda m: print(m, file=sys.stderr))
 
 
 def _drafter(args, eng):
@@ -211,8 +188,6 @@ def cmd_chat(args) -> int:
         print(f"\n[{st.generated_tokens} tokens, {st.tokens_per_s:.1f} t/s]", file=sys.stderr)
         if st.speculative:
             print(_spec_line(st.speculative), file=sys.stderr)
-        if st.speculative:
-            print(_spec_line(st.speculative), file=sys.stderr)
 
 
 def cmd_tokenize(args) -> int:
@@ -246,9 +221,6 @@ def cmd_perplexity(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    if args.draft_model:
-        from .bench_speculative import run_spec_bench
-        return run_spec_bench(args)
     if args.draft_model:
         from .bench_speculative import run_spec_bench
         return run_spec_bench(args)

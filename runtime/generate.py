@@ -137,11 +137,3 @@ def _plain_tokens(eng: Engine, seq: Sequence, logits, history: list[int], sample
         nxt = sampler.sample(logits, history)
         yield nxt
         logits = eng.step([seq], [[nxt]])[0]
-
-
-def _plain_tokens(eng: Engine, seq: Sequence, logits, history: list[int], sampler: Sampler):
-    """One target step per token; the consumer appends each token to history."""
-    while True:
-        nxt = sampler.sample(logits, history)
-        yield nxt
-        logits = eng.step([seq], [[nxt]])[0]
