@@ -18,7 +18,6 @@ pytest.importorskip("pytestqt")
 from PySide6.QtCore import QTimer  # noqa: E402
 
 LOAD_TIMEOUT_MS = 300_000      # a cold Numba cache compiles the kernels on the first load
-ANSWER_TIMEOUT_MS = 180_000
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import sys
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
+from PySide6.QtCore import QTimer  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
 from app.settings import Settings  # noqa: E402
@@ -23,12 +24,20 @@ def main(model: str) -> int:
         if w.stream_view is not None and w.stream_view.text:
             print(json.dumps({"shown": w.stream_view.text, "message_id": w.stream_msg.id}), flush=True)
 
-    def ready(_info):
-        w.flush_timer.timeout.connect(shown)      # after the window's own flush: shows what it just showed
-        w.send("Count from 1 to 300, separated by commas.")
+    def poll():
+        # (a timer on the UI thread: a plain function connected to the worker's
+        # signals would run in the worker's thread)
+        if w.last_error:
+            print(json.dumps({"error": w.last_error}), flush=True)
+            app.exit(2)
+        elif w.model_info is not None:
+            timer.stop()
+            w.flush_timer.timeout.connect(shown)      # after the window's own flush: shows what it just showed
+            w.send("Count from 1 to 300, separated by commas.")
 
-    w.worker.loaded.connect(ready)
-    w.worker.load_failed.connect(lambda msg: (print(json.dumps({"error": msg}), flush=True), app.exit(2)))
+    timer = QTimer()
+    timer.timeout.connect(poll)
+    timer.start(50)
     return app.exec()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import sqlite3
 import subprocess
@@ -57,14 +58,19 @@ def test_sigkill_mid_answer_keeps_what_was_shown(tmp_path, smollm):
     child = subprocess.Popen([sys.executable, str(Path(__file__).with_name("kill_child.py")), str(smollm)],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True, cwd=ROOT)
     shown = []
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 300
     try:
-        for line in child.stdout:
+        while len({m["shown"] for m in shown}) < 4 and time.monotonic() < deadline:
+            ready, _, _ = select.select([child.stdout], [], [], 1.0)
+            if not ready:
+                assert child.poll() is None, "the app exited before it streamed"
+                continue
+            line = child.stdout.readline()
+            if not line:
+                break
             msg = json.loads(line)
             assert "error" not in msg, msg
             shown.append(msg)
-            if len({m["shown"] for m in shown}) >= 4 or time.monotonic() > deadline:
-                break
         os.kill(child.pid, signal.SIGKILL)
     finally:
         child.kill()
