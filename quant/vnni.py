@@ -145,12 +145,49 @@ def _literal(t):
     return isinstance(t, types.IntegerLiteral)
 
 
+_v64i8 = ir.VectorType(_i8, 64)
+_v16i32 = ir.VectorType(_i32, 16)
+_v16f32 = ir.VectorType(_f32, 16)
+_v2f32 = ir.VectorType(_f32, 2)
+
+
+def _vpdpbusd512(builder, acc, u8, s8):
+    fn = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", _v16i32, [_v16i32, _v16i32, _v16i32])
+    return builder.call(fn, [acc, builder.bitcast(u8, _v16i32), builder.bitcast(s8, _v16i32)])
+
+
+def _fma_t(builder, a, b, c):
+    t = a.type
+    name = f"llvm.fma.v{t.count}f32" if isinstance(t, ir.VectorType) else "llvm.fma.f32"
+    return builder.call(_fn(builder, name, t, [t] * 3), [a, b, c])
+
+
+def _hsumf(builder, v):
+    """Fixed-order halving tree over the float lanes of v."""
+    n = v.type.count
+    while n > 1:
+        h = n // 2
+        a = _shuf(builder, v, list(range(h)))
+        b = _shuf(builder, v, list(range(h, n)))
+        v = builder.fadd(a, b)
+        n = h
+    return builder.extract_element(v, _c(0, _i32))
+
+
+def _pair(builder, a, b):
+    """a, b two vectors of one type -> their concatenation."""
+    n = a.type.count
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, 2 * n), list(range(2 * n))))
+
+
 @intrinsic
 def leg_dot(typingctx, kind, R, src, nb, xq, xd, xsum, xs, r0, K, res):
     """res[i] = row (r0+i) of x . this W row, i < R, for a 32-element format.
 
     src: the W row's bytes (uint8 1-D); xq int8 [n*K] flat; xd f32, xsum int32,
-    xs f32 [n*nb] flat (act_quant.quantize_q8_32_i8); res f32 [>= R]."""
+    xs f32 [n*nb] flat (act_quant.quantize_q8_32_i8); res f32 [>= R].
+    Two blocks per 512-bit vpdpbusd, two accumulators (blocks 4q, 4q+1 and
+    4q+2, 4q+3), the remainder pair / single block in their own."""
     if not (_literal(kind) and _literal(R)):
         return None
     k = kind.literal_value
@@ -167,29 +204,66 @@ def leg_dot(typingctx, kind, R, src, nb, xq, xd, xsum, xs, r0, K, res):
         xsump = _data(context, builder, ta[6], xsumv)
         xsp = _data(context, builder, ta[7], xsv)
         resp = _data(context, builder, ta[10], resv)
-        nbv = builder.sext(nbv, _i64) if nbv.type != _i64 else nbv
-        r0v = builder.sext(r0v, _i64) if r0v.type != _i64 else r0v
-        Kv = builder.sext(Kv, _i64) if Kv.type != _i64 else Kv
+        nbv, r0v, Kv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (nbv, r0v, Kv)]
         xrow = [builder.mul(builder.add(r0v, _c(i)), Kv) for i in range(nrow)]
         brow = [builder.mul(builder.add(r0v, _c(i)), nbv) for i in range(nrow)]
-        accA = [cgutils.alloca_once_value(builder, ir.Constant(_v8f32, None)) for _ in range(nrow)]
-        accB = [cgutils.alloca_once_value(builder, ir.Constant(_v8f32, None)) for _ in range(nrow)]
-        mA = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in range(nrow)]
-        mB = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in range(nrow)]
 
-        def block(b, accs, maccs):
-            wo = builder.mul(b, _c(BB))
-            dw = _load_half(builder, w, wo)
+        def zeros(t):
+            return [cgutils.alloca_once_value(builder, ir.Constant(t, None)) for _ in range(nrow)]
+        accA, accB, accC = zeros(_v16f32), zeros(_v16f32), zeros(_v8f32)
+        mA, mB, mC = zeros(_v2f32), zeros(_v2f32), zeros(_f32)
+
+        def codes(wo):
+            """32 unsigned code bytes of the block at byte offset wo."""
             if CODE == "i8":
                 q = _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v32i8)
-                u = builder.xor(q, ir.Constant(_v32i8, [0x80] * 32))
-            else:
-                u = _nibbles(builder, _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v16i8))
-                if CODE == "nib5":
-                    qp = builder.bitcast(builder.gep(w, [builder.add(wo, _c(QHOFF))]), _i32.as_pointer())
-                    bits = builder.bitcast(builder.load(qp, align=1), ir.VectorType(_i1, 32))
-                    u = builder.or_(u, builder.select(bits, ir.Constant(_v32i8, [16] * 32),
-                                                      ir.Constant(_v32i8, None)))
+                return builder.xor(q, ir.Constant(_v32i8, [0x80] * 32))
+            u = _nibbles(builder, _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v16i8))
+            if CODE == "nib5":
+                qp = builder.bitcast(builder.gep(w, [builder.add(wo, _c(QHOFF))]), _i32.as_pointer())
+                bits = builder.bitcast(builder.load(qp, align=1), ir.VectorType(_i1, 32))
+                u = builder.or_(u, builder.select(bits, ir.Constant(_v32i8, [16] * 32),
+                                                  ir.Constant(_v32i8, None)))
+            return u
+
+        def two(b, accs, maccs):
+            wo0 = builder.mul(b, _c(BB))
+            wo1 = builder.add(wo0, _c(BB))
+            u = _pair(builder, codes(wo0), codes(wo1))
+            dw = _pair(builder, builder.insert_element(ir.Constant(ir.VectorType(_f32, 1), None),
+                                                       _load_half(builder, w, wo0), _c(0, _i32)),
+                       builder.insert_element(ir.Constant(ir.VectorType(_f32, 1), None),
+                                              _load_half(builder, w, wo1), _c(0, _i32)))
+            if MOFF >= 0:
+                mw = _pair(builder, builder.insert_element(ir.Constant(ir.VectorType(_f32, 1), None),
+                                                           _load_half(builder, w, builder.add(wo0, _c(MOFF))),
+                                                           _c(0, _i32)),
+                           builder.insert_element(ir.Constant(ir.VectorType(_f32, 1), None),
+                                                  _load_half(builder, w, builder.add(wo1, _c(MOFF))),
+                                                  _c(0, _i32)))
+            for i in range(nrow):
+                xv = _load_vec(builder, xqp, builder.add(xrow[i], builder.mul(b, _c(32))), _v64i8)
+                bi = builder.add(brow[i], b)
+                dx = builder.load(builder.bitcast(builder.gep(xdp, [bi]), _v2f32.as_pointer()), align=4)
+                init = ir.Constant(_v16i32, None)
+                if OFF:
+                    sx = builder.load(builder.bitcast(builder.gep(xsump, [bi]),
+                                                      ir.VectorType(_i32, 2).as_pointer()), align=4)
+                    sx = builder.mul(sx, ir.Constant(ir.VectorType(_i32, 2), [-OFF] * 2))
+                    init = builder.shuffle_vector(sx, ir.Constant(ir.VectorType(_i32, 2), None),
+                                                  ir.Constant(ir.VectorType(_i32, 16),
+                                                              [0] + [2] * 7 + [1] + [2] * 7))
+                dp = _vpdpbusd512(builder, init, u, xv)
+                s16 = _shuf(builder, builder.fmul(dw, dx), [0] * 8 + [1] * 8)
+                builder.store(_fma_t(builder, builder.sitofp(dp, _v16f32), s16, builder.load(accs[i])), accs[i])
+                if MOFF >= 0:
+                    xs2 = builder.load(builder.bitcast(builder.gep(xsp, [bi]), _v2f32.as_pointer()), align=4)
+                    builder.store(_fma_t(builder, mw, xs2, builder.load(maccs[i])), maccs[i])
+
+        def one(b):
+            wo = builder.mul(b, _c(BB))
+            u = codes(wo)
+            dw = _load_half(builder, w, wo)
             mw = _load_half(builder, w, builder.add(wo, _c(MOFF))) if MOFF >= 0 else None
             for i in range(nrow):
                 xv = _load_vec(builder, xqp, builder.add(xrow[i], builder.mul(b, _c(32))), _v32i8)
@@ -200,27 +274,29 @@ def leg_dot(typingctx, kind, R, src, nb, xq, xd, xsum, xs, r0, K, res):
                     sx = builder.load(builder.gep(xsump, [bi]))
                     init = builder.insert_element(init, builder.mul(sx, _c(-OFF, _i32)), _c(0, _i32))
                 dp = _vpdpbusd(builder, init, u, xv)
-                s = builder.fmul(dw, dx)
-                acc = builder.load(accs[i])
-                builder.store(_fma(builder, builder.sitofp(dp, _v8f32), _splat(builder, s, _v8f32), acc),
-                              accs[i])
+                s = _splat(builder, builder.fmul(dw, dx), _v8f32)
+                builder.store(_fma_t(builder, builder.sitofp(dp, _v8f32), s, builder.load(accC[i])), accC[i])
                 if mw is not None:
                     xsv_ = builder.load(builder.gep(xsp, [bi]))
-                    builder.store(_fma(builder, mw, xsv_, builder.load(maccs[i])), maccs[i])
+                    builder.store(_fma_t(builder, mw, xsv_, builder.load(mC[i])), mC[i])
 
-        npair = builder.sdiv(nbv, _c(2))
-        with cgutils.for_range(builder, npair) as loop:
-            b = builder.mul(loop.index, _c(2))
-            block(b, accA, mA)
-            block(builder.add(b, _c(1)), accB, mB)
-        odd = builder.icmp_signed("!=", builder.and_(nbv, _c(1)), _c(0))
-        with builder.if_then(odd):
-            block(builder.sub(nbv, _c(1)), accA, mA)
+        nq = builder.sdiv(nbv, _c(4))
+        with cgutils.for_range(builder, nq) as loop:
+            b = builder.mul(loop.index, _c(4))
+            two(b, accA, mA)
+            two(builder.add(b, _c(2)), accB, mB)
+        rem = builder.and_(nbv, _c(3))
+        with builder.if_then(builder.icmp_signed(">=", rem, _c(2))):
+            two(builder.sub(nbv, rem), accA, mA)
+        with builder.if_then(builder.icmp_signed("!=", builder.and_(rem, _c(1)), _c(0))):
+            one(builder.sub(nbv, _c(1)))
         for i in range(nrow):
-            v = builder.fadd(builder.load(accA[i]), builder.load(accB[i]))
-            t = _hsum8f(builder, v)
+            t = builder.fadd(_hsumf(builder, builder.fadd(builder.load(accA[i]), builder.load(accB[i]))),
+                             _hsumf(builder, builder.load(accC[i])))
             if MOFF >= 0:
-                t = builder.fadd(t, builder.fadd(builder.load(mA[i]), builder.load(mB[i])))
+                m = builder.fadd(_hsumf(builder, builder.fadd(builder.load(mA[i]), builder.load(mB[i]))),
+                                 builder.load(mC[i]))
+                t = builder.fadd(t, m)
             builder.store(t, builder.gep(resp, [_c(i)]))
         return context.get_dummy_value()
 
