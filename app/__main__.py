@@ -31,8 +31,7 @@ def main(argv=None) -> int:
     app.setDesktopFileName("llamba")
     win = MainWindow(model=args.model)
     if args.theme:
-        win.settings.theme = args.theme
-        win.apply_look()
+        win.apply_look(args.theme)
     win.show()
     code = app.exec()
     from .window import _THREADS

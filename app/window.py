@@ -55,6 +55,7 @@ class Composer(QPlainTextEdit):
 class MainWindow(QMainWindow):
     request_load = Signal(str)          # JSON for the worker thread (see worker.py on why)
     request_generate = Signal(str)
+    request_shutdown = Signal()
 
     def __init__(self, model: str | None = None, store: ChatStore | None = None, settings: Settings | None = None,
                  autoload: bool = True):
@@ -225,8 +226,9 @@ class MainWindow(QMainWindow):
         h = mb.addMenu("&Help")
         self._act(h, "&About Llamba", self.about, "F1")
 
-    def apply_look(self) -> None:
-        self.look = theme.resolve(self.settings.theme)
+    def apply_look(self, choice: str | None = None) -> None:
+        """Apply the Settings' theme (or `choice` for this session only)."""
+        self.look = theme.resolve(choice or self.settings.theme)
         theme.apply(QApplication.instance(), self.look)
         colours = theme.BUBBLE[self.look]
         self.view.set_look(colours, theme.markdown_palette(self.look))
@@ -244,6 +246,7 @@ class MainWindow(QMainWindow):
         self.worker.moveToThread(self.thread)
         self.request_load.connect(self.worker.load)
         self.request_generate.connect(self.worker.generate)
+        self.request_shutdown.connect(self.worker.shut_down)
         w = self.worker
         w.status.connect(self._on_status)
         w.download_progress.connect(self._on_download)
@@ -659,7 +662,7 @@ class MainWindow(QMainWindow):
         self.worker.request_stop()
         self.flush()
         save_settings(self.settings)
-        self.thread.quit()
+        self.request_shutdown.emit()          # queued after any running answer; ends the thread
         if not self.thread.wait(3000):
             # a load or a long step is still running: let it finish in the background
             _THREADS.append((self.thread, self.worker))

@@ -13,9 +13,11 @@ import threading
 import time
 import traceback
 
-from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 WORKER_NICE = 5
+WARMUP_TEXT = ("Llamba warms up: the quick brown fox jumps over the lazy dog, then counts "
+               "one, two, three, four, five, six, seven, eight, nine, ten.")
 _ENGINES: dict = {}      # the one loaded engine, kept across windows (reopening a window is instant)
 
 
@@ -66,6 +68,17 @@ class EngineWorker(QObject):
         except (AttributeError, OSError):
             pass            # not Linux, or not allowed: the window is merely less smooth
 
+    @Slot()
+    def shut_down(self) -> None:
+        """The window is closing: give the conversation's KV blocks back (the engine
+        outlives the window) and end this thread's event loop."""
+        try:
+            if self.session is not None:
+                self.session.clear()
+        finally:
+            self.session = None
+            QThread.currentThread().quit()
+
     # ---- called from the UI thread --------------------------------------------
     def request_stop(self) -> None:
         self._stop.set()
@@ -111,8 +124,10 @@ class EngineWorker(QObject):
             # a tiny throwaway forward pays that cost here, not in the first answer.
             self.status.emit("Compiling kernels (first run only)…")
             tw = time.perf_counter()
+            # A prompt of a few dozen tokens, then one decode step: both the many-row
+            # (prefill) and the one-row (decode) kernel paths get compiled.
             seq = engine.new_sequence()
-            ids = engine.tokenizer.encode("Hello")
+            ids = engine.tokenizer.encode(WARMUP_TEXT)
             engine.prefill(seq, ids)
             engine.step([seq], [[ids[-1]]])
             engine.release(seq)

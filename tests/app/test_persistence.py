@@ -26,7 +26,11 @@ def test_history_survives_a_restart(make_window, qtbot):
     with qtbot.waitSignal(w.worker.finished, timeout=ANSWER_TIMEOUT_MS):
         w.send("Say hello.")
     before = {c.id: (c.title, [(m.role, m.content) for m in w.store.messages(c.id)]) for c in w.store.chats()}
+    engine = w.worker.engine
+    assert engine.stats()["blocks_used"] > 0
     w.close()
+    # the engine outlives the window; the window's conversation gives its KV blocks back
+    assert engine.stats()["blocks_used"] == 0
     w.store.close()
 
     w2 = make_window(max_tokens=8)
