@@ -27,9 +27,9 @@ from models.hf_config import CheckpointError, config_from_hf, fix_layout, gguf_n
 from quant import GGMLType, QTensor, quantize
 from quant.policy import tensor_type
 
-# --quant value -> quantization scheme (quant.policy); int4 measured in the closing
-# note of issue 8: q4_k_m (Q4_K with llama.cpp's higher-precision tensors) beats
-# plain q4_0 for the same size class.
+# --quant value -> quantization scheme (quant.policy).  int4 is the Q4_K_M mix, not
+# plain Q4_0: perplexity on GPL-3 (c=512) went 18.33 -> 20.82 (q4_k_m) vs 22.70 (q4_0)
+# for SmolLM2-135M and 6.23 -> 7.60 vs 8.09 for Qwen2.5-Coder-0.5B, for 7% more bytes.
 QUANT_SCHEMES = {"none": None, "int8": "q8_0", "int4": "q4_k_m"}
 
 _DTYPES = {"F32": (np.dtype(np.float32), GGMLType.F32),
