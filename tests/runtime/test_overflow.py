@@ -110,23 +110,26 @@ def test_drop_turns_keeps_system_prompt_and_drops_oldest(smol):
     from runtime.chat import ChatSession
     from runtime.engine import Engine
     eng = Engine(smol, n_ctx=112)
+    history = []
+    for i in range(5):      # an earlier conversation, longer than the context
+        history += [{"role": "user", "content": f"Message number {i}: please say something about {i * 7}."},
+                    {"role": "assistant", "content": f"The number {i * 7} is a number."}]
     chat = ChatSession(eng, system="You are terse.", params=GREEDY, max_tokens=4, overflow="drop-turns")
+    chat.messages = list(history)
     system_ids = chat._render([])[:5]
-    for i in range(6):
-        "".join(chat.send(f"Message number {i}: please say something about the number {i * 7}."))
-        ids = chat.prompt_ids()
-        assert len(ids) + 4 <= 112 and ids[:5] == system_ids
-    assert chat.dropped_turns > 0
+    "".join(chat.send("And the number 42?"))
+    assert chat.dropped_turns > 0 and chat.last_stats.stop_reason in ("eos", "length")
+    ids = chat.prompt_ids()
+    assert len(ids) + 4 <= 112 and ids[:5] == system_ids
     shown = chat.conversation()
     assert shown[0]["role"] == "system" and shown[1]["role"] == "user"
-    assert "Message number 5" in shown[-2]["content"]
+    assert shown[-2]["content"] == "And the number 42?"
     assert "Message number 0" not in str(shown) and len(chat.messages) == 12    # history is kept for display
-    # stop: the same chat refuses once it no longer fits
+    # stop (the default): the same conversation is refused with a clear message
     stop = ChatSession(eng, system="You are terse.", params=GREEDY, max_tokens=4)
-    with pytest.raises(ContextOverflow):
-        for i in range(6):
-            "".join(stop.send(f"Message number {i}: please say something about the number {i * 7}."))
-            assert stop.last_stats.stop_reason in ("eos", "length", "context")
+    stop.messages = list(history)
+    with pytest.raises(ContextOverflow, match="context length 112"):
+        "".join(stop.send("And the number 42?"))
 
 
 def test_policy_helpers():
