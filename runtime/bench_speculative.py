@@ -54,8 +54,13 @@ def run_spec_bench(args) -> int:
     configs = [("target", None), (f"draft adaptive k<={args.draft_n}", 0)] + [(f"draft k={k}", k) for k in sweep]
 
     say(f"warming up {target.loaded.path.name} and {drafter.draft.loaded.path.name}")
+    # compile and first-touch every path the runs take: one-row and few-row steps,
+    # and a >= 32-token prefill on both models (a draft catching up after a
+    # fallback takes that path too)
     warm_ids = target.tokenizer.encode(prompts[0])
-    _run(target, warm_ids, 4)
+    long_ids = (target.tokenizer.encode("\n".join(prompts)) * 8)[:40]
+    _run(target, long_ids, 4)
+    _run(target, long_ids, 6, drafter)
     _run(target, warm_ids, 8, drafter)
 
     runs = []

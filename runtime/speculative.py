@@ -194,13 +194,18 @@ class KController:
         a = self.alpha if a is None else a
         return (1 - a ** (k + 1)) / (1 - a)
 
-    def rate(self, k: int) -> float:
+    def rate(self, k: int, a: float | None = None) -> float:
         """Expected tokens per second of rounds with k drafts (k = 0: plain)."""
         tp = self.t_plain or 1.0
         if k == 0:
             return 1.0 / tp
         cost = k * (self.t_draft or 0.0) + tp + k * (self.t_row or 0.0)
-        return self.expected_tokens(k) / cost
+        return self.expected_tokens(k, a) / cost
+
+    def could_pay(self) -> bool:
+        """Whether some k would beat plain decoding if every draft were accepted
+        (if not, the costs alone rule drafting out and retrying is pointless)."""
+        return any(self.rate(k, 0.999) > self.rate(0) for k in range(1, self.k_max + 1))
 
     def choose(self) -> int:
         if not self.adaptive:
@@ -389,10 +394,15 @@ class Drafter:
                 k = ctl.choose()
                 losing = losing + 1 if k == 0 else 0
                 if losing >= self.FALLBACK_AFTER:
-                    off_until = len(history) + self.RETRY_AFTER
+                    # a retry re-feeds the draft everything it missed, so only retry
+                    # when better acceptance alone could make drafting pay
+                    hopeless = not ctl.could_pay()
+                    off_until = (1 << 62) if hopeless else len(history) + self.RETRY_AFTER
                     st.fallbacks += 1
-                    st.fallback = (f"drafting stopped paying (acceptance {ctl.alpha:.0%}, draft step "
-                                   f"{1e3 * ctl.t_draft:.0f} ms, plain target step {1e3 * ctl.t_plain:.0f} ms)")
+                    st.fallback = (f"drafting stopped paying{' even at full acceptance' if hopeless else ''} "
+                                   f"(acceptance {ctl.alpha:.0%}, draft step {1e3 * ctl.t_draft:.0f} ms, "
+                                   f"verify +{1e3 * (ctl.t_row or 0):.0f} ms per draft, plain target step "
+                                   f"{1e3 * ctl.t_plain:.0f} ms)")
                     losing = 0
             st.active = off_until < 0
             k = max(0, min(k, eng.n_ctx - len(seq) - 1))
