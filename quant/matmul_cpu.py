@@ -29,6 +29,7 @@ import threading
 
 import numba
 import numpy as np
+from numba.np.ufunc import parallel as _npar
 
 from . import kernels_float as KF
 from . import kernels_k as KK
@@ -190,18 +191,26 @@ def _small_batch_vnni(x, W, out, scratch, acts, kind):
     w = W.data
     n, K = x.shape
     M = w.shape[0]
-    nch = 1
-    if M * K >= PARALLEL_MIN_ELEMS:
-        nthr = numba.get_num_threads()
-        if nthr > 1:
-            nch = min(M, 8 * nthr)
     kk = kind >= 10
-    bufs = _vnni_buffers(scratch, kk, n, K, nch)
-    xq, xd, x1, x2 = _vnni_activations(x, kind, bufs, acts)
-    if nch > 1:
+    if M * K >= PARALLEL_MIN_ELEMS and _nthreads() > 1:
+        nch = min(M, 8 * _nthreads())
+        bufs = _vnni_buffers(scratch, kk, n, K, nch)
+        xq, xd, x1, x2 = _vnni_activations(x, kind, bufs, acts)
         _run_parallel(KV.par_any, kind, w, xq, xd, x1, x2, out, bufs[4], n, K, nch)
-    else:
-        KV.rows_any(kind, w, xq, xd, x1, x2, out, bufs[4][0], n, K, 0, M)
+        return
+    bufs = _vnni_buffers(scratch, kk, n, K, 1)
+    fresh = ("v", kk) not in acts
+    acts[("v", kk)] = True
+    (KV.matvec_k if kk else KV.matvec_leg)(kind, x, w, bufs[0], bufs[1], bufs[2], bufs[3], out,
+                                            bufs[4][0], fresh)
+
+
+def _nthreads() -> int:
+    # numba.get_num_threads() takes two locks on every call (~1 us); once the
+    # pool is up, its C getter is enough
+    if _npar._is_initialized:
+        return _npar._get_num_threads()
+    return numba.get_num_threads()
 
 
 _FAMILY = {t: 0 for t in _K} | {t: 1 for t in _LEGACY} | {GGMLType.F32: 2, GGMLType.F16: 2,
@@ -234,7 +243,7 @@ def _small_batch(x, W, out, scratch, acts):
     M = w.shape[0]
     nch = 1
     if M * K >= PARALLEL_MIN_ELEMS:
-        nthr = numba.get_num_threads()
+        nthr = _nthreads()
         if nthr > 1:
             nch = min(M, 8 * nthr)
     fam = _FAMILY[qt]
@@ -363,6 +372,19 @@ def matmul_multi(x: np.ndarray, Ws: list[QTensor], outs: list[np.ndarray | None]
     return outs
 
 
+def matmul_multi_into(x: np.ndarray, Ws, outs, scratch: Scratch):
+    """matmul_multi without argument checks or allocation (hot path): x float32
+    [n, K] C-contiguous, outs float32 [n, M_i] C-contiguous."""
+    if x.shape[0] >= LARGE_BATCH_MIN:
+        for W, o in zip(Ws, outs):
+            _matmul_large(x, W, o, scratch)
+    elif not _fused(x, Ws, outs, scratch):
+        acts = {}
+        for W, o in zip(Ws, outs):
+            _small_batch(x, W, o, scratch, acts)
+    return outs
+
+
 def _fused(x, Ws, outs, scratch) -> bool:
     """Run same-type weights in one parallel region (one thread-pool wake-up
     instead of one per weight).  False when it does not apply."""
@@ -372,7 +394,7 @@ def _fused(x, Ws, outs, scratch) -> bool:
         return False
     n, K = x.shape
     total = sum(W.data.shape[0] for W in Ws)
-    nthr = numba.get_num_threads()
+    nthr = _nthreads()
     if nthr < 2 or total * K < PARALLEL_MIN_ELEMS:
         return False
     key = ("multi", tuple(W.data.shape[0] for W in Ws), nthr)

@@ -30,6 +30,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .act_quant import quantize_q8_256_i8, quantize_q8_32_i8
+
 
 
 def _cpu_has_vnni() -> bool:
@@ -181,39 +183,43 @@ def _pair(builder, a, b):
 
 
 @intrinsic
-def leg_dot(typingctx, kind, R, src, nb, xq, xd, xsum, xs, r0, K, res):
-    """res[i] = row (r0+i) of x . this W row, i < R, for a 32-element format.
+def leg_dot(typingctx, kind, R, MR, src, nb, xq, xd, xsum, xs, r0, K, res):
+    """res[i*MR + j] = row (r0+i) of x . W row j (src, src + nb*block bytes,
+    ...), i < R, j < MR, for a 32-element format.
 
     src: the W row's bytes (uint8 1-D); xq int8 [n*K] flat; xd f32, xsum int32,
     xs f32 [n*nb] flat (act_quant.quantize_q8_32_i8); res f32 [>= R].
     Two blocks per 512-bit vpdpbusd, two accumulators (blocks 4q, 4q+1 and
     4q+2, 4q+3), the remainder pair / single block in their own."""
-    if not (_literal(kind) and _literal(R)):
+    if not (_literal(kind) and _literal(R) and _literal(MR)):
         return None
     k = kind.literal_value
-    nrow = R.literal_value
+    nx = R.literal_value
+    nw = MR.literal_value
+    nrow = nx * nw        # (x row, W row) pairs, p = i * nw + j
     BB, MOFF, QHOFF, QSOFF, CODE, OFF = _LEG[k]
-    sig = types.void(kind, R, src, nb, xq, xd, xsum, xs, r0, K, res)
+    sig = types.void(kind, R, MR, src, nb, xq, xd, xsum, xs, r0, K, res)
 
     def codegen(context, builder, signature, args):
         ta = signature.args
-        _, _, srcv, nbv, xqv, xdv, xsumv, xsv, r0v, Kv, resv = args
-        w = _data(context, builder, ta[2], srcv)
-        xqp = _data(context, builder, ta[4], xqv)
-        xdp = _data(context, builder, ta[5], xdv)
-        xsump = _data(context, builder, ta[6], xsumv)
-        xsp = _data(context, builder, ta[7], xsv)
-        resp = _data(context, builder, ta[10], resv)
+        _, _, _, srcv, nbv, xqv, xdv, xsumv, xsv, r0v, Kv, resv = args
+        w0 = _data(context, builder, ta[3], srcv)
+        xqp = _data(context, builder, ta[5], xqv)
+        xdp = _data(context, builder, ta[6], xdv)
+        xsump = _data(context, builder, ta[7], xsumv)
+        xsp = _data(context, builder, ta[8], xsv)
+        resp = _data(context, builder, ta[11], resv)
         nbv, r0v, Kv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (nbv, r0v, Kv)]
-        xrow = [builder.mul(builder.add(r0v, _c(i)), Kv) for i in range(nrow)]
-        brow = [builder.mul(builder.add(r0v, _c(i)), nbv) for i in range(nrow)]
+        wrows = [builder.gep(w0, [builder.mul(nbv, _c(BB * j))]) for j in range(nw)]
+        xrow = [builder.mul(builder.add(r0v, _c(p // nw)), Kv) for p in range(nrow)]
+        brow = [builder.mul(builder.add(r0v, _c(p // nw)), nbv) for p in range(nrow)]
 
         def zeros(t):
             return [cgutils.alloca_once_value(builder, ir.Constant(t, None)) for _ in range(nrow)]
         accA, accB, accC = zeros(_v16f32), zeros(_v16f32), zeros(_v8f32)
         mA, mB, mC = zeros(_v2f32), zeros(_v2f32), zeros(_f32)
 
-        def codes(wo):
+        def codes(w, wo):
             """32 unsigned code bytes of the block at byte offset wo."""
             if CODE == "i8":
                 q = _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v32i8)
@@ -227,9 +233,10 @@ def leg_dot(typingctx, kind, R, src, nb, xq, xd, xsum, xs, r0, K, res):
             return u
 
         def two(b, accs, maccs):
+          for j, w in enumerate(wrows):
             wo0 = builder.mul(b, _c(BB))
             wo1 = builder.add(wo0, _c(BB))
-            u = _pair(builder, codes(wo0), codes(wo1))
+            u = _pair(builder, codes(w, wo0), codes(w, wo1))
             dw = _pair(builder, builder.insert_element(ir.Constant(ir.VectorType(_f32, 1), None),
                                                        _load_half(builder, w, wo0), _c(0, _i32)),
                        builder.insert_element(ir.Constant(ir.VectorType(_f32, 1), None),
@@ -241,7 +248,7 @@ def leg_dot(typingctx, kind, R, src, nb, xq, xd, xsum, xs, r0, K, res):
                            builder.insert_element(ir.Constant(ir.VectorType(_f32, 1), None),
                                                   _load_half(builder, w, builder.add(wo1, _c(MOFF))),
                                                   _c(0, _i32)))
-            for i in range(nrow):
+            for i in range(j, nrow, nw):
                 xv = _load_vec(builder, xqp, builder.add(xrow[i], builder.mul(b, _c(32))), _v64i8)
                 bi = builder.add(brow[i], b)
                 dx = builder.load(builder.bitcast(builder.gep(xdp, [bi]), _v2f32.as_pointer()), align=4)
@@ -261,11 +268,12 @@ def leg_dot(typingctx, kind, R, src, nb, xq, xd, xsum, xs, r0, K, res):
                     builder.store(_fma_t(builder, mw, xs2, builder.load(maccs[i])), maccs[i])
 
         def one(b):
+          for j, w in enumerate(wrows):
             wo = builder.mul(b, _c(BB))
-            u = codes(wo)
+            u = codes(w, wo)
             dw = _load_half(builder, w, wo)
             mw = _load_half(builder, w, builder.add(wo, _c(MOFF))) if MOFF >= 0 else None
-            for i in range(nrow):
+            for i in range(j, nrow, nw):
                 xv = _load_vec(builder, xqp, builder.add(xrow[i], builder.mul(b, _c(32))), _v32i8)
                 bi = builder.add(brow[i], b)
                 dx = builder.load(builder.gep(xdp, [bi]))
@@ -313,77 +321,85 @@ def _shuf(builder, v, idx):
 
 
 @intrinsic
-def kq_row(typingctx, kind, R, src, nsb, xq, xd, xb, r0, K, res):
-    """res[i] = row (r0+i) of x . this W row, i < R, for Q4_K / Q6_K.
+def kq_row(typingctx, kind, R, MR, src, nsb, xq, xd, xb, r0, K, res):
+    """res[i*MR + j] = row (r0+i) of x . W row j (src, src + row bytes, ...),
+    i < R, j < MR, for Q4_K / Q6_K.
 
     src: the W row's bytes; xq int8 [n*K] flat; xd f32 [n*K/256] flat; xb
     int32 code sums flat, per 32 ([n*K/32], Q4_K's mins) or per 16 ([n*K/16],
     Q6_K's -32 offset).  Per super-block and row the integer dot is exact and
     the float update is a = a + ((d*dx)*isum - (dmin*dx)*msum) (Q4_K) or
     a = a + (d*dx)*(isum - 32*corr) (Q6_K)."""
-    if not (_literal(kind) and _literal(R)):
+    if not (_literal(kind) and _literal(R) and _literal(MR)):
         return None
     k = kind.literal_value
-    nrow = R.literal_value
-    sig = types.void(kind, R, src, nsb, xq, xd, xb, r0, K, res)
+    nw = MR.literal_value
+    nrow = R.literal_value * nw       # (x row, W row) pairs, p = i * nw + j
+    sig = types.void(kind, R, MR, src, nsb, xq, xd, xb, r0, K, res)
 
     def codegen(context, builder, signature, args):
         ta = signature.args
-        _, _, srcv, nsbv, xqv, xdv, xbv, r0v, Kv, resv = args
-        w = _data(context, builder, ta[2], srcv)
-        xqp = _data(context, builder, ta[4], xqv)
-        xdp = _data(context, builder, ta[5], xdv)
-        xbp = _data(context, builder, ta[6], xbv)
-        resp = _data(context, builder, ta[9], resv)
+        _, _, _, srcv, nsbv, xqv, xdv, xbv, r0v, Kv, resv = args
+        w0 = _data(context, builder, ta[3], srcv)
+        xqp = _data(context, builder, ta[5], xqv)
+        xdp = _data(context, builder, ta[6], xdv)
+        xbp = _data(context, builder, ta[7], xbv)
+        resp = _data(context, builder, ta[10], resv)
         nsbv, r0v, Kv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (nsbv, r0v, Kv)]
         per = 8 if k == Q4_K else 16          # xb entries per super-block
         bb = 144 if k == Q4_K else 210
-        xrow = [builder.mul(builder.add(r0v, _c(i)), Kv) for i in range(nrow)]
-        drow = [builder.mul(builder.add(r0v, _c(i)), nsbv) for i in range(nrow)]
+        wrows = [builder.gep(w0, [builder.mul(nsbv, _c(bb * j))]) for j in range(nw)]
+        xrow = [builder.mul(builder.add(r0v, _c(p // nw)), Kv) for p in range(nrow)]
+        drow = [builder.mul(builder.add(r0v, _c(p // nw)), nsbv) for p in range(nrow)]
         accs = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in range(nrow)]
         with cgutils.for_range(builder, nsbv) as loop:
             sb = loop.index
             o = builder.mul(sb, _c(bb))
-            vecs = []
-            if k == Q4_K:
-                d = _load_half(builder, w, o)
-                dmin = _load_half(builder, w, builder.add(o, _c(2)))
-                u = [builder.load(builder.bitcast(builder.gep(w, [builder.add(o, _c(4 + 4 * t))]),
-                                                  _i32.as_pointer()), align=1) for t in range(3)]
-                k1, k2, k3 = _c(0x3F3F3F3F, _i32), _c(0x0F0F0F0F, _i32), _c(0x03030303, _i32)
-                sc_lo = builder.and_(u[0], k1)
-                sc_hi = builder.or_(builder.and_(u[2], k2),
-                                    builder.shl(builder.and_(builder.lshr(u[0], _c(6, _i32)), k3), _c(4, _i32)))
-                mn_lo = builder.and_(u[1], k1)
-                mn_hi = builder.or_(builder.and_(builder.lshr(u[2], _c(4, _i32)), k2),
-                                    builder.shl(builder.and_(builder.lshr(u[1], _c(6, _i32)), k3), _c(4, _i32)))
+            dec = []
+            for w in wrows:
+              vecs = []
+              d = dmin = scv = mnv = S = None
+              if k == Q4_K:
+                  d = _load_half(builder, w, o)
+                  dmin = _load_half(builder, w, builder.add(o, _c(2)))
+                  u = [builder.load(builder.bitcast(builder.gep(w, [builder.add(o, _c(4 + 4 * t))]),
+                                                    _i32.as_pointer()), align=1) for t in range(3)]
+                  k1, k2, k3 = _c(0x3F3F3F3F, _i32), _c(0x0F0F0F0F, _i32), _c(0x03030303, _i32)
+                  sc_lo = builder.and_(u[0], k1)
+                  sc_hi = builder.or_(builder.and_(u[2], k2),
+                                      builder.shl(builder.and_(builder.lshr(u[0], _c(6, _i32)), k3), _c(4, _i32)))
+                  mn_lo = builder.and_(u[1], k1)
+                  mn_hi = builder.or_(builder.and_(builder.lshr(u[2], _c(4, _i32)), k2),
+                                      builder.shl(builder.and_(builder.lshr(u[1], _c(6, _i32)), k3), _c(4, _i32)))
 
-                def bytes8(lo, hi):
-                    two = builder.insert_element(ir.Constant(ir.VectorType(_i32, 2), None), lo, _c(0, _i32))
-                    two = builder.insert_element(two, hi, _c(1, _i32))
-                    return builder.zext(builder.bitcast(two, ir.VectorType(_i8, 8)), _v8i32)
-                scv = bytes8(sc_lo, sc_hi)
-                mnv = bytes8(mn_lo, mn_hi)
-                for g in range(4):
-                    q = _load_vec(builder, w, builder.add(o, _c(16 + 32 * g)), _v32i8)
-                    vecs.append((builder.and_(q, ir.Constant(_v32i8, [15] * 32)), _shuf(builder, scv, [2 * g] * 8)))
-                    vecs.append((builder.lshr(q, ir.Constant(_v32i8, [4] * 32)), _shuf(builder, scv, [2 * g + 1] * 8)))
-            else:
-                d = _load_half(builder, w, builder.add(o, _c(208)))
-                S = builder.sext(_load_vec(builder, w, builder.add(o, _c(192)), _v16i8), ir.VectorType(_i32, 16))
-                for half in range(2):
-                    qh = _load_vec(builder, w, builder.add(o, _c(128 + 32 * half)), _v32i8)
-                    qa = [_load_vec(builder, w, builder.add(o, _c(64 * half + 32 * j)), _v32i8) for j in range(2)]
-                    for t in range(4):
-                        a = qa[t & 1]
-                        low = (builder.and_(a, ir.Constant(_v32i8, [15] * 32)) if t < 2
-                               else builder.lshr(a, ir.Constant(_v32i8, [4] * 32)))
-                        hb = builder.and_(builder.lshr(qh, ir.Constant(_v32i8, [2 * t] * 32)),
-                                          ir.Constant(_v32i8, [3] * 32))
-                        uu = builder.or_(low, builder.shl(hb, ir.Constant(_v32i8, [4] * 32)))
-                        j = 8 * half + 2 * t
-                        vecs.append((uu, _shuf(builder, S, [j] * 4 + [j + 1] * 4)))
+                  def bytes8(lo, hi):
+                      two = builder.insert_element(ir.Constant(ir.VectorType(_i32, 2), None), lo, _c(0, _i32))
+                      two = builder.insert_element(two, hi, _c(1, _i32))
+                      return builder.zext(builder.bitcast(two, ir.VectorType(_i8, 8)), _v8i32)
+                  scv = bytes8(sc_lo, sc_hi)
+                  mnv = bytes8(mn_lo, mn_hi)
+                  for g in range(4):
+                      q = _load_vec(builder, w, builder.add(o, _c(16 + 32 * g)), _v32i8)
+                      vecs.append((builder.and_(q, ir.Constant(_v32i8, [15] * 32)), _shuf(builder, scv, [2 * g] * 8)))
+                      vecs.append((builder.lshr(q, ir.Constant(_v32i8, [4] * 32)), _shuf(builder, scv, [2 * g + 1] * 8)))
+              else:
+                  d = _load_half(builder, w, builder.add(o, _c(208)))
+                  S = builder.sext(_load_vec(builder, w, builder.add(o, _c(192)), _v16i8), ir.VectorType(_i32, 16))
+                  for half in range(2):
+                      qh = _load_vec(builder, w, builder.add(o, _c(128 + 32 * half)), _v32i8)
+                      qa = [_load_vec(builder, w, builder.add(o, _c(64 * half + 32 * j)), _v32i8) for j in range(2)]
+                      for t in range(4):
+                          a = qa[t & 1]
+                          low = (builder.and_(a, ir.Constant(_v32i8, [15] * 32)) if t < 2
+                                 else builder.lshr(a, ir.Constant(_v32i8, [4] * 32)))
+                          hb = builder.and_(builder.lshr(qh, ir.Constant(_v32i8, [2 * t] * 32)),
+                                            ir.Constant(_v32i8, [3] * 32))
+                          uu = builder.or_(low, builder.shl(hb, ir.Constant(_v32i8, [4] * 32)))
+                          j = 8 * half + 2 * t
+                          vecs.append((uu, _shuf(builder, S, [j] * 4 + [j + 1] * 4)))
+              dec.append((vecs, d, dmin, mnv, S))
             for i in range(nrow):
+                vecs, d, dmin, mnv, S = dec[i % nw]
                 base = builder.add(xrow[i], builder.mul(sb, _c(256)))
                 acc = ir.Constant(_v8i32, None)
                 for j, (uu, scl) in enumerate(vecs):
@@ -392,7 +408,7 @@ def kq_row(typingctx, kind, R, src, nsb, xq, xd, xb, r0, K, res):
                     acc = builder.add(acc, builder.mul(dp, scl))
                 isum = _reduce_add(builder, acc)
                 dx = builder.load(builder.gep(xdp, [builder.add(drow[i], sb)]))
-                xbo = builder.add(builder.mul(builder.add(r0v, _c(i)), builder.mul(nsbv, _c(per))),
+                xbo = builder.add(builder.mul(builder.add(r0v, _c(i // nw)), builder.mul(nsbv, _c(per))),
                                   builder.mul(sb, _c(per)))
                 xbv_ = builder.load(builder.bitcast(builder.gep(xbp, [xbo]),
                                                     ir.VectorType(_i32, per).as_pointer()), align=4)
@@ -422,48 +438,65 @@ def _leg_rows(kind, w, xq, xd, xsum, xs, out, res, n, K, m):
     src = w[m]
     r = 0
     while r + 4 <= n:
-        leg_dot(kind, 4, src, nb, xq, xd, xsum, xs, r, K, res)
+        leg_dot(kind, 4, 1, src, nb, xq, xd, xsum, xs, r, K, res)
         for i in range(4):
             out[r + i, m] = res[i]
         r += 4
     if r + 2 <= n:
-        leg_dot(kind, 2, src, nb, xq, xd, xsum, xs, r, K, res)
+        leg_dot(kind, 2, 1, src, nb, xq, xd, xsum, xs, r, K, res)
         out[r, m] = res[0]
         out[r + 1, m] = res[1]
         r += 2
     if r < n:
-        leg_dot(kind, 1, src, nb, xq, xd, xsum, xs, r, K, res)
+        leg_dot(kind, 1, 1, src, nb, xq, xd, xsum, xs, r, K, res)
         out[r, m] = res[0]
+
+
+@njit(inline="always")
+def _leg_all(kind, w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
+    m = m0
+    # one x row: two W rows per call (twice the independent work per loop
+    # iteration, half the per-row tails); same float operations per output
+    if n == 1 and w.strides[0] == w.shape[1]:
+        nb = K // 32
+        while m + 4 <= m1:
+            leg_dot(kind, 1, 4, w[m], nb, xq, xd, xsum, xs, 0, K, res)
+            for j in range(4):
+                out[0, m + j] = res[j]
+            m += 4
+        while m + 2 <= m1:
+            leg_dot(kind, 1, 2, w[m], nb, xq, xd, xsum, xs, 0, K, res)
+            out[0, m] = res[0]
+            out[0, m + 1] = res[1]
+            m += 2
+    while m < m1:
+        _leg_rows(kind, w, xq, xd, xsum, xs, out, res, n, K, m)
+        m += 1
 
 
 @njit(cache=True)
 def rows_q4_0(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
-    for m in range(m0, m1):
-        _leg_rows(0, w, xq, xd, xsum, xs, out, res, n, K, m)
+    _leg_all(0, w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
 
 
 @njit(cache=True)
 def rows_q4_1(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
-    for m in range(m0, m1):
-        _leg_rows(1, w, xq, xd, xsum, xs, out, res, n, K, m)
+    _leg_all(1, w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
 
 
 @njit(cache=True)
 def rows_q5_0(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
-    for m in range(m0, m1):
-        _leg_rows(2, w, xq, xd, xsum, xs, out, res, n, K, m)
+    _leg_all(2, w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
 
 
 @njit(cache=True)
 def rows_q5_1(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
-    for m in range(m0, m1):
-        _leg_rows(3, w, xq, xd, xsum, xs, out, res, n, K, m)
+    _leg_all(3, w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
 
 
 @njit(cache=True)
 def rows_q8_0(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
-    for m in range(m0, m1):
-        _leg_rows(4, w, xq, xd, xsum, xs, out, res, n, K, m)
+    _leg_all(4, w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
 
 
 # ---------------------------------------------------------------- K-quants
@@ -474,33 +507,51 @@ def _kq_rows(kind, w, xq, xd, xb, out, res, n, K, m):
     src = w[m]
     r = 0
     while r + 4 <= n:
-        kq_row(kind, 4, src, nsb, xq, xd, xb, r, K, res)
+        kq_row(kind, 4, 1, src, nsb, xq, xd, xb, r, K, res)
         for i in range(4):
             out[r + i, m] = res[i]
         r += 4
     if r + 2 <= n:
-        kq_row(kind, 2, src, nsb, xq, xd, xb, r, K, res)
+        kq_row(kind, 2, 1, src, nsb, xq, xd, xb, r, K, res)
         out[r, m] = res[0]
         out[r + 1, m] = res[1]
         r += 2
     if r < n:
-        kq_row(kind, 1, src, nsb, xq, xd, xb, r, K, res)
+        kq_row(kind, 1, 1, src, nsb, xq, xd, xb, r, K, res)
         out[r, m] = res[0]
+
+
+@njit(inline="always")
+def _kq_all(kind, w, xq, xd, xb, out, res, n, K, m0, m1):
+    m = m0
+    if n == 1 and w.strides[0] == w.shape[1]:     # as _leg_all
+        nsb = K // 256
+        while m + 4 <= m1:
+            kq_row(kind, 1, 4, w[m], nsb, xq, xd, xb, 0, K, res)
+            for j in range(4):
+                out[0, m + j] = res[j]
+            m += 4
+        while m + 2 <= m1:
+            kq_row(kind, 1, 2, w[m], nsb, xq, xd, xb, 0, K, res)
+            out[0, m] = res[0]
+            out[0, m + 1] = res[1]
+            m += 2
+    while m < m1:
+        _kq_rows(kind, w, xq, xd, xb, out, res, n, K, m)
+        m += 1
 
 
 @njit(cache=True)
 def rows_q4_k(w, xq, xd, xb, unused, out, res, n, K, m0, m1):
     """xq, xd, xb: flat outputs of act_quant.quantize_q8_256_i8 (xb the sums
     per 32); `unused` keeps the legacy kernels' argument types."""
-    for m in range(m0, m1):
-        _kq_rows(0, w, xq, xd, xb, out, res, n, K, m)
+    _kq_all(0, w, xq, xd, xb, out, res, n, K, m0, m1)
 
 
 @njit(cache=True)
 def rows_q6_k(w, xq, xd, xb16, unused, out, res, n, K, m0, m1):
     """As rows_q4_k with xb16, the code sums per 16."""
-    for m in range(m0, m1):
-        _kq_rows(1, w, xq, xd, xb16, out, res, n, K, m)
+    _kq_all(1, w, xq, xd, xb16, out, res, n, K, m0, m1)
 
 
 @njit(inline="always")
@@ -543,3 +594,23 @@ def multi_any(kind, ws, xq, xd, xs1, xs2, outs, res, n, K, cw, cm0, cm1):
     rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
     for c in prange(cw.size):
         _rows_any(kind, ws[cw[c]], xq, xd, xs1, xs2, outs[cw[c]], res[c], n, K, cm0[c], cm1[c])
+
+
+@njit(cache=True)
+def matvec_leg(kind, x, w, xq, xd, xsum, xs, out, res, fresh):
+    """One serial call for a 32-element format: quantize x (when fresh) into
+    the four activation buffers, then all W rows.  (One Numba dispatch instead
+    of two: the per-call cost is a visible part of a small model's token.)"""
+    n, K = x.shape
+    if fresh:
+        quantize_q8_32_i8(x, xq, xd, xsum, xs)
+    _rows_any(kind, w, xq, xd, xsum, xs, out, res, n, K, 0, w.shape[0])
+
+
+@njit(cache=True)
+def matvec_k(kind, x, w, xq, xd, xb, xb16, out, res, fresh):
+    """As matvec_leg for Q4_K (kind 10) / Q6_K (kind 11)."""
+    n, K = x.shape
+    if fresh:
+        quantize_q8_256_i8(x, xq, xd, xb, xb16)
+    _rows_any(kind, w, xq, xd, xb if kind == 10 else xb16, xd, out, res, n, K, 0, w.shape[0])

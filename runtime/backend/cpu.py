@@ -14,6 +14,7 @@ import numpy as np
 
 import quant
 from quant import GGMLType, QTensor
+from quant.matmul_cpu import matmul_into, matmul_multi_into
 
 from . import cpu_kernels as K
 
@@ -99,6 +100,7 @@ class CPUBackend:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         self.threads = numba.get_num_threads()
         self.arena = _Arena()
+        self.scratch = quant.Scratch()   # matmul work buffers (the engine's thread only)
         self.kv: CPUKVStorage | None = None
         self.device_name = f"CPU ({os.cpu_count()} cores, {self.threads} threads)"
 
@@ -135,9 +137,11 @@ class CPUBackend:
     def heads(self, x, n_heads):
         return x.reshape(x.shape[0], n_heads, -1)
 
+    # matmuls go straight to quant's unchecked entries: the model's shapes were
+    # checked at load, and the checks cost a visible share of a small model's token
     def matmul(self, x, W, bias=None):
         out = self.arena.get((x.shape[0], W.shape[0]))
-        quant.matmul(_rows2d(x), W, out)
+        matmul_into(_rows2d(x), W, out, self.scratch)
         if bias is not None:
             out += bias
         return out
@@ -145,7 +149,7 @@ class CPUBackend:
     def matmuls(self, x, Ws, biases=None):
         x = _rows2d(x)
         outs = [self.arena.get((x.shape[0], W.shape[0])) for W in Ws]
-        quant.matmul_multi(x, list(Ws), outs)
+        matmul_multi_into(x, Ws, outs, self.scratch)
         if biases:
             for o, bias in zip(outs, biases):
                 if bias is not None:
@@ -170,7 +174,7 @@ class CPUBackend:
 
     def logits(self, x, W):
         out = np.empty((x.shape[0], W.shape[0]), np.float32)   # outlives the step: not from the arena
-        quant.matmul(_rows2d(x), W, out)
+        matmul_into(_rows2d(x), W, out, self.scratch)
         return out
 
     def attention(self, q, k, v, layer, step):
