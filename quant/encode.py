@@ -1,6 +1,7 @@
 """float32 -> GGML block encoders, bit-compatible with llama.cpp's reference
-quantizers (quantize_row_q8_0_ref, quantize_row_q4_0_ref, quantize_row_q4_K_ref
-with make_qkx2_quants), so files written with them load in llama.cpp and
+quantizers (quantize_row_q8_0_ref, quantize_row_q4_0_ref, quantize_row_q5_0_ref,
+quantize_row_q4_K_ref with make_qkx2_quants, quantize_row_q6_K_ref with
+make_qx_quants), so files written with them load in llama.cpp and
 match what its own converter would write.
 
 Bit-compatibility rests on doing the same float32 operations in the same
@@ -229,6 +230,142 @@ def encode_q4_k(x, out):
                     dst[o + 16 + 32 * g + l] = np.uint8(L[64 * g + l] | (L[64 * g + l + 32] << 4))
 
 
+@njit(parallel=True, cache=True)
+def encode_q5_0(x, out):
+    M, K = x.shape
+    for r in prange(M):
+        src = x[r]
+        dst = out[r]
+        for b in range(K // QK):
+            amax = F32(0.0)
+            vmax = F32(0.0)
+            for j in range(QK):
+                v = src[b * QK + j]
+                if amax < abs(v):
+                    amax = abs(v)
+                    vmax = v
+            d = vmax / F32(-16.0)
+            idv = F32(1.0) / d if d != F32(0.0) else F32(0.0)
+            o = b * 22
+            _put_f16(dst, o, d)
+            qh = np.uint32(0)
+            for j in range(16):
+                x0 = src[b * QK + j] * idv
+                x1 = src[b * QK + 16 + j] * idv
+                q0 = min(31, np.int32(F32(x0 + F32(16.5))))   # (int8_t) cast truncates
+                q1 = min(31, np.int32(F32(x1 + F32(16.5))))
+                dst[o + 6 + j] = np.uint8((q0 & 0xF) | ((q1 & 0xF) << 4))
+                qh |= np.uint32((q0 >> 4) & 1) << np.uint32(j)
+                qh |= np.uint32((q1 >> 4) & 1) << np.uint32(j + 16)
+            for k in range(4):   # little-endian u32
+                dst[o + 2 + k] = np.uint8((qh >> np.uint32(8 * k)) & np.uint32(0xFF))
+
+
+_GROUP_MAX_EPS = F32(1e-15)
+
+
+@njit(cache=True)
+def _make_qx_quants_16_32(x, xo, L, lo):
+    """make_qx_quants(16, 32, x+xo, L+lo, rmse_type=1, qw=NULL): weights x^2,
+    scale searched over 19 candidate grids.  L holds l + 32 in [0, 63]."""
+    n = 16
+    nmax = 32
+    vmax = F32(0.0)
+    amax = F32(0.0)
+    for i in range(n):
+        ax = abs(x[xo + i])
+        if ax > amax:
+            amax = ax
+            vmax = x[xo + i]
+    if amax < _GROUP_MAX_EPS:
+        for i in range(n):
+            L[lo + i] = 0
+        return F32(0.0)
+    iscale = F32(-nmax) / vmax
+    sumlx = F32(0.0)
+    suml2 = F32(0.0)
+    for i in range(n):
+        v = x[xo + i]
+        l = _nearest_int(iscale * v)
+        l = max(-nmax, min(nmax - 1, l))
+        L[lo + i] = l + nmax
+        w = v * v
+        sumlx += w * v * F32(l)
+        suml2 += w * F32(l) * F32(l)
+    scale = sumlx / suml2 if suml2 != F32(0.0) else F32(0.0)
+    best = scale * sumlx
+    for s in range(-9, 10):
+        if s == 0:
+            continue
+        iscale = -(F32(nmax) + F32(0.1) * F32(s)) / vmax
+        sumlx = F32(0.0)
+        suml2 = F32(0.0)
+        for i in range(n):
+            v = x[xo + i]
+            l = _nearest_int(iscale * v)
+            l = max(-nmax, min(nmax - 1, l))
+            w = v * v
+            sumlx += w * v * F32(l)
+            suml2 += w * F32(l) * F32(l)
+        if suml2 > F32(0.0) and sumlx * sumlx > best * suml2:
+            for i in range(n):
+                l = _nearest_int(iscale * x[xo + i])
+                L[lo + i] = nmax + max(-nmax, min(nmax - 1, l))
+            scale = sumlx / suml2
+            best = scale * sumlx
+    return scale
+
+
+@njit(parallel=True, cache=True)
+def encode_q6_k(x, out):
+    M, K = x.shape
+    nb = K // QK_K
+    for r in prange(M):
+        L = np.empty(QK_K, np.int32)
+        scales = np.empty(16, np.float32)
+        src = x[r]
+        dst = out[r]
+        for b in range(nb):
+            xo = b * QK_K
+            o = b * 210
+            max_scale = F32(0.0)
+            max_abs_scale = F32(0.0)
+            for ib in range(16):
+                sc = _make_qx_quants_16_32(src, xo + 16 * ib, L, 16 * ib)
+                scales[ib] = sc
+                if abs(sc) > max_abs_scale:
+                    max_abs_scale = abs(sc)
+                    max_scale = sc
+            if max_abs_scale < _GROUP_MAX_EPS:
+                for k in range(210):
+                    dst[o + k] = 0
+                continue
+            iscale = F32(-128.0) / max_scale
+            _put_f16(dst, o + 208, F32(1.0) / iscale)
+            dd = f16_to_f32(np.uint16(dst[o + 208]) | (np.uint16(dst[o + 209]) << np.uint16(8)))
+            for ib in range(16):
+                q = min(127, _nearest_int(iscale * scales[ib]))
+                dst[o + 192 + ib] = np.uint8(q & 0xFF)   # int8_t
+                d = dd * F32(q if q < 128 else q - 256)
+                if d == F32(0.0):
+                    continue   # keeps make_qx_quants' L, as the reference does
+                for ii in range(16):
+                    l = _nearest_int(src[xo + 16 * ib + ii] / d)
+                    L[16 * ib + ii] = max(-32, min(31, l)) + 32
+            for h in range(2):
+                j = 128 * h
+                for l in range(32):
+                    q1 = L[j + l] & 0xF
+                    q2 = L[j + l + 32] & 0xF
+                    q3 = L[j + l + 64] & 0xF
+                    q4 = L[j + l + 96] & 0xF
+                    dst[o + 64 * h + l] = np.uint8(q1 | (q3 << 4))
+                    dst[o + 64 * h + l + 32] = np.uint8(q2 | (q4 << 4))
+                    dst[o + 128 + 32 * h + l] = np.uint8((L[j + l] >> 4) | ((L[j + l + 32] >> 4) << 2)
+                                                         | ((L[j + l + 64] >> 4) << 4)
+                                                         | ((L[j + l + 96] >> 4) << 6))
+
+
 def _bf16_bytes(x):
     # ggml_compute_fp32_to_bf16: quiet NaNs, otherwise round to nearest even
     u = x.view(np.uint32).astype(np.uint64)
@@ -238,13 +375,14 @@ def _bf16_bytes(x):
     return r.astype(np.uint16).view(np.uint8)
 
 
-ENCODERS = {GGMLType.Q8_0: encode_q8_0, GGMLType.Q4_0: encode_q4_0, GGMLType.Q4_K: encode_q4_k}
+ENCODERS = {GGMLType.Q8_0: encode_q8_0, GGMLType.Q4_0: encode_q4_0, GGMLType.Q5_0: encode_q5_0,
+            GGMLType.Q4_K: encode_q4_k, GGMLType.Q6_K: encode_q6_k}
 
 
 def quantize(x: np.ndarray, qtype) -> np.ndarray:
     """float32 [M, K] (or [K]) -> uint8 [M, row_nbytes] in GGML layout of qtype.
 
-    Encoders exist for Q8_0, Q4_0, Q4_K (llama.cpp-reference-exact) and the
+    Encoders exist for Q8_0, Q4_0, Q5_0, Q4_K, Q6_K (llama.cpp-reference-exact) and the
     float types F32, F16, BF16."""
     x = np.asarray(x, dtype=np.float32)
     if x.ndim == 1:

@@ -1,5 +1,5 @@
-"""Encoders: bit-identical to gguf-py (Q8_0, Q4_0, F16, BF16, F32) and to
-llama.cpp's quantize_row_q4_K_ref (via ctypes when a libggml-base is found),
+"""Encoders: bit-identical to gguf-py (Q8_0, Q4_0, Q5_0, F16, BF16, F32) and to
+llama.cpp's quantize_row_*_ref (via ctypes when a libggml-base is found),
 and dequant(quant(x)) within the error each format allows."""
 import ctypes
 import glob
@@ -24,7 +24,7 @@ def _inputs(rng):
     return x
 
 
-@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0"])
 def test_matches_gguf(name, rng):
     x = _inputs(rng)
     ours = quantize(x, GGMLType[name])
@@ -53,7 +53,9 @@ def _ggml_base():
 
 
 @pytest.mark.parametrize("name, fn", [("Q4_K", "quantize_row_q4_K_ref"),
+                                      ("Q6_K", "quantize_row_q6_K_ref"),
                                       ("Q4_0", "quantize_row_q4_0_ref"),
+                                      ("Q5_0", "quantize_row_q5_0_ref"),
                                       ("Q8_0", "quantize_row_q8_0_ref")])
 def test_matches_llama_cpp_reference(name, fn, rng):
     f = getattr(_ggml_base(), fn)
@@ -91,6 +93,42 @@ def test_q4_0_error_bound(rng):
     err = np.abs(xb - _blocks(y, 32))
     assert np.all(err <= d + 8 * np.abs(d - d16) + 1e-6 * np.abs(xb))
     assert np.mean(err <= d / 2 * 1.01 + 8 * np.abs(d - d16)) > 0.97
+
+
+def test_q5_0_error_bound(rng):
+    # as Q4_0 with d = max/-16 and q = trunc(x/d + 16.5) clipped to 31
+    x = _inputs(rng)
+    y = dequantize(QTensor("x", GGMLType.Q5_0, x.shape, quantize(x, GGMLType.Q5_0)))
+    xb = _blocks(x, 32).astype(np.float64)
+    d = np.abs(xb).max(-1, keepdims=True) / 16
+    d16 = d.astype(np.float16).astype(np.float64)
+    err = np.abs(xb - _blocks(y, 32))
+    assert np.all(err <= d + 16 * np.abs(d - d16) + 1e-6 * np.abs(xb))
+    assert np.mean(err <= d / 2 * 1.01 + 16 * np.abs(d - d16)) > 0.97
+
+
+def test_q6_k_error_bound(rng):
+    # Sub-block j of 16 has signed step s = d * scales[j] and codes -32..31: an
+    # element within its grid is rounded to the nearest point (error <= |s|/2).
+    # Gaussian rows keep a relative RMS error under 2.5% (6.56 bits per weight).
+    x = _inputs(rng)
+    x[6:] = rng.standard_normal((18, 512))
+    q = quantize(x, GGMLType.Q6_K)
+    y = dequantize(QTensor("x", GGMLType.Q6_K, x.shape, q))
+    blk = q.reshape(x.shape[0], -1, 210)
+    d = blk[..., 208:210].copy().view(np.float16).astype(np.float64)        # [M, nb, 1]
+    step = (d * blk[..., 192:208].view(np.int8)).reshape(x.shape[0], -1)[..., None]
+    xb, yb = _blocks(x, 16).astype(np.float64), _blocks(y, 16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = xb / step
+    inside = (t >= -32.5) & (t <= 31.5)
+    assert inside.mean() > 0.99
+    err = np.abs(xb - yb)
+    allowed = np.broadcast_to(np.abs(step) / 2 * (1 + 1e-5) + 1e-6 * np.abs(xb), err.shape)
+    assert np.all(err[inside] <= allowed[inside])
+    assert np.all(y[0, :64] == 0)
+    rel = np.sqrt(((x[6:] - y[6:]) ** 2).mean(1) / (x[6:] ** 2).mean(1))
+    assert rel.max() < 0.025
 
 
 def test_q4_k_error_bound(rng):
