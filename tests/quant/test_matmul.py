@@ -136,3 +136,19 @@ def test_matmul_multi_fused_region_is_bit_identical(qtype, rng, monkeypatch):
     outs = matmul_multi(x, Ws)
     for W, o in zip(Ws, outs):
         np.testing.assert_array_equal(o, matmul(x, W))
+
+
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16)],
+                         ids=lambda t: t.name)
+@pytest.mark.parametrize("K", [256, 1024])
+def test_single_row_multi_w_row_path(qtype, K, rng):
+    """Decode (n=1) with short W rows runs 4, then 2, then 1 W rows per kernel
+    call (quant/vnni.py); long rows one at a time.  Both give exactly the
+    values row r gets inside a larger batch, and stay within the bound."""
+    M = 39                                # 4*9 + 2 + 1: every tail
+    W = QTensor("w", qtype, (M, K), random_weight_bytes(rng, qtype, M, K))
+    x = rng.standard_normal((5, K)).astype(np.float32)
+    batch = matmul(x, W)
+    for r in (0, 3):
+        np.testing.assert_array_equal(matmul(x[r:r + 1], W)[0], batch[r])
+    _check(x[:1], W, matmul(x[:1], W))
