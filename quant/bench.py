@@ -222,6 +222,8 @@ def main(argv=None) -> int:
                          "with other busy processes, use with --threads 1 to measure what one core does "
                          "while it runs")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    ap.add_argument("--int16", action="store_true",
+                    help="time the portable int16 kernels even where the CPU has AVX512-VNNI")
     a = ap.parse_args(argv)
     if a.asm:
         for name, counts in asm_report().items():
@@ -229,6 +231,9 @@ def main(argv=None) -> int:
         return 0
     global CLOCK
     CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
+    if a.int16:
+        from . import matmul_cpu
+        matmul_cpu.USE_VNNI = False
     if a.threads:
         numba.set_num_threads(a.threads)
     types = REAL_MODEL_TYPES if a.types == "real" else [t.strip() for t in a.types.split(",") if t.strip()]

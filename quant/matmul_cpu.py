@@ -3,7 +3,11 @@
 Paths, chosen per call from the row count n of x:
 
 * small batches, n < LARGE_BATCH_MIN (decode, speculative verify, batched
-  decode): per-type Numba kernels that walk W row by row, decode each weight
+  decode), on CPUs with AVX512-VNNI (USE_VNNI; Zen4, Ice Lake and later) for
+  Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K: quant/vnni.py, u8 x s8 vpdpbusd kernels
+  written in LLVM IR, x rounded to int8 codes (same blocks and steps as below);
+  one Numba call quantizes x and runs all W rows.  Otherwise (other CPUs, other
+  types): per-type Numba kernels that walk W row by row, decode each weight
   block once into a small int16 (or float32) scratch, and dot it with all n
   activation rows before moving on.  Quantized types use integer dots with x
   rounded to 8-bit blocks (act_quant); float types keep x in float32.  The
