@@ -130,13 +130,17 @@ class Engine:
         return logits
 
     def _splits(self, n_tokens: int, ctx: int) -> int:
-        """Context splits for flash-decoding: enough work items to feed every thread
-        when few tokens attend over a long context, none for short contexts."""
+        """Context splits for flash-decoding.
+
+        Up to 16 new tokens (decode, speculative verify, batched decode) always get
+        the same split count, fixed by the model and thread count: a token's
+        attention is then summed in the same order whatever the batch, so verifying
+        k+1 tokens in one step gives bit-identical logits to k+1 single steps.
+        Larger (prefill) batches have work enough without splitting."""
         threads = getattr(self.backend, "threads", 1)
-        items = n_tokens * self.config.n_kv_heads
-        if ctx < 256 or items >= 2 * threads:
-            return 1
-        return max(1, min(ctx // 128, math.ceil(2 * threads / items)))
+        if n_tokens <= 16:
+            return max(1, math.ceil(2 * threads / self.config.n_kv_heads))
+        return 1
 
     def prefill(self, seq: Sequence, tokens: list[int], chunk: int = 512) -> np.ndarray:
         """Feed a prompt (reusing cached prefix blocks) and return the last token's logits."""

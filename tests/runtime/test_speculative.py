@@ -123,10 +123,9 @@ def test_batched_verify_is_bit_identical_to_single_steps(smol_pair):
     assert _released(eng, seq) == 0
 
 
-@pytest.mark.xfail(reason="Engine._splits picks the flash-decoding split count from the number of "
-                          "new tokens: at >= 256 context a 1-token step splits attention, a k+1-token "
-                          "verify does not, and the two merges round differently", strict=False)
 def test_batched_verify_is_bit_identical_at_long_context(smol_pair):
+    """At long context decode splits attention over the context (flash-decoding);
+    a verify batch must split it the same way, or merges round differently."""
     eng, _ = smol_pair
     rng = np.random.default_rng(0)
     prompt = [int(x) for x in rng.integers(100, 5000, 300)]
