@@ -1,6 +1,6 @@
 """float32 -> GGML block encoders, bit-compatible with llama.cpp's reference
 quantizers (quantize_row_q8_0_ref, quantize_row_q4_0_ref, quantize_row_q5_0_ref,
-quantize_row_q4_K_ref with make_qkx2_quants, quantize_row_q6_K_ref with
+quantize_row_q4_K_ref / quantize_row_q5_K_ref with make_qkx2_quants, quantize_row_q6_K_ref with
 make_qx_quants), so files written with them load in llama.cpp and
 match what its own converter would write.
 
@@ -90,14 +90,11 @@ def encode_q4_0(x, out):
 
 
 @njit(cache=True)
-def _make_qkx2_quants(x, xo, weights, L, lo, Laux):
-    """make_qkx2_quants(32, 15, x+xo, weights, L+lo, &min, Laux, -1, 0.1, 20, false).
-    Returns (scale, the_min)."""
+def _make_qkx2_quants(x, xo, weights, L, lo, Laux, nmax, rmin, nstep):
+    """make_qkx2_quants(32, nmax, x+xo, weights, L+lo, &min, Laux, rmin, 0.1, nstep, false)
+    (Q4_K: 15, -1, 20; Q5_K: 31, -0.5, 15).  Returns (scale, the_min)."""
     n = 32
-    nmax = 15
-    rmin = F32(-1.0)
     rdelta = F32(0.1)
-    nstep = 20
     vmin = x[xo]
     vmax = x[xo]
     sum_w = weights[0]
@@ -162,72 +159,95 @@ def _make_qkx2_quants(x, xo, weights, L, lo, Laux):
     return scale, -vmin
 
 
+@njit(cache=True)
+def _qk_k_row(src, dst, nmax, rmin, nstep, bsize):
+    """One row of Q4_K (nmax 15) or Q5_K (nmax 31): same sub-block fit and
+    6-bit scale packing; Q5_K also keeps each code's 5th bit in 32 bytes of qh."""
+    qs = 16 if nmax == 15 else 48
+    # per-row temporaries (an encoder, not a hot loop)
+    L = np.empty(QK_K, np.int32)
+    Laux = np.empty(32, np.int32)
+    weights = np.empty(32, np.float32)
+    scales = np.empty(8, np.float32)
+    mins = np.empty(8, np.float32)
+    for b in range(src.shape[0] // QK_K):
+        xo = b * QK_K
+        o = b * bsize
+        max_scale = F32(0.0)
+        max_min = F32(0.0)
+        for j in range(8):
+            sum_x2 = F32(0.0)
+            for l in range(32):
+                v = src[xo + 32 * j + l]
+                sum_x2 += v * v
+            av_x = F32(math.sqrt(sum_x2 / F32(32.0)))
+            for l in range(32):
+                weights[l] = av_x + abs(src[xo + 32 * j + l])
+            sc, mn = _make_qkx2_quants(src, xo + 32 * j, weights, L, 32 * j, Laux, nmax, rmin, nstep)
+            scales[j] = sc
+            mins[j] = mn
+            if sc > max_scale:
+                max_scale = sc
+            if mn > max_min:
+                max_min = mn
+        inv_scale = F32(63.0) / max_scale if max_scale > F32(0.0) else F32(0.0)
+        inv_min = F32(63.0) / max_min if max_min > F32(0.0) else F32(0.0)
+        for j in range(8):
+            ls = min(63, _nearest_int(inv_scale * scales[j]) & 0xFF)   # uint8_t then MIN
+            lm = min(63, _nearest_int(inv_min * mins[j]) & 0xFF)
+            if j < 4:
+                dst[o + 4 + j] = ls
+                dst[o + 4 + j + 4] = lm
+            else:
+                dst[o + 4 + j + 4] = (ls & 0xF) | ((lm & 0xF) << 4)
+                dst[o + 4 + j - 4] |= (ls >> 4) << 6
+                dst[o + 4 + j] |= (lm >> 4) << 6
+        _put_f16(dst, o, max_scale / F32(63.0))
+        _put_f16(dst, o + 2, max_min / F32(63.0))
+        dd = f16_to_f32(np.uint16(dst[o]) | (np.uint16(dst[o + 1]) << np.uint16(8)))
+        dmin = f16_to_f32(np.uint16(dst[o + 2]) | (np.uint16(dst[o + 3]) << np.uint16(8)))
+        for j in range(8):
+            if j < 4:
+                sc = dst[o + 4 + j] & 63
+                m = dst[o + 4 + j + 4] & 63
+            else:
+                sc = (dst[o + 4 + j + 4] & 0xF) | ((dst[o + 4 + j - 4] >> 6) << 4)
+                m = (dst[o + 4 + j + 4] >> 4) | ((dst[o + 4 + j] >> 6) << 4)
+            d = dd * F32(sc)
+            if d == F32(0.0):
+                continue   # keeps make_qkx2_quants' L, as the reference does
+            dm = dmin * F32(m)
+            for ii in range(32):
+                l = _nearest_int((src[xo + 32 * j + ii] + dm) / d)
+                L[32 * j + ii] = max(0, min(nmax, l))
+        for g in range(4):
+            for l in range(32):
+                l1 = L[64 * g + l]
+                l2 = L[64 * g + l + 32]
+                if nmax == 31:
+                    hb = 0
+                    if l1 > 15:
+                        l1 -= 16
+                        hb |= 1
+                    if l2 > 15:
+                        l2 -= 16
+                        hb |= 2
+                    if g == 0:
+                        dst[o + 16 + l] = 0
+                    dst[o + 16 + l] |= hb << (2 * g)
+                dst[o + qs + 32 * g + l] = np.uint8(l1 | (l2 << 4))
+
+
 @njit(parallel=True, cache=True)
 def encode_q4_k(x, out):
-    M, K = x.shape
-    nb = K // QK_K
-    for r in prange(M):
-        # per-row temporaries (an encoder, not a hot loop)
-        L = np.empty(QK_K, np.int32)
-        Laux = np.empty(32, np.int32)
-        weights = np.empty(32, np.float32)
-        scales = np.empty(8, np.float32)
-        mins = np.empty(8, np.float32)
-        src = x[r]
-        dst = out[r]
-        for b in range(nb):
-            xo = b * QK_K
-            o = b * 144
-            max_scale = F32(0.0)
-            max_min = F32(0.0)
-            for j in range(8):
-                sum_x2 = F32(0.0)
-                for l in range(32):
-                    v = src[xo + 32 * j + l]
-                    sum_x2 += v * v
-                av_x = F32(math.sqrt(sum_x2 / F32(32.0)))
-                for l in range(32):
-                    weights[l] = av_x + abs(src[xo + 32 * j + l])
-                sc, mn = _make_qkx2_quants(src, xo + 32 * j, weights, L, 32 * j, Laux)
-                scales[j] = sc
-                mins[j] = mn
-                if sc > max_scale:
-                    max_scale = sc
-                if mn > max_min:
-                    max_min = mn
-            inv_scale = F32(63.0) / max_scale if max_scale > F32(0.0) else F32(0.0)
-            inv_min = F32(63.0) / max_min if max_min > F32(0.0) else F32(0.0)
-            for j in range(8):
-                ls = min(63, _nearest_int(inv_scale * scales[j]) & 0xFF)   # uint8_t then MIN
-                lm = min(63, _nearest_int(inv_min * mins[j]) & 0xFF)
-                if j < 4:
-                    dst[o + 4 + j] = ls
-                    dst[o + 4 + j + 4] = lm
-                else:
-                    dst[o + 4 + j + 4] = (ls & 0xF) | ((lm & 0xF) << 4)
-                    dst[o + 4 + j - 4] |= (ls >> 4) << 6
-                    dst[o + 4 + j] |= (lm >> 4) << 6
-            _put_f16(dst, o, max_scale / F32(63.0))
-            _put_f16(dst, o + 2, max_min / F32(63.0))
-            dd = f16_to_f32(np.uint16(dst[o]) | (np.uint16(dst[o + 1]) << np.uint16(8)))
-            dmin = f16_to_f32(np.uint16(dst[o + 2]) | (np.uint16(dst[o + 3]) << np.uint16(8)))
-            for j in range(8):
-                if j < 4:
-                    sc = dst[o + 4 + j] & 63
-                    m = dst[o + 4 + j + 4] & 63
-                else:
-                    sc = (dst[o + 4 + j + 4] & 0xF) | ((dst[o + 4 + j - 4] >> 6) << 4)
-                    m = (dst[o + 4 + j + 4] >> 4) | ((dst[o + 4 + j] >> 6) << 4)
-                d = dd * F32(sc)
-                if d == F32(0.0):
-                    continue   # keeps make_qkx2_quants' L, as the reference does
-                dm = dmin * F32(m)
-                for ii in range(32):
-                    l = _nearest_int((src[xo + 32 * j + ii] + dm) / d)
-                    L[32 * j + ii] = max(0, min(15, l))
-            for g in range(4):
-                for l in range(32):
-                    dst[o + 16 + 32 * g + l] = np.uint8(L[64 * g + l] | (L[64 * g + l + 32] << 4))
+    for r in prange(x.shape[0]):
+        _qk_k_row(x[r], out[r], 15, F32(-1.0), 20, 144)
+
+
+@njit(parallel=True, cache=True)
+def encode_q5_k(x, out):
+    for r in prange(x.shape[0]):
+        _qk_k_row(x[r], out[r], 31, F32(-0.5), 15, 176)
 
 
 @njit(parallel=True, cache=True)
@@ -376,13 +396,13 @@ def _bf16_bytes(x):
 
 
 ENCODERS = {GGMLType.Q8_0: encode_q8_0, GGMLType.Q4_0: encode_q4_0, GGMLType.Q5_0: encode_q5_0,
-            GGMLType.Q4_K: encode_q4_k, GGMLType.Q6_K: encode_q6_k}
+            GGMLType.Q4_K: encode_q4_k, GGMLType.Q5_K: encode_q5_k, GGMLType.Q6_K: encode_q6_k}
 
 
 def quantize(x: np.ndarray, qtype) -> np.ndarray:
     """float32 [M, K] (or [K]) -> uint8 [M, row_nbytes] in GGML layout of qtype.
 
-    Encoders exist for Q8_0, Q4_0, Q5_0, Q4_K, Q6_K (llama.cpp-reference-exact) and the
+    Encoders exist for Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K (llama.cpp-reference-exact) and the
     float types F32, F16, BF16."""
     x = np.asarray(x, dtype=np.float32)
     if x.ndim == 1:

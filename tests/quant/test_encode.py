@@ -53,6 +53,7 @@ def _ggml_base():
 
 
 @pytest.mark.parametrize("name, fn", [("Q4_K", "quantize_row_q4_K_ref"),
+                                      ("Q5_K", "quantize_row_q5_K_ref"),
                                       ("Q6_K", "quantize_row_q6_K_ref"),
                                       ("Q4_0", "quantize_row_q4_0_ref"),
                                       ("Q5_0", "quantize_row_q5_0_ref"),
@@ -131,35 +132,38 @@ def test_q6_k_error_bound(rng):
     assert rel.max() < 0.025
 
 
-def test_q4_k_error_bound(rng):
-    # Every element inside its sub-block's grid [-dmin*m, -dmin*m + 15*d*sc] is
+@pytest.mark.parametrize("name, nbytes, nmax, qs, rel_max", [("Q4_K", 144, 15, 16, 0.10),
+                                                             ("Q5_K", 176, 31, 48, 0.05)])
+def test_q4_k_q5_k_error_bound(name, nbytes, nmax, qs, rel_max, rng):
+    # Every element inside its sub-block's grid [-dmin*m, -dmin*m + nmax*d*sc] is
     # rounded to the nearest grid point: error <= d*sc/2.  Overall, Gaussian
-    # rows keep a relative RMS error under 10% (4.5 bits per weight).
+    # rows keep a relative RMS error under rel_max (4.5 / 5.5 bits per weight).
+    qt = GGMLType[name]
     x = (rng.standard_normal((32, 1024))).astype(np.float32)
-    q = quantize(x, GGMLType.Q4_K)
-    y = dequantize(QTensor("x", GGMLType.Q4_K, x.shape, q))
-    # grid of each sub-block from the dequantized codes 0 and 15
+    q = quantize(x, qt)
+    y = dequantize(QTensor("x", qt, x.shape, q))
+    # grid of each sub-block from the dequantized codes 0 and 1
     grid_lo = np.empty((32, 32)); step = np.empty((32, 32))
     for r in range(32):
         for b in range(4):
-            blk = q[r, b * 144:(b + 1) * 144].copy()
+            blk = q[r, b * nbytes:(b + 1) * nbytes].copy()
             blk[16:] = 0
-            lo = dequantize(QTensor("b", GGMLType.Q4_K, (1, 256), blk))[0]
-            blk[16:] = 0x11
-            one = dequantize(QTensor("b", GGMLType.Q4_K, (1, 256), blk))[0]
+            lo = dequantize(QTensor("b", qt, (1, 256), blk))[0]
+            blk[qs:] = 0x11
+            one = dequantize(QTensor("b", qt, (1, 256), blk))[0]
             grid_lo[r, b * 8:(b + 1) * 8] = lo[::32]
             step[r, b * 8:(b + 1) * 8] = (one - lo)[::32]
     xb, yb = _blocks(x, 32).astype(np.float64), _blocks(y, 32)
     lo, st = grid_lo[..., None], step[..., None]
-    inside = (xb >= lo) & (xb <= lo + 15 * st)
+    inside = (xb >= lo) & (xb <= lo + nmax * st)
     err = np.abs(xb - yb)
     assert inside.mean() > 0.95
     allowed = np.broadcast_to(st / 2 * (1 + 1e-5) + 1e-6, err.shape)
     assert np.all(err[inside] <= allowed[inside])
     rel = np.sqrt(((x - y) ** 2).mean(1) / (x ** 2).mean(1))
-    assert rel.max() < 0.10
+    assert rel.max() < rel_max
 
 
 def test_unsupported_encoder():
-    with pytest.raises(ValueError, match="Q5_K"):
-        quantize(np.zeros((1, 256), np.float32), GGMLType.Q5_K)
+    with pytest.raises(ValueError, match="Q4_1"):
+        quantize(np.zeros((1, 256), np.float32), GGMLType.Q4_1)
