@@ -14,6 +14,7 @@ import numpy as np
 
 import quant
 from quant import GGMLType, QTensor
+from quant.blas_threads import set_blas_threads
 from quant.matmul_cpu import matmul_into, matmul_multi_into
 
 from . import cpu_kernels as K
@@ -99,6 +100,8 @@ class CPUBackend:
         if threads:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         self.threads = numba.get_num_threads()
+        # prompt processing's sgemm: as many BLAS threads as the backend was given
+        set_blas_threads(self.threads)
         self.arena = _Arena()
         self.scratch = quant.Scratch()   # matmul work buffers (the engine's thread only)
         self.kv: CPUKVStorage | None = None
