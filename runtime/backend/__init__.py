@@ -34,5 +34,7 @@ def make_backend(device: str = "cpu", *, threads: int | None = None, announce=No
             if announce:
                 announce(f"device auto: using the CPU ({e})")
             from .cpu import CPUBackend
-            return CPUBackend(threads=threads)
+            cpu = CPUBackend(threads=threads)
+            cpu.device_name += f" — no GPU: {e}"    # shown wherever the device is (info, bench, app panel)
+            return cpu
     raise ValueError(f"unknown device '{device}' (use cpu, cuda or auto)")
