@@ -23,13 +23,13 @@ def _add_engine(p):
                    help="with --device cuda/auto: only the first N layers on the GPU, the rest on the CPU")
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (default min(4096, model's))")
+    p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
+                   help="checkpoint folders: quantize on load (int8: Q8_0; int4: Q4_K_M-style mix)")
     p.add_argument("--cache-type", default="f16", choices=["f16", "q8_0"],
                    help="KV cache precision: f16, or q8_0 (about half the memory)")
     p.add_argument("--overflow", default="stop", choices=["stop", "drop-turns", "shift"],
                    help="when the context is full: stop with a message (default); drop the oldest chat turns "
                         "(keeps the system prompt); or shift out the oldest tokens, re-rotating cached keys")
-    p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
-                   help="checkpoint folders: quantize on load (int8: Q8_0; int4: Q4_K_M-style mix)")
 
 
 def _add_sampling(p):
@@ -109,10 +109,14 @@ def _engine(args):
     if getattr(args, "quant", "none") != "none":
         from .loader import load_model
         model = load_model(args.model, quant=args.quant)
-    return Engine(model, device=args.device, n_ctx=args.ctx_size, threads=args.threads,
-                  cache_type=args.cache_type, overflow="shift" if args.overflow == "shift" else "stop",
-                  gpu_layers=getattr(args, "gpu_layers", None),
-                  announce=lambda m: print(m, file=sys.stderr))
+    from .warmup import warm_up
+    say = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    engine = Engine(model, device=args.device, n_ctx=args.ctx_size, threads=args.threads,
+                    gpu_layers=getattr(args, "gpu_layers", None),
+                    cache_type=args.cache_type, overflow="shift" if args.overflow == "shift" else "stop",
+                    announce=say)
+    warm_up(engine, notice=say)
+    return engine
 
 
 def _drafter(args, eng):
