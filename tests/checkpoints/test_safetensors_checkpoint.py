@@ -65,7 +65,10 @@ def test_quantize_on_load_stays_close(smollm_ckpt, smollm_none, quant):
     _, ids, base = smollm_none
     lm = load_model(smollm_ckpt, quant=quant)
     types = {t.qtype.name for t in lm.tensors.values() if len(t.shape) == 2}
-    assert types == ({"Q8_0"} if quant == "int8" else {"Q4_0", "Q4_K", "Q8_0"})
+    if quant == "int8":
+        assert types == {"Q8_0"}
+    else:   # llama.cpp's Q4_K_M mix: Q4_K, with Q5_0/Q6_K/Q8_0 where rows or roles call for them
+        assert "Q4_K" in types and types <= {"Q4_0", "Q4_K", "Q5_0", "Q6_K", "Q8_0"}
     ours = engine_logits(lm, ids)
     max_kl, min_top1 = QUANT_BOUNDS[quant]
     assert kl(base, ours).mean() < max_kl

@@ -4,7 +4,9 @@ same GGUF file (it dequantizes the weights and runs its own PyTorch model code).
 Bounds: over a 256-token text, top-1 agreement >= 98% and mean KL(ref || ours)
 <= 0.01 nats; greedy continuations equal for 32 tokens, except where the
 reference's own top two logits at the first divergence are within
-NEAR_TIE (0.1 logits): there either answer is right.
+NEAR_TIE (0.5 logits, a probability ratio under 1.65): there either answer is
+right.  Decode quantizes activations to 8-bit blocks for integer dot products,
+as llama.cpp does, which moves logits by a few tenths at most; 0.5 covers that.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from runtime.engine import Engine  # noqa: E402
 
-NEAR_TIE = 0.1
+NEAR_TIE = 0.5
 TEXT = (
     "The history of computing is a story of abstraction. Early machines were programmed by "
     "rewiring panels and flipping switches; each new problem meant rebuilding the machine. "
