@@ -11,24 +11,37 @@ enough.  Anything else (MKL, Accelerate): left alone.
 from __future__ import annotations
 
 import ctypes
+import os
 
 _SYMBOLS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
             "openblas_set_num_threads64_", "openblas_set_num_threads")
 
 
-def _setters(getters: bool = False):
-    import numpy  # noqa: F401  (loads the BLAS library)
-    found = []
+def _libraries() -> list:
+    """The OpenBLAS libraries numpy loaded: from /proc/self/maps (Linux), else
+    the ones its wheel ships in numpy.libs (Windows, macOS)."""
+    import numpy
+    paths = set()
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line}
     except OSError:
-        return found
+        import glob
+        here = os.path.dirname(numpy.__file__)
+        for d in (os.path.join(here, os.pardir, "numpy.libs"), os.path.join(here, ".libs")):
+            paths.update(glob.glob(os.path.join(d, "*openblas*")))
+    libs = []
     for p in sorted(paths):
         try:
-            lib = ctypes.CDLL(p)
+            libs.append(ctypes.CDLL(p))
         except OSError:
             continue
+    return libs
+
+
+def _setters(getters: bool = False):
+    found = []
+    for lib in _libraries():
         for s in _SYMBOLS:
             if getters:
                 s = s.replace("_set_", "_get_")
@@ -54,3 +67,26 @@ def get_blas_threads() -> int | None:
     """numpy's OpenBLAS thread count, None where it was not found."""
     fns = _setters(getters=True)
     return fns[0]() if fns else None
+
+
+# cblas_sgemm symbols of the OpenBLAS builds numpy ships: (name, 64-bit ints)
+_SGEMM = (("scipy_cblas_sgemm64_", True), ("cblas_sgemm64_", True), ("scipy_cblas_sgemm", False),
+          ("cblas_sgemm", False))
+
+
+def sgemm_address() -> tuple[int, bool] | None:
+    """(address of numpy's OpenBLAS cblas_sgemm, whether it takes 64-bit ints),
+    or None where no OpenBLAS was found (then callers use np.matmul)."""
+    global _sgemm_cache
+    try:
+        return _sgemm_cache
+    except NameError:
+        pass
+    _sgemm_cache = None
+    for lib in _libraries():
+        for name, wide in _SGEMM:
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                _sgemm_cache = (ctypes.cast(fn, ctypes.c_void_p).value, wide)
+                return _sgemm_cache
+    return None

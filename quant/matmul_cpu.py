@@ -40,7 +40,9 @@ from . import kernels_k as KK
 from . import kernels_legacy as KL
 from . import vnni as KV
 from .act_quant import quantize_q8_256, quantize_q8_256_i8, quantize_q8_32, quantize_q8_32_i8
+from .blas_threads import set_blas_threads, sgemm_address
 from .dequant import deq_range_kernel
+from .gemm_tiles import gemm_tiles, tile_rows
 from .tensor import QTensor
 from .types import GGMLType
 
@@ -51,6 +53,9 @@ from .types import GGMLType
 LARGE_BATCH_MIN = 32
 # Rows of W dequantized per sgemm tile on the large-batch path.
 TILE_ROWS = 256
+# Large batches run sgemm per tile inside Numba's thread pool (gemm_tiles.py)
+# where numpy's OpenBLAS is found; LLAMBA_QUANT_POOL_SGEMM=0 keeps np.matmul.
+USE_POOL_SGEMM = os.environ.get("LLAMBA_QUANT_POOL_SGEMM", "1") != "0"
 # Below this many weights a matmul runs on the calling thread (a 2**19-weight
 # Q4 matvec is ~50 us on one Zen4 core; waking the pool costs several us on an
 # idle machine and milliseconds on an oversubscribed one).  Override with the
@@ -279,9 +284,33 @@ def _small_batch(x, W, out, scratch, acts):
             KF.rows_f16(x, w, out, bufs[0][0], bf16, 0, M)
 
 
+_POOL_SGEMM = []
+
+
+def pool_sgemm():
+    """numpy's OpenBLAS sgemm address, with OpenBLAS set to one thread on first
+    use: it is then called from each of Numba's workers, which are the pool."""
+    if not USE_POOL_SGEMM:
+        return None
+    if not _POOL_SGEMM:
+        sg = sgemm_address()
+        if sg is not None:
+            set_blas_threads(1)
+        _POOL_SGEMM.append(sg)
+    return _POOL_SGEMM[0]
+
+
 def _matmul_large(x, W, out, scratch):
     M, K = W.data.shape[0], W.shape[-1]
     n = x.shape[0]
+    sg = pool_sgemm()
+    if sg is not None:
+        # dequantize + single-threaded sgemm per tile, in Numba's pool (quant/gemm_tiles.py)
+        nthr = _nthreads()
+        tile = tile_rows(M, nthr)
+        wbuf = scratch.get("wtiles", (numba.config.NUMBA_NUM_THREADS, tile, K))
+        _run_parallel(gemm_tiles, sg[0], sg[1], int(W.qtype), W.data, x, out, wbuf, tile)
+        return out
     if W.qtype == GGMLType.F32:
         np.matmul(x, _kernel_view(W).T, out=out)
         return out

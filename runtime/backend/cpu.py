@@ -15,7 +15,7 @@ import numpy as np
 import quant
 from quant import GGMLType, QTensor
 from quant.blas_threads import set_blas_threads
-from quant.matmul_cpu import matmul_into, matmul_multi_into
+from quant.matmul_cpu import matmul_into, matmul_multi_into, pool_sgemm
 
 from . import cpu_kernels as K
 
@@ -100,8 +100,9 @@ class CPUBackend:
         if threads:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         self.threads = numba.get_num_threads()
-        # prompt processing's sgemm: as many BLAS threads as the backend was given
-        set_blas_threads(self.threads)
+        # prompt processing's sgemm: one OpenBLAS thread per Numba worker where
+        # the pool path applies (quant/gemm_tiles.py), else as many as we were given
+        set_blas_threads(1 if pool_sgemm() else self.threads)
         self.arena = _Arena()
         self.scratch = quant.Scratch()   # matmul work buffers (the engine's thread only)
         self.kv: CPUKVStorage | None = None
