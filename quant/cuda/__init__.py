@@ -4,14 +4,20 @@ the kernels that compute with them.
 DeviceWeight            a weight's blocks in device memory, byte for byte as in the file
 upload(qt)              QTensor -> DeviceWeight (one copy; nothing dequantized)
 matmul(x, [W..], [y..]) y = x @ W.T for each W (same input x, float32 [n, K]):
-                        n <= MV_MAX_ROWS: one warp per output row decodes the row's blocks
-                        once in registers for all n rows of x (decode, speculative verify);
+                        n <= MV_MAX_ROWS (decode, speculative verify): quantized W by
+                        the integer path (INT8_MATVEC, the default): x rounded to int8
+                        per block of W's family as the CPU backend does (32 values for
+                        the legacy formats, 256 for the K-quants), dp4a dot products
+                        (qint8.cuh: q8_act, mvs); float W, or LLAMBA_CUDA_INT8=0: a
+                        float32 matvec that decodes each row's blocks once in registers
+                        for all n rows of x (qkernels.cu: mv);
                         larger n: W is dequantized to fp16 one tile of rows at a time into
                         a reusable scratch and multiplied on the tensor cores by cuBLAS
                         (fp32 accumulate and output).  Only the tile lives in fp16.
 embed_rows(W, ids, out) rows of W (token ids on the device) as float32
 
-CUDA sources: qblocks.cuh (each type's block decoder) and qkernels.cu.  Kernels are
+CUDA sources: qblocks.cuh (each type's block decoder), qint8.cuh (the integer path)
+and qkernels.cu.  Kernels are
 compiled by NVRTC through cupy.RawModule, one module per type on first use, with no
 architecture-specific code beyond what sm_75 has.
 """
@@ -50,12 +56,18 @@ _KBLOCK = {GGMLType.F32: (32, 128), GGMLType.F16: (32, 64), GGMLType.BF16: (32, 
 
 _OPTIONS = ("-std=c++17", f"-I{_DIR}")
 
-# Integer decode path (int8 activations in blocks of 16, dp4a): the quantized types
+# Integer decode path (int8 activations per block of the weight's family, dp4a): the
+# quantized types.  Activations are rounded as the CPU backend's small-batch path rounds
+# them (quant/act_quant.py: 32-value blocks for the legacy formats, 256 for the K-quants),
+# so decode logits match the CPU backend's, not its float32 reference (~1e-2 away).
 INT8_STRUCT = {GGMLType.Q4_0: "IQ4_0", GGMLType.Q4_1: "IQ4_1", GGMLType.Q5_0: "IQ5_0", GGMLType.Q5_1: "IQ5_1",
                GGMLType.Q8_0: "IQ8_0", GGMLType.Q4_K: "IQ4_K", GGMLType.Q5_K: "IQ5_K", GGMLType.Q6_K: "IQ6_K"}
-INT8_MAX_ROWS = 2
-# off by default: activations rounded to 8 bits move logits ~1e-2 from the float32 reference
-INT8_MATVEC = __import__("os").environ.get("LLAMBA_CUDA_INT8", "0") == "1"
+INT8_MAX_ROWS = MV_MAX_ROWS
+INT8_MATVEC = __import__("os").environ.get("LLAMBA_CUDA_INT8", "1") != "0"
+# output rows per warp of the integer matvec for 1-2 rows of x (fewer for more rows:
+# registers); tuned on the H200 with bench_gpu --micro --rpw-int8
+INT8_ROWS_PER_WARP = 4
+MVS_WARPS = 4               # warps a block of the integer matvec (qint8.cuh)
 
 
 class DeviceWeight:
@@ -68,7 +80,7 @@ class DeviceWeight:
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.nbytes)
+        return int(self.shape[0]) * int(self.row_nbytes)
 
     def __repr__(self):
         return f"DeviceWeight({self.name!r}, {self.qtype.name}, shape={self.shape})"
@@ -79,8 +91,14 @@ def kernel_supports(qt: QTensor) -> bool:
     return qt.qtype in STRUCT and len(qt.shape) == 2 and qt.shape[-1] % _KBLOCK[qt.qtype][0] == 0
 
 
+# bytes past the last row that the integer matvec's aligned 16-byte loads may touch
+_PAD = 16
+
+
 def upload(qt: QTensor) -> DeviceWeight:
-    data = cp.asarray(np.ascontiguousarray(qt.data).reshape(-1))
+    host = np.ascontiguousarray(qt.data).reshape(-1).view(np.uint8)
+    data = cp.zeros(host.size + _PAD, cp.uint8)
+    data[:host.size].set(host)
     return DeviceWeight(qt.name, qt.qtype, tuple(qt.shape), data, qt.row_nbytes)
 
 
@@ -96,7 +114,7 @@ class _Modules:
         if m is None:
             s = STRUCT[qtype]
             names = ([f"mv<{s},{r},{_rpw(r)},0>" for r in range(1, MV_MAX_ROWS + 1)]
-                     + ([f"mvq<{INT8_STRUCT[qtype]},{r},{ROWS_PER_BLOCK}>" for r in range(1, INT8_MAX_ROWS + 1)]
+                     + ([f"mvs<{INT8_STRUCT[qtype]},{r},{_rpw_int8(r)}>" for r in range(1, INT8_MAX_ROWS + 1)]
                         if qtype in INT8_STRUCT else [])
                      + [f"mv<{s},{r},{_rpw(r)},{p}>" for r in range(1, PROLOGUE_MAX_ROWS + 1) for p in (1, 2, 3)]
                      + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
@@ -108,7 +126,8 @@ class _Modules:
     def fn(self, name):
         if self.misc is None:
             src = (_DIR / "qkernels.cu").read_text()
-            self.misc = cp.RawModule(code=src, options=_OPTIONS)
+            names = [f"q8_act<{bs},{p}>" for bs in (32, 256) for p in range(4)]
+            self.misc = cp.RawModule(code=src, options=_OPTIONS, name_expressions=names)
         return self.misc.get_function(name)
 
 
@@ -119,10 +138,21 @@ def _rpw(nrows: int) -> int:
     return ROWS_PER_BLOCK if nrows <= 2 else 1
 
 
+def _rpw_int8(nrows: int) -> int:
+    return INT8_ROWS_PER_WARP if nrows <= 2 else (2 if nrows <= 4 else 1)
+
+
 def set_rows_per_block(n: int) -> None:
     """For tuning: recompile the matvec kernels with n output rows per block."""
     global ROWS_PER_BLOCK
     ROWS_PER_BLOCK = n
+    _mods.by_type.clear()
+
+
+def set_int8_rows_per_warp(n: int) -> None:
+    """For tuning: recompile the integer matvec with n output rows per warp."""
+    global INT8_ROWS_PER_WARP
+    INT8_ROWS_PER_WARP = n
     _mods.by_type.clear()
 
 
@@ -133,18 +163,24 @@ def warm(qtype) -> None:
 
 
 class Workspace:
-    """fp16 scratch for the large-batch path, grown on demand and reused."""
+    """Scratch, grown on demand and reused: fp16 tiles for the large-batch path, the
+    integer path's quantized activations.  A buffer that grows is kept alive, not
+    freed: a captured CUDA graph may still point at it."""
 
     def __init__(self):
         self.w16 = None
         self.x16 = None
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
+        self._retired = []
 
-    def get(self, attr, n, dtype=None):
+    def get(self, attr, n, dtype=None, keep=False):
         b = getattr(self, attr, None)
         if b is None or b.size < n:
-            b = cp.empty(max(n, 1), dtype or cp.float16)
+            if keep and b is not None:
+                self._retired.append(b)
+            size = 1 << max(8, (max(n, 1) - 1).bit_length()) if keep else max(n, 1)
+            b = cp.empty(size, dtype or cp.float16)
             setattr(self, attr, b)
         return b[:n]
 
@@ -152,20 +188,36 @@ class Workspace:
 _default_ws = Workspace()
 
 
+def int8_ok(W) -> bool:
+    return W.qtype in INT8_STRUCT and W.shape[1] % _KBLOCK[W.qtype][0] == 0
+
+
+def int8_applies(n: int, Ws) -> bool:
+    """True when matmul takes x of n rows through the integer path for all of Ws (then
+    it can fold any prologue into the activations' quantization)."""
+    return INT8_MATVEC and n <= INT8_MAX_ROWS and all(int8_ok(W) for W in Ws)
+
+
 def matmul(x, Ws, outs, biases=None, accumulate=False, ws: Workspace | None = None, prologue=None):
     """outs[i] (+)= f(x) @ Ws[i].T (+ biases[i]).  x float32 [n, K] C-contiguous on the device;
     outs[i] float32 [n, M_i] (rows may be strided: ldy = outs[i].strides[0] / 4).
-    prologue (n <= PROLOGUE_MAX_ROWS only): f = ("rmsnorm", w, eps) or ("silu"|"gelu", u);
-    otherwise f is the identity."""
+    prologue (int8_applies(n, Ws), or n <= PROLOGUE_MAX_ROWS): f = ("rmsnorm", w, eps) or
+    ("silu"|"gelu", u); otherwise f is the identity."""
     n, K = x.shape
     biases = list(biases) if biases else [None] * len(Ws)
-    if prologue is not None:
+    ws = ws or _default_ws
+    if int8_applies(n, Ws):
+        matvec_int8(x, Ws, outs, biases, accumulate, ws, prologue)
+    elif prologue is not None:
         assert n <= PROLOGUE_MAX_ROWS
         _matvec(x, Ws, outs, biases, accumulate, prologue)
-    elif INT8_MATVEC and n <= INT8_MAX_ROWS and all(W.qtype in INT8_STRUCT for W in Ws):
-        matvec_int8(x, Ws, outs, biases, accumulate, ws or _default_ws)
     elif n <= MV_MAX_ROWS:
-        _matvec(x, Ws, outs, biases, accumulate)
+        q = [i for i, W in enumerate(Ws) if INT8_MATVEC and int8_ok(W)]
+        f = [i for i in range(len(Ws)) if i not in q]
+        if q:
+            matvec_int8(x, [Ws[i] for i in q], [outs[i] for i in q], [biases[i] for i in q], accumulate, ws)
+        if f:
+            _matvec(x, [Ws[i] for i in f], [outs[i] for i in f], [biases[i] for i in f], accumulate)
     else:
         for W, y, b in zip(Ws, outs, biases):
             _gemm(x, W, y, b, accumulate, ws or _default_ws)
@@ -212,14 +264,36 @@ def _matvec(x, Ws, outs, biases, accumulate, prologue=None):
         i = j
 
 
-def matvec_int8(x, Ws, outs, biases, accumulate, ws: Workspace):
-    """The integer decode path: x (n <= 2 rows) rounded to int8 in blocks of 16, dp4a dots."""
+def quantize_act(x, block: int, ws: Workspace, prologue=None):
+    """x float32 [n, K] (after the prologue, if any) as the integer path's activations:
+    (int8 codes [n, K], steps [n, K/block], step * sum of codes per 16 [n, K/16])."""
     n, K = x.shape
-    xq = ws.get("xq", n * K, cp.int8)
-    xd = ws.get("xd", n * K // 16, cp.float32)
-    xs = ws.get("xs", n * K // 16, cp.float32)
-    _launch1d(_mods.fn("quantize_x16"), n * K // 16, (x, np.int32(n), np.int32(K), xq, xd, xs), block=128)
+    xq = ws.get(f"xq{block}", n * K, cp.int8, keep=True)
+    xd = ws.get(f"xd{block}", n * K // block, cp.float32, keep=True)
+    xs = ws.get(f"xs{block}", n * K // 16, cp.float32, keep=True)
+    pro, pw, pu, eps = 0, None, None, 0.0
+    if prologue is not None:
+        pro = PROLOGUES[prologue[0]]
+        if pro == 1:
+            pw, eps = prologue[1], float(prologue[2])
+        else:
+            pu = prologue[1]
+            assert pu.strides[0] == x.strides[0]
+    f = _mods.fn(f"q8_act<{block},{pro}>")
+    f(((K + 2047) // 2048, n), (256,),
+      (x, np.int32(x.strides[0] // 4), pw if pw is not None else np.uint64(0),
+       pu if pu is not None else np.uint64(0), np.float32(eps), np.int32(K), xq, xd, xs))
+    return xq, xd, xs
+
+
+def matvec_int8(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
+    """The integer decode path (n <= INT8_MAX_ROWS rows of x): x quantized once per
+    block size the weights need (with the prologue folded in), then one launch per
+    group of up to three weights of one type."""
+    n, K = x.shape
     biases = list(biases) if biases else [None] * len(Ws)
+    acts = {}
+    rpw = _rpw_int8(n)
     i = 0
     while i < len(Ws):
         j = i + 1
@@ -228,17 +302,19 @@ def matvec_int8(x, Ws, outs, biases, accumulate, ws: Workspace):
         grp = list(range(i, j))
         pad = grp + [grp[0]] * (3 - len(grp))
         W0 = Ws[i]
-        f = _mods.get(W0.qtype)[f"mvq<{INT8_STRUCT[W0.qtype]},{n},{ROWS_PER_BLOCK}>"]
+        block = _KBLOCK[W0.qtype][0]
+        if block not in acts:
+            acts[block] = quantize_act(x, block, ws, prologue)
+        xq, xd, xs = acts[block]
+        f = _mods.get(W0.qtype)[f"mvs<{INT8_STRUCT[W0.qtype]},{n},{rpw}>"]
         Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
-        qk = _KBLOCK[W0.qtype][0]
-        nparts = K // qk * (8 if qk == QK_K else 1)
-        grid = ((max(Ms) + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, len(grp))
+        grid = ((max(Ms) + rpw * MVS_WARPS - 1) // (rpw * MVS_WARPS), len(grp))
         args = ([Ws[k].data for k in pad] + [outs[k] for k in pad]
                 + [biases[k] if biases[k] is not None else np.uint64(0) for k in pad]
                 + [np.int32(m) for m in Ms]
                 + [np.int32(K), np.int64(W0.row_nbytes), xq, xd, xs]
                 + [np.int32(outs[k].strides[0] // 4) for k in pad] + [np.int32(1 if accumulate else 0)])
-        f(grid, (min(128, (nparts + 31) // 32 * 32),), tuple(args))
+        f(grid, (32 * MVS_WARPS,), tuple(args))
         i = j
 
 

@@ -1,33 +1,71 @@
-// Integer path of the decode matvec: activations quantized to int8 in blocks of 16
-// (step xd = amax/127, xs = xd * sum(q)), weights' codes as int8 words, products
-// summed 4 at a time by dp4a (sm_61 and newer).  Per run of the part:
-//     sum(w * x) ~= sc * xd * sum(qw * qx) + mn * xs
-// The codes of formats with an offset are re-centred (q - 8, q - 16, q - 32) with
-// byte-wise subtraction so that only the "min" formats need xs.
+// Integer path of the decode matvec, computing what the CPU backend (and llama.cpp)
+// computes: activations rounded to int8 per block of the weight family's own size
+// (32 values for the legacy formats, 256 for the K-quants: ggml's Q8_0 / Q8_K), step
+// xd = amax / 127, codes rint(x * (127 / amax)) (quant/act_quant.py exactly); weight
+// codes as int8 words; products summed 4 at a time by dp4a (sm_61 and newer).  Per run
+// u of a part (weights w = sc[u] * q + mn[u]):
+//     sum(w * x) = xd * sc[u] * sum(q * qx) + mn[u] * xs[u],   xs = xd * sum(qx) per 16
+// The integer sums are exact, so a result differs from the CPU's only by float32
+// rounding order.  Codes of formats with an offset are re-centred (q - 8, q - 16,
+// q - 32) with byte-wise subtraction, so only the "min" formats need xs.
 #pragma once
 #include "qblocks.cuh"
 
 DEV int vsub(u32 a, u32 b) { return (int)__vsub4(a, b); }
 
-// w: PE/4 words of signed bytes in run order; sc, mn per run
+// N 32-bit words from a 2-byte-aligned address: N + 1 aligned loads and funnel shifts
+// instead of 2N 16-bit loads.  Reads up to 4 bytes past the N words (the matvec's
+// shared-memory rows are padded for it).
+template <int N>
+DEV void lda2(const u8* p, u32* w) {
+    const u32* a = (const u32*)((size_t)p & ~(size_t)3);
+    const u32 sh = ((u32)(size_t)p & 3u) * 8u;
+    u32 lo = a[0];
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        const u32 hi = a[i + 1];
+        w[i] = __funnelshift_r(lo, hi, sh);
+        lo = hi;
+    }
+}
+
+// d, dmin and the 6-bit scale/min pairs of sub-blocks 2g, 2g+1 of a Q4_K/Q5_K block,
+// from its 16-byte header h (the decode of scale_min_k4, four at a time)
+DEV void kquant_scales(uint4 h, int g, float* sc, float* mn) {
+    const float d = __half2float(__ushort_as_half((u16)(h.x & 0xFFFFu)));
+    const float dmin = __half2float(__ushort_as_half((u16)(h.x >> 16)));
+    const u32 s_lo = h.y & 0x3F3F3F3Fu, m_lo = h.z & 0x3F3F3F3Fu;
+    const u32 s_hi = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
+    const u32 m_hi = ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
+    const u32 s4 = g < 2 ? s_lo : s_hi, m4 = g < 2 ? m_lo : m_hi;
+    const u32 sh = 16u * (u32)(g & 1);
+    sc[0] = d * (float)((s4 >> sh) & 0xFFu);
+    sc[1] = d * (float)((s4 >> (sh + 8)) & 0xFFu);
+    mn[0] = -dmin * (float)((m4 >> sh) & 0xFFu);
+    mn[1] = -dmin * (float)((m4 >> (sh + 8)) & 0xFFu);
+}
+
+// decode_i8(b, part, w, sc, mn): the part's PE codes as PE/4 words of signed bytes in
+// run order; sc, mn per run.  b points into shared memory (see mvs).
 struct IQ4_0 : TQ4_0 {
     DEV void decode_i8(const u8* b, int, int* w, float* sc, float* mn) {
-        float d = ldh(b);
+        const float d = ldh(b);
+        u32 q[4];
+        lda2<4>(b + 2, q);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            u32 v = ld32a2(b + 2 + 4 * i);
-            w[i] = vsub(v & 0x0F0F0F0Fu, 0x08080808u);
-            w[4 + i] = vsub((v >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+            w[i] = vsub(q[i] & 0x0F0F0F0Fu, 0x08080808u);
+            w[4 + i] = vsub((q[i] >> 4) & 0x0F0F0F0Fu, 0x08080808u);
         }
         sc[0] = sc[1] = d; mn[0] = mn[1] = 0.f;
     }
 };
 struct IQ4_1 : TQ4_1 {
     DEV void decode_i8(const u8* b, int, int* w, float* sc, float* mn) {
-        float d = ldh(b), m = ldh(b + 2);
+        const float d = ldh(b), m = ldh(b + 2);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            u32 v = ld32(b + 4 + 4 * i);
+            const u32 v = ld32(b + 4 + 4 * i);
             w[i] = (int)(v & 0x0F0F0F0Fu);
             w[4 + i] = (int)((v >> 4) & 0x0F0F0F0Fu);
         }
@@ -36,24 +74,24 @@ struct IQ4_1 : TQ4_1 {
 };
 struct IQ5_0 : TQ5_0 {
     DEV void decode_i8(const u8* b, int, int* w, float* sc, float* mn) {
-        float d = ldh(b);
-        u32 qh = ld32a2(b + 2);
+        const float d = ldh(b);
+        u32 v[5];                                  // qh, then qs
+        lda2<5>(b + 2, v);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            u32 v = ld32a2(b + 6 + 4 * i);
-            w[i] = vsub((v & 0x0F0F0F0Fu) | hibits4(qh, 4 * i), 0x10101010u);
-            w[4 + i] = vsub(((v >> 4) & 0x0F0F0F0Fu) | hibits4(qh, 16 + 4 * i), 0x10101010u);
+            w[i] = vsub((v[1 + i] & 0x0F0F0F0Fu) | hibits4(v[0], 4 * i), 0x10101010u);
+            w[4 + i] = vsub(((v[1 + i] >> 4) & 0x0F0F0F0Fu) | hibits4(v[0], 16 + 4 * i), 0x10101010u);
         }
         sc[0] = sc[1] = d; mn[0] = mn[1] = 0.f;
     }
 };
 struct IQ5_1 : TQ5_1 {
     DEV void decode_i8(const u8* b, int, int* w, float* sc, float* mn) {
-        float d = ldh(b), m = ldh(b + 2);
-        u32 qh = ld32(b + 4);
+        const float d = ldh(b), m = ldh(b + 2);
+        const u32 qh = ld32(b + 4);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            u32 v = ld32(b + 8 + 4 * i);
+            const u32 v = ld32(b + 8 + 4 * i);
             w[i] = (int)((v & 0x0F0F0F0Fu) | hibits4(qh, 4 * i));
             w[4 + i] = (int)(((v >> 4) & 0x0F0F0F0Fu) | hibits4(qh, 16 + 4 * i));
         }
@@ -62,188 +100,299 @@ struct IQ5_1 : TQ5_1 {
 };
 struct IQ8_0 : TQ8_0 {
     DEV void decode_i8(const u8* b, int, int* w, float* sc, float* mn) {
-        float d = ldh(b);
-#pragma unroll
-        for (int i = 0; i < 8; i++) w[i] = (int)ld32a2(b + 2 + 4 * i);
+        const float d = ldh(b);
+        lda2<8>(b + 2, (u32*)w);
         sc[0] = sc[1] = d; mn[0] = mn[1] = 0.f;
     }
 };
+// K-quant blocks are 16-byte aligned (144 / 176 bytes; rows of whole blocks)
 struct IQ4_K : TQ4_K {
     DEV void decode_i8(const u8* b, int p, int* w, float* sc, float* mn) {
-        float d = ldh(b), dmin = ldh(b + 2);
-        int g = p >> 1;
-        int s0, m0, s1, m1;
-        scale_min_k4(2 * g, b + 4, s0, m0);
-        scale_min_k4(2 * g + 1, b + 4, s1, m1);
-        uint4 v = *(const uint4*)(b + 16 + 16 * p);
-        u32 q[4] = {v.x, v.y, v.z, v.w};
+        kquant_scales(*(const uint4*)b, p >> 1, sc, mn);
+        const uint4 v = *(const uint4*)(b + 16 + 16 * p);
+        const u32 q[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             w[i] = (int)(q[i] & 0x0F0F0F0Fu);
             w[4 + i] = (int)((q[i] >> 4) & 0x0F0F0F0Fu);
         }
-        sc[0] = d * s0; mn[0] = -dmin * m0;
-        sc[1] = d * s1; mn[1] = -dmin * m1;
     }
 };
 struct IQ5_K : TQ5_K {
     DEV void decode_i8(const u8* b, int p, int* w, float* sc, float* mn) {
-        float d = ldh(b), dmin = ldh(b + 2);
-        int g = p >> 1, h = p & 1;
-        int s0, m0, s1, m1;
-        scale_min_k4(2 * g, b + 4, s0, m0);
-        scale_min_k4(2 * g + 1, b + 4, s1, m1);
-        uint4 v = *(const uint4*)(b + 48 + 16 * p);
-        uint4 hv = *(const uint4*)(b + 16 + 16 * h);
-        u32 q[4] = {v.x, v.y, v.z, v.w};
-        u32 hh[4] = {hv.x, hv.y, hv.z, hv.w};
+        const int g = p >> 1, h = p & 1;
+        kquant_scales(*(const uint4*)b, g, sc, mn);
+        const uint4 v = *(const uint4*)(b + 48 + 16 * p);
+        const uint4 hv = *(const uint4*)(b + 16 + 16 * h);
+        const u32 q[4] = {v.x, v.y, v.z, v.w};
+        const u32 hh[4] = {hv.x, hv.y, hv.z, hv.w};
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             w[i] = (int)((q[i] & 0x0F0F0F0Fu) | (((hh[i] >> (2 * g)) & 0x01010101u) << 4));
             w[4 + i] = (int)(((q[i] >> 4) & 0x0F0F0F0Fu) | (((hh[i] >> (2 * g + 1)) & 0x01010101u) << 4));
         }
-        sc[0] = d * s0; mn[0] = -dmin * m0;
-        sc[1] = d * s1; mn[1] = -dmin * m1;
     }
 };
+// Q6_K blocks (210 bytes) are only 2-byte aligned
 struct IQ6_K : TQ6_K {
     DEV void decode_i8(const u8* b, int p, int* w, float* sc, float* mn) {
-        int h = p >> 2, l0 = 8 * (p & 3);
-        const u8* ql = b + 64 * h + l0;
-        const u8* qh = b + 128 + 32 * h + l0;
-        const signed char* scales = (const signed char*)(b + 192 + 8 * h + (l0 >> 4));
-        float d = ldh(b + 208);
+        const int h = p >> 2, l0 = 8 * (p & 3);
+        u32 a[2], c[2], e[2], s[2];
+        lda2<2>(b + 64 * h + l0, a);                  // ql[l0..+8)
+        lda2<2>(b + 64 * h + 32 + l0, c);             // ql[32+l0..+8)
+        lda2<2>(b + 128 + 32 * h + l0, e);            // qh[l0..+8)
+        lda2<2>(b + 192 + 8 * h + (l0 >> 4), s);      // scales[2r], r = 0..3: bytes 0, 2, 4, 6
+        const float d = ldh(b + 208);
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            u32 a = ld32a2(ql + 4 * i), c = ld32a2(ql + 32 + 4 * i), e = ld32a2(qh + 4 * i);
-            w[i] = vsub((a & 0x0F0F0F0Fu) | ((e & 0x03030303u) << 4), 0x20202020u);
-            w[2 + i] = vsub((c & 0x0F0F0F0Fu) | (((e >> 2) & 0x03030303u) << 4), 0x20202020u);
-            w[4 + i] = vsub(((a >> 4) & 0x0F0F0F0Fu) | (((e >> 4) & 0x03030303u) << 4), 0x20202020u);
-            w[6 + i] = vsub(((c >> 4) & 0x0F0F0F0Fu) | (((e >> 6) & 0x03030303u) << 4), 0x20202020u);
+            w[i] = vsub((a[i] & 0x0F0F0F0Fu) | ((e[i] & 0x03030303u) << 4), 0x20202020u);
+            w[2 + i] = vsub((c[i] & 0x0F0F0F0Fu) | (((e[i] >> 2) & 0x03030303u) << 4), 0x20202020u);
+            w[4 + i] = vsub(((a[i] >> 4) & 0x0F0F0F0Fu) | (((e[i] >> 4) & 0x03030303u) << 4), 0x20202020u);
+            w[6 + i] = vsub(((c[i] >> 4) & 0x0F0F0F0Fu) | (((e[i] >> 6) & 0x03030303u) << 4), 0x20202020u);
         }
-#pragma unroll
-        for (int r = 0; r < 4; r++) { sc[r] = d * (float)scales[2 * r]; mn[r] = 0.f; }
+        sc[0] = d * (float)(signed char)(s[0] & 0xFFu);
+        sc[1] = d * (float)(signed char)((s[0] >> 16) & 0xFFu);
+        sc[2] = d * (float)(signed char)(s[1] & 0xFFu);
+        sc[3] = d * (float)(signed char)((s[1] >> 16) & 0xFFu);
+        mn[0] = mn[1] = mn[2] = mn[3] = 0.f;
     }
 };
 
-// x float32 [n, K] -> int8 codes [n, K], steps xd and xd*sum(q) per 16 values.
-// One thread per 16-value block; rounding as the CPU's act_quant (rint(x * 127/amax)).
-extern "C" __global__ void quantize_x16(const float* __restrict__ x, int n, int K, signed char* __restrict__ xq,
-                                        float* __restrict__ xd, float* __restrict__ xs) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)n * (K / 16)) return;
-    const float* xb = x + i * 16;
-    float v[16], amax = 0.f;
+// ---------------------------------------------------------------- activations
+// x (float32 [n, K], row stride ldx) -> the integer path's activations of blocks of
+// BS values, after an optional prologue (the op before the matmul, so it needs no
+// launch of its own):
+//   PRO 1: x * rsqrt(mean(x^2) + eps) * pw   (RMSNorm; each block sums the row's squares)
+//   PRO 2: silu(x) * pu,  3: gelu_tanh(x) * pu   (GLU; pu has x's layout)
+// Out: xq int8 [n, K], xd float [n, K/BS], xs float [n, K/16] = xd * sum of 16 codes.
+// A warp per 256 values (8 a lane), 8 warps a block; grid (ceil(K / 2048), n).
+// K % 32 == 0 (and K % 256 == 0 when BS == 256).
+template <int BS, int PRO>
+__global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int ldx, const float* __restrict__ pw,
+                                              const float* __restrict__ pu, float eps, int K,
+                                              signed char* __restrict__ xq, float* __restrict__ xd,
+                                              float* __restrict__ xs) {
+    const int n = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float* xr = x + (long long)n * ldx;
+    float rn = 1.f;
+    if constexpr (PRO == 1) {
+        __shared__ float red[8];
+        float ss = 0.f;
+        for (int k = threadIdx.x; k < K; k += blockDim.x) ss = fmaf(xr[k], xr[k], ss);
 #pragma unroll
-    for (int j = 0; j < 16; j += 4) {
-        float4 a = *(const float4*)(xb + j);
-        v[j] = a.x; v[j + 1] = a.y; v[j + 2] = a.z; v[j + 3] = a.w;
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) red[warp] = ss;
+        __syncthreads();
+        float tot = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; w++) tot += red[w];
+        rn = 1.0f / sqrtf(tot / K + eps);
     }
+    const int e = (blockIdx.x * 8 + warp) * 256 + lane * 8;
+    const bool ok = e < K;                    // whole groups of 4 lanes (K % 32 == 0)
+    float v[8];
+    if (ok) {
+        const float4 a = *(const float4*)(xr + e), b = *(const float4*)(xr + e + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 #pragma unroll
-    for (int j = 0; j < 16; j++) amax = fmaxf(amax, fabsf(v[j]));
+        for (int i = 0; i < 8; i++) {
+            if constexpr (PRO == 1) {
+                v[i] = v[i] * rn * pw[e + i];
+            } else if constexpr (PRO == 2) {
+                v[i] = v[i] / (1.0f + expf(-v[i])) * pu[(long long)n * ldx + e + i];
+            } else if constexpr (PRO == 3) {
+                const float c = 0.7978845608028654f, g = v[i];
+                v[i] = 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * pu[(long long)n * ldx + e + i];
+            }
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = 0.f;
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int o = 1; o < BS / 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float idv = amax > 0.f ? 127.0f / amax : 0.f;
     int sum = 0;
-    u32 words[4];
+    u32 word[2] = {0u, 0u};
 #pragma unroll
-    for (int j = 0; j < 16; j += 4) {
-        u32 wv = 0;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            int q = (int)rintf(v[j + k] * idv);
-            sum += q;
-            wv |= ((u32)(q & 0xFF)) << (8 * k);
-        }
-        words[j / 4] = wv;
+    for (int i = 0; i < 8; i++) {
+        const int q = __float2int_rn(v[i] * idv);
+        sum += q;
+        word[i >> 2] |= ((u32)q & 0xFFu) << (8 * (i & 3));
     }
-    *(uint4*)(xq + i * 16) = make_uint4(words[0], words[1], words[2], words[3]);
+    const int s16 = sum + __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (!ok) return;
     const float d = amax / 127.0f;
-    xd[i] = d;
-    xs[i] = d * (float)sum;
+    *(uint2*)(xq + (long long)n * K + e) = make_uint2(word[0], word[1]);
+    if ((lane & 1) == 0) xs[(long long)n * (K / 16) + e / 16] = d * (float)s16;
+    if ((lane & (BS / 8 - 1)) == 0) xd[(long long)n * (K / BS) + e / BS] = d;
 }
 
-// The decode matvec on the integer path (n <= 2 rows of x, RPW output rows a block).
-template <class T, int NR, int RPW>
-__global__ void __launch_bounds__(128) mvq(
+// ---------------------------------------------------------------- the matvec
+// y[n, m] (+)= sum_k x[n, k] * W[m, k] for NR <= 8 rows of x (their activations as
+// made by q8_act with BS = T::QK).  Each warp computes R consecutive output rows and
+// walks K in chunks of 1024 weights, one 32-weight part a lane a row; for each chunk:
+//   1. loads the R rows' chunk bytes, at any alignment, with coalesced 16-byte loads
+//      (R * NV words spread over the lanes, LPL a lane) into its shared memory;
+//   2. issues its next chunk's loads and activations at once, so it always has a chunk
+//      of each of its rows in flight while it computes;
+//   3. decodes, a lane its part of every row, from shared memory (narrow and unaligned
+//      reads are cheap there, not in L1) and dots it with the part's int8 activations,
+//      loaded once for the R rows.
+// Warps are independent (4 a block, no block-wide sync; splitting K over the block's
+// warps, tried, was slower on the H200: a warp then has no next chunk to overlap); the
+// sum over lanes is a butterfly.  The operations giving y[n, m] do not depend on NR or
+// R (batch invariance).  Up to three weights of one type in one launch (blockIdx.y
+// picks): q/k/v, gate/up.  mode 0: y = xW^T (+ bias);  mode 1: y += xW^T.
+constexpr int MVS_WARPS = 4;
+constexpr int MVS_CW = 1024;
+
+template <class T, int NR>
+struct MvsX {                                 // a part's activations, NR rows
+    int w[NR][T::PE / 4];
+    float d[NR];
+    float s[NR][T::NRUN];
+};
+
+template <class T, int NR>
+DEV void mvs_load_x(MvsX<T, NR>& X, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                    const float* __restrict__ xs, int K, int blk, int part) {
+    constexpr int WPR = T::RLEN / 4;
+#pragma unroll
+    for (int n = 0; n < NR; n++) {
+        X.d[n] = xd[(long long)n * (K / T::QK) + blk];
+#pragma unroll
+        for (int u = 0; u < T::NRUN; u++) {
+            const int e0 = blk * T::QK + T::run_start(part, u);
+            const signed char* p = xq + (long long)n * K + e0;
+            if constexpr (WPR == 4) {
+                const uint4 a = *(const uint4*)p;
+                X.w[n][4 * u] = (int)a.x; X.w[n][4 * u + 1] = (int)a.y;
+                X.w[n][4 * u + 2] = (int)a.z; X.w[n][4 * u + 3] = (int)a.w;
+            } else {
+                const uint2 a = *(const uint2*)p;
+                X.w[n][2 * u] = (int)a.x; X.w[n][2 * u + 1] = (int)a.y;
+            }
+            if constexpr (T::HAS_MIN) X.s[n][u] = xs[(long long)n * (K / 16) + e0 / 16];
+        }
+    }
+}
+
+template <class T, int NR, int R>
+__global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
         const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,
         float* y0, float* y1, float* y2,
         const float* b0, const float* b1, const float* b2,
         int M0, int M1, int M2,
         int K, long long row_bytes, const signed char* __restrict__ xq, const float* __restrict__ xd,
         const float* __restrict__ xs, int ldy0, int ldy1, int ldy2, int mode) {
+    constexpr int CB = MVS_CW / T::QK * T::BB;        // bytes of a row's full chunk
+    constexpr int NV = (CB + 30) / 16;                // 16-byte words covering them at any alignment
+    constexpr int LPL = (R * NV + 31) / 32;           // loads a lane
+    constexpr int WPR = T::RLEN / 4;
+    static_assert(T::PE == 32 && MVS_CW / T::PE == 32, "one part a lane a row");
+    static_assert(R * NR <= 32, "a lane per output");
+    __shared__ uint4 smem[MVS_WARPS][R * NV + 1];     // +1: lda2 reads a word past a block
+
     const int wsel = blockIdx.y;
     const u8* W = wsel == 0 ? W0 : (wsel == 1 ? W1 : W2);
     float* y = wsel == 0 ? y0 : (wsel == 1 ? y1 : y2);
     const float* bias = wsel == 0 ? b0 : (wsel == 1 ? b1 : b2);
     const int M = wsel == 0 ? M0 : (wsel == 1 ? M1 : M2);
     const int ldy = wsel == 0 ? ldy0 : (wsel == 1 ? ldy1 : ldy2);
-    const int m0 = blockIdx.x * RPW;
-    if (m0 >= M) return;
-    const int nparts = (K / T::QK) * T::PPB;
-    const u8* rows = W + (long long)m0 * row_bytes;
-    constexpr int WPR = T::RLEN / 4;           // int words per run
-    float acc[RPW][NR];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int m0 = (blockIdx.x * MVS_WARPS + warp) * R;
+    if (m0 >= M) return;                              // the whole warp
+    const int nrows = min(R, M - m0);
+    const int nparts = K / T::QK * T::PPB;
+    const int nch = (K + MVS_CW - 1) / MVS_CW;
+    const long long base = (long long)m0 * row_bytes;
+    uint4* sm = smem[warp];
+
+    uint4 buf[LPL];
+    MvsX<T, NR> xa;
+    // issue chunk c: its R row pieces as 16-byte words, and this lane's activations
+    auto issue = [&](int c) {
+        const int cb = min(MVS_CW, K - c * MVS_CW) / T::QK * T::BB;
 #pragma unroll
-    for (int r = 0; r < RPW; r++)
+        for (int i = 0; i < LPL; i++) {
+            const int j = lane + 32 * i, r = j / NV, v = j - r * NV;
+            const long long s = base + r * row_bytes + (long long)c * CB, a = s & ~15LL;
+            uint4 val = make_uint4(0u, 0u, 0u, 0u);
+            if (r < nrows && a + 16 * v < s + cb) val = *(const uint4*)(W + a + 16 * v);
+            buf[i] = val;
+        }
+        const int gp = c * 32 + lane;
+        if (gp < nparts) mvs_load_x<T, NR>(xa, xq, xd, xs, K, gp / T::PPB, gp % T::PPB);
+    };
+
+    float acc[R][NR];
+#pragma unroll
+    for (int r = 0; r < R; r++)
 #pragma unroll
         for (int n = 0; n < NR; n++) acc[r][n] = 0.f;
-    for (int p = threadIdx.x; p < nparts; p += blockDim.x) {
-        const int blk = p / T::PPB, part = p % T::PPB;
-        int xw[NR][T::PE / 4];
-        float xdr[NR][T::NRUN], xsr[NR][T::NRUN];
+
+    issue(0);
+    for (int c = 0; c < nch; c++) {
+        __syncwarp();                                 // the last chunk's reads are done
 #pragma unroll
-        for (int n = 0; n < NR; n++)
+        for (int i = 0; i < LPL; i++) {
+            const int j = lane + 32 * i;
+            if (j < R * NV) sm[j] = buf[i];
+        }
+        __syncwarp();
+        const MvsX<T, NR> xc = xa;
+        if (c + 1 < nch) issue(c + 1);
+        const int gp = c * 32 + lane;
+        if (gp < nparts) {
+            const int blk = gp / T::PPB, part = gp % T::PPB;
+            const int boff = (blk - c * (MVS_CW / T::QK)) * T::BB;
 #pragma unroll
-            for (int u = 0; u < T::NRUN; u++) {
-                const long long e0 = (long long)n * K + blk * T::QK + T::run_start(part, u);
-                if constexpr (WPR == 4) {
-                    uint4 a = *(const uint4*)(xq + e0);
-                    xw[n][u * 4] = (int)a.x; xw[n][u * 4 + 1] = (int)a.y;
-                    xw[n][u * 4 + 2] = (int)a.z; xw[n][u * 4 + 3] = (int)a.w;
-                } else {
-                    uint2 a = *(const uint2*)(xq + e0);
-                    xw[n][u * 2] = (int)a.x; xw[n][u * 2 + 1] = (int)a.y;
-                }
-                xdr[n][u] = xd[e0 / 16];
-                xsr[n][u] = xs[e0 / 16];
-            }
+            for (int r = 0; r < R; r++) {
+                if (r < nrows) {
+                    const long long s = base + r * row_bytes + (long long)c * CB;
+                    const u8* b = (const u8*)(sm + r * NV) + (int)(s & 15) + boff;
+                    int w[T::PE / 4];
+                    float sc[T::NRUN], mn[T::NRUN];
+                    T::decode_i8(b, part, w, sc, mn);
 #pragma unroll
-        for (int r = 0; r < RPW; r++) {
-            if (m0 + r < M) {
-                int w[T::PE / 4];
-                float sc[T::NRUN], mn[T::NRUN];
-                T::decode_i8(rows + (long long)r * row_bytes + (long long)blk * T::BB, part, w, sc, mn);
+                    for (int n = 0; n < NR; n++) {
+                        float t = 0.f;
 #pragma unroll
-                for (int n = 0; n < NR; n++)
+                        for (int u = 0; u < T::NRUN; u++) {
+                            int si = 0;
 #pragma unroll
-                    for (int u = 0; u < T::NRUN; u++) {
-                        int s = 0;
+                            for (int k = 0; k < WPR; k++) si = __dp4a(w[u * WPR + k], xc.w[n][u * WPR + k], si);
+                            t = fmaf(sc[u], (float)si, t);
+                        }
+                        acc[r][n] = fmaf(t, xc.d[n], acc[r][n]);
+                        if constexpr (T::HAS_MIN) {
 #pragma unroll
-                        for (int j = 0; j < WPR; j++) s = __dp4a(w[u * WPR + j], xw[n][u * WPR + j], s);
-                        acc[r][n] = fmaf(sc[u] * xdr[n][u], (float)s, acc[r][n]);
-                        if (T::HAS_MIN) acc[r][n] = fmaf(mn[u], xsr[n][u], acc[r][n]);
+                            for (int u = 0; u < T::NRUN; u++) acc[r][n] = fmaf(mn[u], xc.s[n][u], acc[r][n]);
+                        }
                     }
+                }
             }
         }
     }
-    __shared__ float red[4][RPW * NR];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    // lane r*NR+n ends up with output (r, n) summed over the lanes
+    float mine = 0.f;
 #pragma unroll
-    for (int r = 0; r < RPW; r++)
+    for (int r = 0; r < R; r++)
 #pragma unroll
         for (int n = 0; n < NR; n++) {
             float v = acc[r][n];
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0) red[warp][r * NR + n] = v;
+            if (lane == r * NR + n) mine = v;
         }
-    __syncthreads();
-    for (int i = threadIdx.x; i < RPW * NR; i += blockDim.x) {
-        const int r = i / NR, n = i % NR;
-        if (m0 + r >= M) continue;
-        float v = 0.f;
-        for (int w = 0; w < nw; w++) v += red[w][i];
+    const int r = lane / NR, n = lane % NR;
+    if (lane < R * NR && r < nrows) {
         float* dst = y + (long long)n * ldy + m0 + r;
-        if (mode == 1) *dst += v;
-        else *dst = bias ? v + bias[m0 + r] : v;
+        if (mode == 1) *dst += mine;
+        else *dst = bias ? mine + bias[m0 + r] : mine;
     }
 }

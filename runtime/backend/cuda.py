@@ -313,8 +313,7 @@ class CUDABackend:
                 return self._forward_graph(model, step)
             flat, layout = _pack_step(step)
             buf = cp.asarray(flat)
-            ctx = int(np.max(step.positions)) + 1
-            dstep = _DevStep(step, _views(buf, layout), self._splits(n, ctx, model))
+            dstep = _DevStep(step, _views(buf, layout), self._splits(n, self._split_ctx(step), model))
             out = self._run(model, dstep)
             return out.get()
 
@@ -329,19 +328,35 @@ class CUDABackend:
         self._flush()
         return out
 
+    @staticmethod
+    def _graph_width(mb: int) -> int:
+        """Block-table width of the decode graph for mb blocks: 8, 16, 32, ..."""
+        return 1 << max(3, (mb - 1).bit_length())
+
+    def _split_ctx(self, step) -> int:
+        """The context length attention splits are sized for.  Steps of a few tokens use
+        the block-table width a decode graph would have, so a step computes the same
+        sums whether replayed from a graph or run eagerly: with the integer path's
+        rounding, a different summation order can flip an activation code, and logits
+        would move by 1e-3 between the two."""
+        if len(step.tokens) <= 16:
+            return self._graph_width(step.block_tables.shape[1]) * step.block_size
+        return int(np.max(step.positions)) + 1
+
     def _splits(self, n_tokens, ctx, model) -> int:
         """Context splits of attention: enough blocks when few tokens attend (decode),
-        each split about 32 keys (8 a warp)."""
+        each split about 8 keys (2 a warp) up to 64 splits: a warp walks its keys one
+        after another (dependent loads), so at short contexts the walk, not the bytes,
+        is the time (L8 decode at 65 keys: 21 us a layer with 32-key splits)."""
         kvh = model.cfg.n_kv_heads
-        if n_tokens * kvh >= 64 or ctx < 64:
+        if n_tokens * kvh >= 64 or ctx < 16:
             return 1
-        return max(1, min(32, ctx // 32))
+        return max(1, min(64, ctx // 8))
 
     def _forward_graph(self, model, step):
         """Decode: replay the step captured for this block-table width."""
         cp = self.cp
-        mb = step.block_tables.shape[1]
-        MB = 1 << max(3, (mb - 1).bit_length())           # widths 8, 16, 32, ... blocks
+        MB = self._graph_width(step.block_tables.shape[1])
         key = (id(model), MB)
         flat, layout = _pack_step(step, MB)
         g = self._graphs.get(key)
@@ -394,8 +409,8 @@ class CUDABackend:
         with self.stream:
             flat, layout = _pack_step(step)
             buf = cp.asarray(flat)
-            ctx = int(np.max(step.positions)) + 1
-            dstep = _DevStep(step, _views(buf, layout), self._splits(len(step.tokens), ctx, model))
+            dstep = _DevStep(step, _views(buf, layout),
+                             self._splits(len(step.tokens), self._split_ctx(step), model))
             prof = _Profiler(self)
             self._run_as(model, dstep, prof)
             self.stream.synchronize()
@@ -430,11 +445,13 @@ class CUDABackend:
         return hit[1]
 
     # ---- deferred ops ----------------------------------------------------------
-    # RMSNorm and GLU are not launched when called: the next matvec folds them into
-    # its loads (decode), else the next op launches them first.  RoPE of q and k
-    # waits for attention, which does RoPE + the KV write in one kernel.  The delay
-    # never crosses another op, so inputs are unchanged when a deferred op runs.  A
-    # folded op's own output is never written: reading it raises (no model does).
+    # RMSNorm and GLU are not launched when called: the next matmul folds them into
+    # its activations' int8 quantization (integer decode path) or, with
+    # LLAMBA_CUDA_FOLD=1, into the float matvec's loads; else the next op launches
+    # them.  RoPE of q and k waits for attention, which does RoPE + the KV write in
+    # one kernel.  The delay never crosses another op, so inputs are unchanged when a
+    # deferred op runs.  A folded op's own output is never written: reading it raises
+    # (no model does).
     def _flush(self, keep_ropes=False):
         if self._pnorm is not None:
             x, w, eps, out = self._pnorm
@@ -481,7 +498,9 @@ class CUDABackend:
     def _mm(self, x, Ws, biases=None, acc=None):
         n = x.shape[0]
         prologue, src = None, x
-        if self.fold and n <= self.qc.PROLOGUE_MAX_ROWS:
+        # the integer path folds a pending RMSNorm/GLU into its activation quantization
+        # (one launch, not two); the float matvec only when asked (LLAMBA_CUDA_FOLD=1)
+        if self.qc.int8_applies(n, Ws) or (self.fold and n <= self.qc.PROLOGUE_MAX_ROWS):
             if self._pnorm is not None and self._pnorm[3] is x:
                 xin, w, eps, _ = self._pnorm
                 self._pnorm = None

@@ -155,11 +155,25 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
         for (int i = 0; i < DPL; i++) { qr[g][i] = qp[i] * scale; acc[g][i] = 0.f; }
         m[g] = NEG_INF; l[g] = 0.f;
     }
-    for (int j = j0 + warp; j < j1; j += ATT_WARPS) {
+    // the next key's K/V rows are loaded while this key is computed (the walk is a
+    // chain of dependent loads: table entry, then the rows)
+    float kn[DPL], vn[DPL];
+    int j = j0 + warp;
+    if (j < j1) {
         const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+        load_h<DPL>(kp + slot * rowstride + kh * HD + lane * DPL, kn);
+        load_h<DPL>(vp + slot * rowstride + kh * HD + lane * DPL, vn);
+    }
+    for (; j < j1; j += ATT_WARPS) {
         float kf[DPL], vf[DPL];
-        load_h<DPL>(kp + slot * rowstride + kh * HD + lane * DPL, kf);
-        load_h<DPL>(vp + slot * rowstride + kh * HD + lane * DPL, vf);
+#pragma unroll
+        for (int i = 0; i < DPL; i++) { kf[i] = kn[i]; vf[i] = vn[i]; }
+        if (j + ATT_WARPS < j1) {
+            const int jn = j + ATT_WARPS;
+            const long long slot = (long long)table[jn / block_size] * block_size + jn % block_size;
+            load_h<DPL>(kp + slot * rowstride + kh * HD + lane * DPL, kn);
+            load_h<DPL>(vp + slot * rowstride + kh * HD + lane * DPL, vn);
+        }
 #pragma unroll
         for (int g = 0; g < G; g++) {
             float s = 0.f;

@@ -80,36 +80,84 @@ def test_prefill_logits_match_cpu(engines):
     gpu.release(b)
 
 
+# Where two answers' top logits are this close, 8-bit activation rounding may pick either
+# (tests/models/test_reference_logits.py's NEAR_TIE for the CPU backend's own decode)
+NEAR_TIE = 0.5
+
+
+def _greedy(eng, ids, n, forced=None):
+    """Prefill ids, then n steps feeding the argmax (or forced[i]); (tokens, logits of each step)."""
+    seq = eng.new_sequence()
+    logits = eng.prefill(seq, ids)
+    toks, all_logits = [], [logits]
+    for i in range(n):
+        t = int(np.argmax(logits)) if forced is None else forced[i]
+        toks.append(t)
+        logits = eng.step([seq], [[t]])[0]
+        all_logits.append(logits)
+    eng.release(seq)
+    return toks, all_logits
+
+
 def test_greedy_32_tokens_identical(engines):
-    """8-token prompt then 32 greedy tokens: the same ids and, at every step, the same
-    logits as the CPU backend computing in float32 (its matmuls on quant's float path).
-    The CPU backend's default decode path quantizes activations to 8 bits as llama.cpp
-    does; its agreement with the GPU is printed, not asserted.  The GPU's decode steps
-    replay a captured CUDA graph."""
+    """The float32 decode path (LLAMBA_CUDA_INT8=0): 8-token prompt then 32 greedy tokens,
+    the same ids and, at every step, the same logits as the CPU backend computing in
+    float32 (its matmuls on quant's float path).  Decode steps replay a captured graph."""
+    from runtime.engine import Engine
+    import quant.cuda as qc
+    lm, _, _, ref = engines
+    ids = _prompt(lm, 8, 2)
+    old = qc.INT8_MATVEC
+    qc.INT8_MATVEC = False
+    try:
+        gpu = Engine(lm, device="cuda", n_ctx=512)
+        toks, logits = _greedy(gpu, ids, 32)
+        assert gpu.backend.graph_replays > 0
+    finally:
+        qc.INT8_MATVEC = old
+    want, ref_logits = _greedy(ref, ids, 32)
+    errs = [_rel(g, r) for g, r in zip(logits, ref_logits)]
+    print(f"{lm.path.name}: float decode: greedy {want[:8]}..., logits rel err vs float32 CPU "
+          f"max {max(errs):.2e} median {float(np.median(errs)):.2e}")
+    assert toks == want
+    assert float(np.median(errs)) < 5e-4 and max(errs) < 1e-2
+
+
+def test_int8_decode_as_accurate_as_cpu_backend(engines):
+    """The default decode path rounds activations to 8 bits exactly as the CPU backend's
+    small-batch path does (as llama.cpp does), so it is held to the CPU backend's default.
+    A rounding step is discontinuous: float32 sums in another order flip a code now and
+    then, and logits move by up to a few percent on models with large activations (the
+    CPU's own VNNI and int16 kernels differ by that much on gemma3, and pick different
+    tokens at near-ties).  So all engines are fed the CPU backend's greedy tokens
+    (8-token prompt, 32 steps), and: the GPU's logits are as close to float32 as the CPU
+    backend's (1.5x its median and max error, plus a little), and its argmax is the
+    CPU backend's except where the CPU's top two logits are within NEAR_TIE."""
+    import quant.cuda as qc
+    if not qc.INT8_MATVEC:
+        pytest.skip("LLAMBA_CUDA_INT8=0")
     lm, cpu, gpu, ref = engines
     ids = _prompt(lm, 8, 2)
-    outs = {}
-    refs = []
-    for name, eng in (("cpu", cpu), ("cuda", gpu), ("cpu-float32", ref)):
-        seq = eng.new_sequence()
-        logits = eng.prefill(seq, ids)
-        toks, all_logits = [], [logits]
-        for _ in range(32):
-            t = int(np.argmax(logits))
-            toks.append(t)
-            logits = eng.step([seq], [[t]])[0]
-            all_logits.append(logits)
-        outs[name] = toks
-        refs.append(all_logits)
-        eng.release(seq)
-    errs = [_rel(g, r) for g, r in zip(refs[1], refs[2])]
-    errs_q8 = [_rel(g, r) for g, r in zip(refs[1], refs[0])]
-    print(f"{lm.path.name}: greedy {outs['cpu'][:8]}..., logits rel err vs float32 CPU max {max(errs):.2e}, "
-          f"vs CPU backend (q8 activations) max {max(errs_q8):.2e}")
-    agree = sum(a == b for a, b in zip(outs["cuda"], outs["cpu"]))
-    print(f"  greedy ids equal to the CPU backend's default (q8-activation) path: {agree}/32")
-    assert outs["cuda"] == outs["cpu-float32"]
-    assert float(np.median(errs)) < 5e-4 and max(errs) < 1e-2
+    toks, cpu_logits = _greedy(cpu, ids, 32)
+    _, gpu_logits = _greedy(gpu, ids, 32, forced=toks)
+    _, f32_logits = _greedy(ref, ids, 32, forced=toks)
+    e_gpu = [_rel(g, f) for g, f in zip(gpu_logits, f32_logits)]
+    e_cpu = [_rel(c, f) for c, f in zip(cpu_logits, f32_logits)]
+    e_gc = [_rel(g, c.astype(np.float64)) for g, c in zip(gpu_logits, cpu_logits)]
+    flips = []
+    for i, (g, c) in enumerate(zip(gpu_logits, cpu_logits)):
+        if int(np.argmax(g)) != int(np.argmax(c)):
+            top2 = np.sort(c)[-2:]
+            flips.append((i, float(top2[1] - top2[0])))
+    free, _ = _greedy(gpu, ids, 32)
+    print(f"{lm.path.name}: int8 decode, logits rel err vs float32 CPU: GPU median {np.median(e_gpu):.2e} "
+          f"max {max(e_gpu):.2e}, CPU backend median {np.median(e_cpu):.2e} max {max(e_cpu):.2e}; "
+          f"GPU vs CPU backend median {np.median(e_gc):.2e} max {max(e_gc):.2e}; argmax flips (step, CPU margin) "
+          f"{flips}; free-running greedy ids equal to the CPU backend's: "
+          f"{sum(a == b for a, b in zip(free, toks))}/32, identical: {free == toks}")
+    assert float(np.median(e_gpu)) <= 1.5 * float(np.median(e_cpu)) + 1e-3
+    assert max(e_gpu) <= 1.5 * max(e_cpu) + 1e-2
+    assert all(m < NEAR_TIE for _, m in flips), flips
     assert gpu.backend.graph_replays > 0
 
 

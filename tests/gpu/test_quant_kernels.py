@@ -27,6 +27,13 @@ def _weight(qtype, M, K, seed):
     return QTensor("w", qtype, (M, K), random_weight(qtype, (M, K), _Noise(seed, 1 << 16)))
 
 
+@pytest.fixture
+def float_matvec(monkeypatch):
+    """The float32 matvec for quantized types too (the integer path is the default)."""
+    import quant.cuda as qc
+    monkeypatch.setattr(qc, "INT8_MATVEC", False)
+
+
 def _K(qtype):
     # widths that leave some lanes idle on the last pass: 40 K-quant parts, 24 legacy blocks
     return 1280 if qtype in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K) else 768
@@ -34,7 +41,7 @@ def _K(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 3, 8, 40])
-def test_matmul_matches_float64(qtype, n):
+def test_matmul_matches_float64(qtype, n, float_matvec):
     import cupy as cp
     import quant.cuda as qc
     M, K = 77, _K(qtype)
@@ -51,7 +58,7 @@ def test_matmul_matches_float64(qtype, n):
 
 
 @pytest.mark.parametrize("n", [1, 5, 33])
-def test_matmul_multi_bias_and_accumulate(n):
+def test_matmul_multi_bias_and_accumulate(n, float_matvec):
     """q/k/v in one launch with biases; matmul_add accumulates into the residual."""
     import cupy as cp
     import quant.cuda as qc
@@ -94,7 +101,7 @@ def test_embed_rows_and_dequantize(qtype):
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("pro", ["rmsnorm", "silu", "gelu"])
-def test_matvec_prologues(qtype, n, pro):
+def test_matvec_prologues(qtype, n, pro, float_matvec):
     """The op before a decode matvec folded into its loads: RMSNorm, SwiGLU, GeGLU."""
     import cupy as cp
     import quant.cuda as qc
@@ -125,26 +132,130 @@ INT8_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLTy
               GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
 
 
-@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n", [1, 2])
-def test_int8_matvec_path(qtype, n):
-    """The integer decode path (x rounded to int8 per 16 values, dp4a): close to the
-    float64 reference (8-bit activations: ~1e-3 relative), q/k/v-style multi-weight launch
-    and the residual accumulate included."""
+def _block(qtype):
+    return 256 if qtype in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K) else 32
+
+
+def _cpu_q8(x, block):
+    """The CPU backend's activation rounding (quant/act_quant.py): codes, steps."""
+    from quant import act_quant
+    n, K = x.shape
+    xq = np.zeros((n, K), np.int16)
+    xd = np.zeros((n, K // block), np.float32)
+    extra = np.zeros((n, K // 32), np.int32 if block == 256 else np.float32)
+    (act_quant.quantize_q8_256 if block == 256 else act_quant.quantize_q8_32)(x, xq, xd, extra)
+    return xq, xd
+
+
+def _dequant_x(xq, xd, block):
+    n, K = xq.shape
+    return (xq.reshape(n, K // block, block).astype(np.float64) * xd[..., None]).reshape(n, K)
+
+
+@pytest.mark.parametrize("block", [32, 256])
+@pytest.mark.parametrize("pro", [None, "rmsnorm", "silu"])
+def test_int8_activations_are_the_cpu_backends(block, pro):
+    """q8_act rounds x as the CPU backend does: the same int8 codes and steps (bit for bit
+    when x is the same), and xd * sum of codes per 16."""
     import cupy as cp
     import quant.cuda as qc
-    K = _K(qtype)
-    qts = [_weight(qtype, M, K, 20 + i) for i, M in enumerate((77, 32))]
-    Ws = [qc.upload(q) for q in qts]
-    x = np.random.default_rng(n).standard_normal((n, K)).astype(np.float32)
-    outs = [cp.full((n, q.shape[0]), np.nan, cp.float32) for q in qts]
+    K = 1280 if block == 256 else 576
+    rng = np.random.default_rng(block)
+    x = (rng.standard_normal((3, K)) * 3).astype(np.float32)
+    x[1, :block] = 0.0                         # an all-zero block: step 0, codes 0
+    prologue = None
+    if pro == "rmsnorm":
+        w = rng.standard_normal(K).astype(np.float32)
+        prologue = ("rmsnorm", cp.asarray(w), 1e-6)
+    elif pro == "silu":
+        u = rng.standard_normal((3, K)).astype(np.float32)
+        prologue = ("silu", cp.asarray(u))
     ws = qc.Workspace()
-    qc.matvec_int8(cp.asarray(x), Ws, outs, None, False, ws)
-    for q, o in zip(qts, outs):
-        ref = x.astype(np.float64) @ quant.dequantize(q).astype(np.float64).T
-        assert _rel(o.get(), ref) < 1.5e-2, (qtype.name, n)
-    acc0 = np.ones((n, 77), np.float32)
-    acc = cp.asarray(acc0)
-    qc.matvec_int8(cp.asarray(x), Ws[:1], [acc], None, True, ws)
-    ref = acc0 + x.astype(np.float64) @ quant.dequantize(qts[0]).astype(np.float64).T
-    assert _rel(acc.get(), ref) < 1.5e-2
+    xq, xd, xs = qc.quantize_act(cp.asarray(x), block, ws, prologue)
+    xq, xd, xs = xq.get().reshape(3, K), xd.get().reshape(3, -1), xs.get().reshape(3, -1)
+    if pro is None:
+        h = x
+    elif pro == "rmsnorm":       # the GPU's own float32 RMSNorm, as a second check of the codes
+        h = (x / np.sqrt((x.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-6) * w).astype(np.float32)
+    else:
+        h = (x / (1 + np.exp(-x.astype(np.float64))) * u).astype(np.float32)
+    rq, rd = _cpu_q8(h, block)
+    if pro is None:
+        assert np.array_equal(xq, rq) and np.array_equal(xd, rd)
+    else:                         # h differs from the GPU's in the last bits: a code may move by one
+        assert np.abs(xq.astype(int) - rq).max() <= 1 and np.mean(xq != rq) < 1e-2
+        assert np.allclose(xd, rd, rtol=1e-5, atol=0)
+    sums = xq.astype(np.int64).reshape(3, K // 16, 16).sum(-1)
+    assert np.allclose(xs, np.repeat(xd, block // 16, axis=1) * sums, rtol=1e-6, atol=1e-30)
+
+
+def _int8_K(qtype):
+    # chunks of 1024 weights.  K-quants: 1.25, 1.5 (Q6_K rows of 1260 bytes: not 16-byte
+    # aligned) and 4.25 chunks.  Legacy: 0.75 (576: SmolLM2's width, not a multiple of 256),
+    # 3.03 chunks
+    return (1280, 1536, 4352) if _block(qtype) == 256 else (768, 576, 3104)
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_int8_matvec_path(qtype, n):
+    """The integer decode path: y = (x rounded as the CPU backend rounds it) @ W.T to
+    float32 accuracy; q/k/v-style multi-weight launch with biases, the residual
+    accumulate, 1-8 rows of x (4, 2 and 1 rows a warp) and partial warps of rows."""
+    import cupy as cp
+    import quant.cuda as qc
+    assert qc.INT8_MATVEC
+    block = _block(qtype)
+    for K in _int8_K(qtype):
+        qts = [_weight(qtype, M, K, 20 + i) for i, M in enumerate((77, 32))]
+        Ws = [qc.upload(q) for q in qts]
+        rng = np.random.default_rng(n)
+        x = rng.standard_normal((n, K)).astype(np.float32)
+        biases = [rng.standard_normal(q.shape[0]).astype(np.float32) for q in qts]
+        xr = _dequant_x(*_cpu_q8(x, block), block)
+        outs = [cp.full((n, q.shape[0]), np.nan, cp.float32) for q in qts]
+        qc.matmul(cp.asarray(x), Ws, outs, [cp.asarray(b) for b in biases])
+        for q, o, b in zip(qts, outs, biases):
+            wd = quant.dequantize(q).astype(np.float64)
+            got = o.get()
+            assert _rel(got, xr @ wd.T + b) < 1e-5, (qtype.name, n, K)
+            assert _rel(got, x.astype(np.float64) @ wd.T + b) < 2e-2
+        acc0 = np.ones((n, 77), np.float32)
+        acc = cp.asarray(acc0)
+        qc.matmul(cp.asarray(x), Ws[:1], [acc], accumulate=True)
+        wd = quant.dequantize(qts[0]).astype(np.float64)
+        assert _rel(acc.get(), acc0 + xr @ wd.T) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_0, GGMLType.Q8_0],
+                         ids=lambda t: t.name)
+@pytest.mark.parametrize("pro", ["rmsnorm", "silu", "gelu"])
+def test_int8_matvec_prologues(qtype, pro):
+    """RMSNorm / SwiGLU / GeGLU folded into the integer path's activation rounding."""
+    import cupy as cp
+    import quant.cuda as qc
+    n, K = 2, _int8_K(qtype)[0]
+    qt = _weight(qtype, 66, K, 11)
+    W = qc.upload(qt)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((n, K)).astype(np.float32) * 2
+    x64 = x.astype(np.float64)
+    if pro == "rmsnorm":
+        w = rng.standard_normal(K).astype(np.float32)
+        h = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-6) * w
+        prologue = ("rmsnorm", cp.asarray(w), 1e-6)
+    else:
+        u = rng.standard_normal((n, K)).astype(np.float32)
+        if pro == "silu":
+            h = x64 / (1 + np.exp(-x64)) * u
+        else:
+            h = 0.5 * x64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64 ** 3))) * u
+        prologue = (pro, cp.asarray(u))
+    block = _block(qtype)
+    hr = _dequant_x(*_cpu_q8(h.astype(np.float32), block), block)
+    wd = quant.dequantize(qt).astype(np.float64)
+    y = cp.full((n, 66), np.nan, cp.float32)
+    assert qc.int8_applies(n, [W])
+    qc.matmul(cp.asarray(x), [W], [y], prologue=prologue)
+    assert _rel(y.get(), hr @ wd.T) < 1e-3
+    assert _rel(y.get(), h @ wd.T) < 2e-2
