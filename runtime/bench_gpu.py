@@ -103,7 +103,8 @@ def bench_ours(path, reps, n_prompt, n_gen):
     row = {"pp": pp, "tg": tg, "load_s": load_s, "weight_bytes": lm.weight_bytes,
            "bytes_per_token": per_tok, "weight_GBps": per_tok * tg[0] / 1e9, "memory": mem,
            "estimate": est, "graph_replays": eng.backend.graph_replays,
-           "graph_replay_ms": replay, "graph_tg": 1e3 / replay,
+           "graph_replay_ms": replay, "graph_tg": 1e3 / replay, "graph_GBps": per_tok / replay / 1e6,
+           "host_ms_per_token": 1e3 / tg[0] - replay,
            "profile_ms": prof, "profile_total_ms": sum(t for _, t in prof)}
     log(f"  decode step: graph replay {replay:.3f} ms ({1e3 / replay:.0f} t/s); eager op sum "
         f"{row['profile_total_ms']:.3f} ms; top ops: " + "; ".join(f"{k} {v:.3f}" for k, v in prof[:8]))
@@ -172,9 +173,10 @@ def main(argv=None):
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("--hf", action="store_true", help="also HF transformers bf16 on the same GPU")
     ap.add_argument("--micro", action="store_true", help="matvec bandwidth of single kernels")
-    ap.add_argument("--rpw", default="", help="matvec rows-per-block values to compare in --micro (e.g. 2,4,8)")
+    ap.add_argument("--rpw", default="", help="float matvec rows-per-block values to compare (e.g. 2,4,8)")
+    ap.add_argument("--rpw-int8", default="", help="integer matvec rows-per-warp values to compare (e.g. 1,2,4)")
     ap.add_argument("--ncu-kernel", action="store_true", help="run one Q4_K matvec eagerly (for ncu) and exit")
-    ap.add_argument("--variants", default="float", help="decode matvec paths to measure: float,int8")
+    ap.add_argument("--variants", default="int8", help="decode matvec paths to measure: int8 (default), float")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import cupy as cp
@@ -204,13 +206,27 @@ def main(argv=None):
             log(f"rows/block {rpw}: matvec {qt.name} {M}x{K}: {g:.0f} GB/s")
     if args.rpw:
         qc.set_rows_per_block(4)
-    if args.micro:
-        for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q4_K, 4096, 14336), (GGMLType.Q6_K, 4096, 14336),
-                         (GGMLType.Q4_0, 14336, 4096), (GGMLType.Q8_0, 14336, 4096), (GGMLType.Q4_K, 8960, 1536),
-                         (GGMLType.Q6_K, 151936, 1536)]:
+    int8_default = qc.INT8_MATVEC
+    for rpw in ([int(v) for v in args.rpw_int8.split(",")] if args.rpw_int8 else []):
+        qc.set_int8_rows_per_warp(rpw)
+        for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q6_K, 4096, 14336), (GGMLType.Q4_0, 14336, 4096),
+                         (GGMLType.Q8_0, 14336, 4096), (GGMLType.Q4_K, 1024, 4096)]:
             g = matvec_bandwidth(cp, qc, qt, M, K) / 1e9
-            result["micro"].append({"type": qt.name, "M": M, "K": K, "GBps": g, "of_copy": g / (bw / 1e9)})
-            log(f"matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)")
+            log(f"int8 rows/warp {rpw}: matvec {qt.name} {M}x{K}: {g:.0f} GB/s")
+    if args.rpw_int8:
+        qc.set_int8_rows_per_warp(4)
+    if args.micro:
+        for variant in args.variants.split(","):
+            qc.INT8_MATVEC = variant == "int8"
+            for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q4_K, 4096, 14336),
+                             (GGMLType.Q6_K, 4096, 14336), (GGMLType.Q4_0, 14336, 4096),
+                             (GGMLType.Q8_0, 14336, 4096), (GGMLType.Q4_K, 8960, 1536),
+                             (GGMLType.Q6_K, 151936, 1536), (GGMLType.Q6_K, 128256, 4096)]:
+                g = matvec_bandwidth(cp, qc, qt, M, K) / 1e9
+                result["micro"].append({"variant": variant, "type": qt.name, "M": M, "K": K, "GBps": g,
+                                        "of_copy": g / (bw / 1e9)})
+                log(f"{variant} matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)")
+        qc.INT8_MATVEC = int8_default
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes.split(","):
@@ -226,10 +242,10 @@ def main(argv=None):
                     row = bench_ours(path, args.repetitions, args.n_prompt, args.n_gen)
                 except Exception as e:     # report and go on to the next model
                     row = {"error": f"{type(e).__name__}: {e}"}
-                row.update(shape=shape, mix=mix, engine="llamba-cuda" + ("-int8" if variant == "int8" else ""))
+                row.update(shape=shape, mix=mix, engine="llamba-cuda" + ("-float" if variant == "float" else ""))
                 result["runs"].append(row)
                 log(json.dumps(row, default=str))
-            qc.INT8_MATVEC = False
+            qc.INT8_MATVEC = int8_default
             path.unlink()
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1, default=str))
@@ -250,8 +266,9 @@ def print_table(result):
     bw = result["copy_GBps"]
     hf = {r["shape"]: r for r in result["runs"] if r["engine"] == "hf-transformers" and "tg" in r}
     print(f"\ndevice: {result['device']['name']}, copy bandwidth {bw:.0f} GB/s")
-    print("| shape | quant | engine | pp512 t/s | tg128 t/s | vs llama.cpp pp / tg | weights GB/s (% copy) | tg vs HF default / compiled |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | quant | engine | pp512 t/s | tg128 t/s | vs llama.cpp pp / tg | weights GB/s (% copy) "
+          "| graph replay ms (weights % copy) | host ms/token | tg vs HF default / compiled |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in result["runs"]:
         if "error" in r:
             print(f"| {r['shape']} | {r['mix']} | {r['engine']} | error: {r['error'][:80]} |")
@@ -261,11 +278,13 @@ def print_table(result):
         ours = r["engine"].startswith("llamba-cuda")
         vs = f"{pp / ref[0]:.2f}x / {tg / ref[1]:.2f}x" if ref and ours else ""
         gbs = f"{r['weight_GBps']:.0f} ({100 * r['weight_GBps'] / bw:.0f}%)" if "weight_GBps" in r else ""
+        rep = (f"{r['graph_replay_ms']:.3f} ({100 * r['graph_GBps'] / bw:.0f}%)" if "graph_GBps" in r else "")
+        host = f"{r['host_ms_per_token']:.3f}" if "host_ms_per_token" in r else ""
         h = hf.get(r["shape"])
         vh = (f"{tg / h['tg'][0]:.1f}x / {tg / HF_COMPILED[r['shape']]:.2f}x"
               if h and ours else "")
         print(f"| {r['shape']} | {r['mix']} | {r['engine']} | {pp:.0f} ± {r['pp'][1]:.0f} | {tg:.1f} ± {r['tg'][1]:.1f} "
-              f"| {vs} | {gbs} | {vh} |")
+              f"| {vs} | {gbs} | {rep} | {host} | {vh} |")
 
 
 if __name__ == "__main__":
