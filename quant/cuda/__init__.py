@@ -65,8 +65,11 @@ INT8_STRUCT = {GGMLType.Q4_0: "IQ4_0", GGMLType.Q4_1: "IQ4_1", GGMLType.Q5_0: "I
 INT8_MAX_ROWS = MV_MAX_ROWS
 INT8_MATVEC = __import__("os").environ.get("LLAMBA_CUDA_INT8", "1") != "0"
 # output rows per warp of the integer matvec for 1-2 rows of x (fewer for more rows:
-# registers); tuned on the H200 with bench_gpu --micro --rpw-int8
+# registers); tuned on the H200 with bench_gpu --micro --rpw-int8.  Matrices of at most
+# INT8_SMALL_M rows take 2 a warp: twice the warps in flight (H200, 1024x4096 Q4_K:
+# 382 -> 496 GB/s; 14336x4096: 2089 at 4 vs 2046 at 2).  Rows a warp never change a sum.
 INT8_ROWS_PER_WARP = 4
+INT8_SMALL_M = 4096
 MVS_WARPS = 4               # warps a block of the integer matvec (qint8.cuh)
 
 
@@ -114,7 +117,8 @@ class _Modules:
         if m is None:
             s = STRUCT[qtype]
             names = ([f"mv<{s},{r},{_rpw(r)},0>" for r in range(1, MV_MAX_ROWS + 1)]
-                     + ([f"mvs<{INT8_STRUCT[qtype]},{r},{_rpw_int8(r)}>" for r in range(1, INT8_MAX_ROWS + 1)]
+                     + ([f"mvs<{INT8_STRUCT[qtype]},{r},{rpw}>" for r in range(1, INT8_MAX_ROWS + 1)
+                         for rpw in sorted({_rpw_int8(r, 1), _rpw_int8(r, 1 << 30)})]
                         if qtype in INT8_STRUCT else [])
                      + [f"mv<{s},{r},{_rpw(r)},{p}>" for r in range(1, PROLOGUE_MAX_ROWS + 1) for p in (1, 2, 3)]
                      + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
@@ -138,8 +142,10 @@ def _rpw(nrows: int) -> int:
     return ROWS_PER_BLOCK if nrows <= 2 else 1
 
 
-def _rpw_int8(nrows: int) -> int:
-    return INT8_ROWS_PER_WARP if nrows <= 2 else (2 if nrows <= 4 else 1)
+def _rpw_int8(nrows: int, M: int) -> int:
+    if nrows <= 2:
+        return 2 if M <= INT8_SMALL_M else INT8_ROWS_PER_WARP
+    return 2 if nrows <= 4 else 1
 
 
 def set_rows_per_block(n: int) -> None:
@@ -293,7 +299,6 @@ def matvec_int8(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
     n, K = x.shape
     biases = list(biases) if biases else [None] * len(Ws)
     acts = {}
-    rpw = _rpw_int8(n)
     i = 0
     while i < len(Ws):
         j = i + 1
@@ -306,8 +311,9 @@ def matvec_int8(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
         if block not in acts:
             acts[block] = quantize_act(x, block, ws, prologue)
         xq, xd, xs = acts[block]
-        f = _mods.get(W0.qtype)[f"mvs<{INT8_STRUCT[W0.qtype]},{n},{rpw}>"]
         Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
+        rpw = _rpw_int8(n, max(Ms))
+        f = _mods.get(W0.qtype)[f"mvs<{INT8_STRUCT[W0.qtype]},{n},{rpw}>"]
         grid = ((max(Ms) + rpw * MVS_WARPS - 1) // (rpw * MVS_WARPS), len(grp))
         args = ([Ws[k].data for k in pad] + [outs[k] for k in pad]
                 + [biases[k] if biases[k] is not None else np.uint64(0) for k in pad]
