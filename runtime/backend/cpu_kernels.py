@@ -179,6 +179,20 @@ def attention_tiles(seq_of_token, positions, max_tile, tile_t0, tile_n):
     return nt
 
 
+@nb.njit(inline="always")
+def _split_range(pos, window, n_splits, sp, block_size):
+    """Keys [a, b) that split sp of the query at pos attends: its causal window
+    cut into n_splits block-aligned chunks."""
+    lo = 0
+    if window > 0 and pos - window + 1 > 0:
+        lo = pos - window + 1
+    hi = pos + 1
+    chunk = (hi - lo + n_splits - 1) // n_splits
+    chunk = (chunk + block_size - 1) // block_size * block_size
+    a = lo + sp * chunk
+    return a, min(hi, a + chunk)
+
+
 @nb.njit(parallel=True, **_JIT_INF)
 def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, block_tables,
                     seq_of_token, positions, window, scale, n_splits, tile_t0, tile_n, n_tiles,
@@ -214,15 +228,17 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
         nq = tile_n[ti]
         p0 = positions[t0]
         p_last = p0 + nq - 1
-        lo = 0
-        if window > 0 and p0 - window + 1 > 0:
-            lo = p0 - window + 1
-        hi = p_last + 1
-        span = hi - lo
-        chunk = (span + n_splits - 1) // n_splits
-        chunk = (chunk + block_size - 1) // block_size * block_size
-        j0 = lo + sp * chunk
-        j1 = min(hi, j0 + chunk)
+        # each query's own context range is split alone (block-aligned chunks of
+        # its own span), so a query's partial sums do not depend on which other
+        # queries share its tile: a k+1-token verify step then rounds exactly as
+        # k+1 one-token steps do.  The item walks the union of its rows' ranges.
+        j0 = 1 << 62
+        j1 = 0
+        for r in range(nq):
+            a, b = _split_range(p0 + r, window, n_splits, sp, block_size)
+            if b > a:
+                j0 = min(j0, a)
+                j1 = max(j1, b)
         table = block_tables[seq_of_token[t0]]
         rows = nq * g
         qs = np.empty((rows, d), np.float32)
@@ -245,12 +261,10 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
                 _load_row(k_pool, k_scale, quantized, base + c, kh, kf, c)
                 _load_row(v_pool, v_scale, quantized, base + c, kh, vf, c)
             for r in range(rows):
-                pos = p0 + r // g
-                # keys of this block inside the row's causal window: c in [c0, c1)
-                c1 = min(nk, pos - j + 1)
-                c0 = 0
-                if window > 0:
-                    c0 = max(0, pos - window + 1 - j)
+                # keys of this block inside the row's own split: c in [c0, c1)
+                ra, rb = _split_range(p0 + r // g, window, n_splits, sp, block_size)
+                c0 = max(0, ra - j)
+                c1 = min(nk, rb - j)
                 if c1 <= c0:
                     continue
                 mb = -np.inf

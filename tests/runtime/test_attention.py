@@ -140,3 +140,43 @@ def test_prefill_peak_memory_grows_linearly():
         peaks[n] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     assert peaks[8192] / peaks[2048] < 5.0, peaks
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_verify_tile_rounds_like_single_queries(splits):
+    """A query's attention is bit-identical whether it comes alone (decode) or
+    in a tile with the next few (speculative verify): the context split is the
+    query's own, also when the tile crosses a block boundary that a single
+    query's split would not (Qwen2.5-1.5B greedy drafted output drifted at
+    such a step before)."""
+    rng = np.random.default_rng(1)
+    bs, h, kvh, d, k = 16, 6, 2, 64, 4
+    for length in (31, 34, 47, 50, 64, 97):
+        be = CPUBackend()
+        n_blocks = (length + bs - 1) // bs + 1
+        kv = be.alloc_kv(1, n_blocks * bs, kvh, d)
+        table = rng.permutation(n_blocks).astype(np.int32)
+        K = rng.standard_normal((length, kvh, d)).astype(np.float32)
+        V = rng.standard_normal((length, kvh, d)).astype(np.float32)
+        q = rng.standard_normal((k, h, d)).astype(np.float32)
+
+        def attend(p0, n):
+            pos = np.arange(p0, p0 + n, dtype=np.int32)
+            st = Step(tokens=np.zeros(n, np.int32), positions=pos, slots=(table[pos // bs] * bs + pos % bs),
+                      seq_of_token=np.zeros(n, np.int32), block_tables=table[None, :],
+                      logit_rows=np.zeros(0, np.int64), block_size=bs, attn_scale=0.125,
+                      attn_splits=splits, windows=[0])
+            be.arena.reset()
+            return be.attention(q[p0 - (length - k):][:n].copy(), K[p0:p0 + n], V[p0:p0 + n], 0, st).copy()
+
+        p0 = length - k
+        first = np.arange(p0, dtype=np.int32)      # the context before the tile, written once
+        st = Step(tokens=np.zeros(p0, np.int32), positions=first, slots=(table[first // bs] * bs + first % bs),
+                  seq_of_token=np.zeros(p0, np.int32), block_tables=table[None, :],
+                  logit_rows=np.zeros(0, np.int64), block_size=bs, attn_scale=0.125, attn_splits=1,
+                  windows=[0])
+        be.arena.reset()
+        be.attention(rng.standard_normal((p0, h, d)).astype(np.float32), K[:p0], V[:p0], 0, st)
+        tile = attend(p0, k)
+        singles = np.concatenate([attend(p0 + i, 1) for i in range(k)])
+        assert np.array_equal(tile, singles), (length, np.abs(tile - singles).max())

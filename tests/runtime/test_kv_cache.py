@@ -70,6 +70,26 @@ def test_copy_on_write_when_a_shared_block_grows():
     assert cache.ref[a.blocks[1]] == 1
 
 
+def test_rollback_into_a_hashed_block_forgets_its_hash():
+    """Speculative rejection rolls back into a block that was full (and hashed)
+    with rejected tokens; the block is then rewritten.  Its old hash must not
+    lead a later sequence to the new contents, and the new contents must be
+    findable under their own hash."""
+    bs = 4
+    cache = PagedKVCache(16, bs, 10)
+    a = cache.new_sequence()
+    _fill(cache, a, [1, 2, 3, 4, 5, 6, 7, 8])       # blocks [1 2 3 4] [5 6 7 8] hashed
+    cache.truncate(a, 6)                              # 7, 8 rejected
+    _fill(cache, a, [70, 80, 9])                      # block 2 now holds 5 6 70 80
+    cache.release(a)
+    stale = cache.new_sequence()
+    assert cache.reuse_prefix(stale, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 4   # not the rewritten block
+    cache.release(stale)
+    fresh = cache.new_sequence()
+    assert cache.reuse_prefix(fresh, [1, 2, 3, 4, 5, 6, 70, 80, 9]) == 8
+    cache.release(fresh)
+
+
 def test_eviction_under_a_small_pool_is_lru():
     cache = PagedKVCache(4, 2, 1)
     a, b = cache.new_sequence(), cache.new_sequence()
