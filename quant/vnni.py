@@ -30,7 +30,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .act_quant import quantize_q8_256_i8, quantize_q8_32_i8
+from .act_quant import _grp_r as _grp_r_nb, group_q8_256, quantize_q8_256_i8, quantize_q8_32_i8
 
 
 
@@ -621,3 +621,244 @@ def matvec_k(kind, x, w, xq, xd, xb, xb16, out, res, fresh):
     if fresh:
         quantize_q8_256_i8(x, xq, xd, xb, xb16)
     _rows_any(kind, w, xq, xd, xb if kind == 10 else xb16, xd, out, res, n, K, 0, w.shape[0])
+
+
+# ---------------------------------------------------------------- row groups
+#
+# Several activation rows (2..16: speculative verification, batched decode)
+# against one W row, the rows laid out in the 16 int32 lanes of a zmm
+# register: a group of R = 4, 8 or 16 rows gives each row G = 16 / R lanes.
+# act_quant.group_q8 interleaves the int8 codes so that one 64-byte load holds
+# G dwords (4G codes) of each of the R rows; the W codes of those G dwords are
+# broadcast R times, and one vpdpbusd does 4G multiply-adds for every row.
+# Per-row values (scales, code sums) are "lane arrays": 16 lanes per block,
+# row r's value in lane r*G, zeros elsewhere.  Lanes never mix, so every
+# lane-wise float operation on lane r*G is exactly the scalar operation the
+# one-row kernels do for row r (batch invariance across kernels), and rows
+# beyond n (zero codes) only produce unused lanes.
+
+GROUP_R = (4, 8, 16)
+
+
+def _grp_r(n):
+    """Rows per group for the last group of n rows (groups of 16 before it)."""
+    t = n - 16 * ((n - 1) // 16)
+    return 4 if t <= 4 else 8 if t <= 8 else 16
+
+
+def _bcast_w(builder, u, c, G):
+    """u: 32 code bytes (v32i8); -> v64i8 holding dwords c*G..c*G+G-1 of u in
+    every row's G lanes."""
+    u32 = builder.bitcast(u, _v8i32)
+    return builder.bitcast(builder.shuffle_vector(u32, u32, ir.Constant(
+        ir.VectorType(_i32, 16), [c * G + l % G for l in range(16)])), _v64i8)
+
+
+def _lane_reduce(builder, v, G):
+    """Sum each row's G lanes into its first lane (integer, exact)."""
+    s = 1
+    while s < G:
+        v = builder.add(v, _shuf(builder, v, [l ^ s for l in range(16)]))
+        s *= 2
+    return v
+
+
+def _splat16(builder, v):
+    return _splat(builder, v, ir.VectorType(v.type, 16))
+
+
+@intrinsic
+def kq_grp(typingctx, kind, R, src, nsb, xg, xdg, xbp, x16n, res):
+    """res[r] = row r of a row group . the W row src, r < R, Q4_K / Q6_K.
+
+    xg int8 [K*R] interleaved codes, xdg f32 [nsb*16] lane steps, xbp int32
+    [nsb*4*16] (Q4_K: code sums per 32 as int16 pairs per lane), x16n int32
+    [nsb*16*16] (Q6_K: -32 * code sums per 16).  Same float operations per
+    row as kq_row."""
+    if not (_literal(kind) and _literal(R)):
+        return None
+    k = kind.literal_value
+    assert k in (Q4_K, Q6_K)
+    nr = R.literal_value
+    G = 16 // nr
+    sig = types.void(kind, R, src, nsb, xg, xdg, xbp, x16n, res)
+
+    def codegen(context, builder, signature, args):
+        ta = signature.args
+        _, _, srcv, nsbv, xgv, xdgv, xbpv, x16nv, resv = args
+        w = _data(context, builder, ta[2], srcv)
+        xp = _data(context, builder, ta[4], xgv)
+        xdp = _data(context, builder, ta[5], xdgv)
+        xbpp = _data(context, builder, ta[6], xbpv)
+        x16p = _data(context, builder, ta[7], x16nv)
+        resp = _data(context, builder, ta[8], resv)
+        nsbv = builder.sext(nsbv, _i64) if nsbv.type != _i64 else nsbv
+        bb = 144 if k == Q4_K else 210
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_v16f32, None))
+        zero = ir.Constant(_v16i32, None)
+        with cgutils.for_range(builder, nsbv) as loop:
+            sb = loop.index
+            o = builder.mul(sb, _c(bb))
+            xo = builder.mul(sb, _c(256 * nr))       # byte offset of this super-block in xg
+
+            def xchunk(q):                           # q: chunk index within the super-block
+                return _load_vec(builder, xp, builder.add(xo, _c(64 * q)), _v64i8)
+            dx = builder.load(builder.bitcast(builder.gep(xdp, [builder.mul(sb, _c(16))]),
+                                              _v16f32.as_pointer()), align=4)
+            if k == Q4_K:
+                d = _load_half(builder, w, o)
+                dmin = _load_half(builder, w, builder.add(o, _c(2)))
+                u = [builder.load(builder.bitcast(builder.gep(w, [builder.add(o, _c(4 + 4 * t))]),
+                                                  _i32.as_pointer()), align=1) for t in range(3)]
+                k1, k2, k3 = _c(0x3F3F3F3F, _i32), _c(0x0F0F0F0F, _i32), _c(0x03030303, _i32)
+                sc_lo = builder.and_(u[0], k1)
+                sc_hi = builder.or_(builder.and_(u[2], k2),
+                                    builder.shl(builder.and_(builder.lshr(u[0], _c(6, _i32)), k3), _c(4, _i32)))
+                mn_lo = builder.and_(u[1], k1)
+                mn_hi = builder.or_(builder.and_(builder.lshr(u[2], _c(4, _i32)), k2),
+                                    builder.shl(builder.and_(builder.lshr(u[1], _c(6, _i32)), k3), _c(4, _i32)))
+
+                def bytes8(lo, hi):
+                    two = builder.insert_element(ir.Constant(ir.VectorType(_i32, 2), None), lo, _c(0, _i32))
+                    two = builder.insert_element(two, hi, _c(1, _i32))
+                    return builder.bitcast(two, ir.VectorType(_i8, 8))
+                scb = builder.zext(bytes8(sc_lo, sc_hi), ir.VectorType(_i16, 8))
+                mnb = builder.zext(bytes8(mn_lo, mn_hi), ir.VectorType(_i16, 8))
+                z8 = ir.Constant(ir.VectorType(_i16, 8), None)
+                # (sc_j, 0) int16 pairs, and (mn_2p, mn_2p+1) pairs, as int32 lanes
+                scp = builder.bitcast(builder.shuffle_vector(scb, z8, ir.Constant(
+                    ir.VectorType(_i32, 16), [x for j in range(8) for x in (j, 8)])), _v8i32)
+                mnp = builder.bitcast(mnb, ir.VectorType(_i32, 4))
+                isum = zero
+                nch = 8 // G                         # chunks per 32-code sub-block
+                per = min(nch, 4)                    # chunks per int16-safe partial
+                for g in range(4):
+                    q = _load_vec(builder, w, builder.add(o, _c(16 + 32 * g)), _v32i8)
+                    for h in range(2):
+                        cu = (builder.and_(q, ir.Constant(_v32i8, [15] * 32)) if h == 0
+                              else builder.lshr(q, ir.Constant(_v32i8, [4] * 32)))
+                        j = 2 * g + h
+                        s16 = _splat16(builder, builder.extract_element(scp, _c(j, _i32)))
+                        for c0 in range(0, nch, per):
+                            p = zero
+                            for c in range(c0, c0 + per):
+                                p = _vpdpbusd512(builder, p, _bcast_w(builder, cu, c, G),
+                                                 xchunk(j * nch + c))
+                            isum = _vpdpwssd512(builder, isum, p, s16)
+                msum = zero
+                for pp in range(2 * 0, 4):
+                    xb = builder.load(builder.bitcast(builder.gep(xbpp, [builder.add(builder.mul(sb, _c(64)),
+                                                                                     _c(16 * pp))]),
+                                                      _v16i32.as_pointer()), align=4)
+                    msum = _vpdpwssd512(builder, msum, xb,
+                                        _splat16(builder, builder.extract_element(mnp, _c(pp, _i32))))
+                isum = _lane_reduce(builder, isum, G)
+                msum = _lane_reduce(builder, msum, G)
+                t1 = builder.fmul(builder.fmul(_splat16(builder, d), dx), builder.sitofp(isum, _v16f32))
+                t2 = builder.fmul(builder.fmul(_splat16(builder, dmin), dx), builder.sitofp(msum, _v16f32))
+                builder.store(builder.fadd(builder.load(acc), builder.fsub(t1, t2)), acc)
+            else:
+                d = _load_half(builder, w, builder.add(o, _c(208)))
+                S = builder.sext(_load_vec(builder, w, builder.add(o, _c(192)), _v16i8), ir.VectorType(_i32, 16))
+                nch = 4 // G                         # chunks per 16-code sub-block
+                isum = zero
+                for half in range(2):
+                    qh = _load_vec(builder, w, builder.add(o, _c(128 + 32 * half)), _v32i8)
+                    qa = [_load_vec(builder, w, builder.add(o, _c(64 * half + 32 * j)), _v32i8) for j in range(2)]
+                    for t in range(4):
+                        a = qa[t & 1]
+                        low = (builder.and_(a, ir.Constant(_v32i8, [15] * 32)) if t < 2
+                               else builder.lshr(a, ir.Constant(_v32i8, [4] * 32)))
+                        hb = builder.and_(builder.lshr(qh, ir.Constant(_v32i8, [2 * t] * 32)),
+                                          ir.Constant(_v32i8, [3] * 32))
+                        uu = builder.or_(low, builder.shl(hb, ir.Constant(_v32i8, [4] * 32)))
+                        for h in range(2):
+                            j = 8 * half + 2 * t + h          # sub-block of 16
+                            init = builder.load(builder.bitcast(
+                                builder.gep(x16p, [builder.add(builder.mul(sb, _c(256)), _c(16 * j))]),
+                                _v16i32.as_pointer()), align=4)
+                            p = init
+                            for c in range(nch):
+                                p = _vpdpbusd512(builder, p, _bcast_w(builder, uu, h * nch + c, G),
+                                                 xchunk(j * nch + c))
+                            isum = builder.add(isum, builder.mul(p, _splat16(
+                                builder, builder.extract_element(S, _c(j, _i32)))))
+                isum = _lane_reduce(builder, isum, G)
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(
+                    builder.fmul(_splat16(builder, d), dx), builder.sitofp(isum, _v16f32))), acc)
+        a = builder.load(acc)
+        for r in range(nr):
+            builder.store(builder.extract_element(a, _c(r * G, _i32)), builder.gep(resp, [_c(r)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _vpdpwssd512(builder, acc, a, b):
+    # (LLVM 22 declares the word operands as <32 x i16>; an i32 declaration is
+    # "auto-upgraded" into wrong code)
+    v32i16 = ir.VectorType(_i16, 32)
+    fn = _fn(builder, "llvm.x86.avx512.vpdpwssd.512", _v16i32, [_v16i32, v32i16, v32i16])
+    return builder.call(fn, [acc, builder.bitcast(a, v32i16), builder.bitcast(b, v32i16)])
+
+
+@njit(inline="always")
+def _kq_grp_rows(kind, w, xg, xdg, xbp, x16n, out, res, n, K, m0, m1):
+    nsb = K // 256
+    ng = (n + 15) // 16
+    for gi in range(ng):
+        R = 16 if gi < ng - 1 else _grp_r_nb(n)
+        xgv = xg[gi * 16 * K:(gi + 1) * 16 * K]
+        xdv = xdg[gi * nsb * 16:(gi + 1) * nsb * 16]
+        xbv = xbp[gi * nsb * 64:(gi + 1) * nsb * 64]
+        x16v = x16n[gi * nsb * 256:(gi + 1) * nsb * 256]
+        nr = min(16, n - 16 * gi)
+        for m in range(m0, m1):
+            if R == 4:
+                kq_grp(kind, 4, w[m], nsb, xgv, xdv, xbv, x16v, res)
+            elif R == 8:
+                kq_grp(kind, 8, w[m], nsb, xgv, xdv, xbv, x16v, res)
+            else:
+                kq_grp(kind, 16, w[m], nsb, xgv, xdv, xbv, x16v, res)
+            for r in range(nr):
+                out[16 * gi + r, m] = res[r]
+
+
+@njit(inline="always")
+def _grp_any(kind, w, xg, xdg, xa, xb, out, res, n, K, m0, m1):
+    """Row-group kernels (n >= 2): kind 10 Q4_K (xa = xbp, xb = x16n), 11 Q6_K."""
+    if kind == 10:
+        _kq_grp_rows(0, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+    else:
+        _kq_grp_rows(1, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+
+
+@njit(cache=True)
+def grp_rows(kind, w, xg, xdg, xa, xb, out, res, n, K, m0, m1):
+    _grp_any(kind, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+
+
+@njit(parallel=True, cache=True)
+def grp_par(kind, w, xg, xdg, xa, xb, out, res, n, K, nch):
+    """As par_any for the row-group kernels; res f32 [nch, 16]."""
+    M = w.shape[0]
+    per = (M + nch - 1) // nch
+    for c in prange(nch):
+        _grp_any(kind, w, xg, xdg, xa, xb, out, res[c], n, K, c * per, min(M, (c + 1) * per))
+
+
+@njit(parallel=True, cache=True)
+def grp_multi(kind, ws, xg, xdg, xa, xb, outs, res, n, K, cw, cm0, cm1):
+    for c in prange(cw.size):
+        _grp_any(kind, ws[cw[c]], xg, xdg, xa, xb, outs[cw[c]], res[c], n, K, cm0[c], cm1[c])
+
+
+@njit(cache=True)
+def matvec_grp_k(kind, x, w, xq, xd, xb, xb16, xg, xdg, xbp, x16n, out, res, fresh):
+    """One serial call, n >= 2, Q4_K / Q6_K: quantize x (when fresh), regroup,
+    all W rows with the row-group kernel."""
+    n, K = x.shape
+    if fresh:
+        quantize_q8_256_i8(x, xq, xd, xb, xb16)
+        group_q8_256(n, K, xq, xd, xb, xb16, xg, xdg, xbp, x16n)
+    _grp_any(kind, w, xg, xdg, xbp, x16n, out, res, n, K, 0, w.shape[0])
