@@ -175,3 +175,25 @@ def group_q8_256(n, K, xq, xd, xb, xb16, xg, xdg, xbp, x16n):
                 xbp[(gi * nsb + sb) * 64 + p * 16 + lane] = (xb[j] & 0xFFFF) | (xb[j + 1] << 16)
             for j in range(16):
                 x16n[(gi * nsb + sb) * 256 + j * 16 + lane] = -32 * xb16[row * (K // 16) + sb * 16 + j]
+
+
+@njit(cache=True)
+def group_q8_32(n, K, xq, xd, xsum, xs, xg, xdg, xsumg, xsg):
+    """Regroup quantize_q8_32_i8's flat outputs for vnni.leg_grp: codes as
+    _group_codes, lane arrays [ng, nb*16] (row r of a group in lane r*G):
+    xdg steps, xsumg code sums, xsg = xd * xsum."""
+    _group_codes(xq, n, K, xg)
+    nb = K // 32
+    ng = (n + 15) // 16
+    xdg[:ng * nb * 16] = 0
+    xsumg[:ng * nb * 16] = 0
+    xsg[:ng * nb * 16] = 0
+    for row in range(n):
+        gi = row // 16
+        R = 16 if gi < ng - 1 else _grp_r(n)
+        lane = (row % 16) * (16 // R)
+        for b in range(nb):
+            i = (gi * nb + b) * 16 + lane
+            xdg[i] = xd[row * nb + b]
+            xsumg[i] = xsum[row * nb + b]
+            xsg[i] = xs[row * nb + b]

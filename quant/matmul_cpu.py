@@ -174,19 +174,22 @@ def _vnni_buffers(scratch, kk, n, K, nch):
                  g("vxb32", (n * (K // 32),), np.int32), g("vxb16", (n * (K // 16),), np.int32),
                  g("vres", (nch, 16)),
                  # row groups (n >= 2): codes, steps, Q4_K min sums, Q6_K offset sums
-                 g("vxg", (ng * 16 * K,), np.int8), g("vxdg", (ng * (K // 256) * 16,)),
+                 g("vxg256", (ng * 16 * K,), np.int8), g("vxdg256", (ng * (K // 256) * 16,)),
                  g("vxbp", (ng * (K // 256) * 64,), np.int32), g("vx16n", (ng * (K // 256) * 256,), np.int32))
         else:
             b = (g("vxq32", (n * K,), np.int8), g("vxd32", (n * (K // 32),)),
                  g("vxsum32", (n * (K // 32),), np.int32), g("vxs32", (n * (K // 32),)),
-                 g("vres", (nch, 16)))
+                 g("vres", (nch, 16)),
+                 # row groups (n >= 2): codes, steps, code sums, steps * code sums
+                 g("vxg32", (ng * 16 * K,), np.int8), g("vxdg32", (ng * (K // 32) * 16,)),
+                 g("vxsumg", (ng * (K // 32) * 16,), np.int32), g("vxsg", (ng * (K // 32) * 16,)))
         scratch._sets[key] = b
     return b
 
 
 def _vnni_grouped(kind, n):
     """Whether this kind and row count run the row-group kernels (vnni.kq_grp)."""
-    return n >= 2 and kind >= 10
+    return n >= 2
 
 
 def _vnni_activations(x, kind, bufs, acts):
@@ -199,7 +202,7 @@ def _vnni_activations(x, kind, bufs, acts):
         (quantize_q8_256_i8 if kk else quantize_q8_32_i8)(x, *bufs[:4])
         if _vnni_grouped(kind, x.shape[0]):
             n, K = x.shape
-            KV.group_q8_256(n, K, *bufs[:4], *bufs[5:9])
+            (KV.group_q8_256 if kk else KV.group_q8_32)(n, K, *bufs[:4], *bufs[5:9])
     if _vnni_grouped(kind, x.shape[0]):
         return bufs[5:9]
     if not kk:
@@ -223,7 +226,7 @@ def _small_batch_vnni(x, W, out, scratch, acts, kind):
     fresh = ("v", kk) not in acts
     acts[("v", kk)] = True
     if grouped:
-        KV.matvec_grp_k(kind, x, w, *bufs[:4], *bufs[5:9], out, bufs[4][0], fresh)
+        (KV.matvec_grp_k if kk else KV.matvec_grp_leg)(kind, x, w, *bufs[:4], *bufs[5:9], out, bufs[4][0], fresh)
         return
     (KV.matvec_k if kk else KV.matvec_leg)(kind, x, w, bufs[0], bufs[1], bufs[2], bufs[3], out,
                                             bufs[4][0], fresh)

@@ -30,7 +30,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .act_quant import _grp_r as _grp_r_nb, group_q8_256, quantize_q8_256_i8, quantize_q8_32_i8
+from .act_quant import _grp_r as _grp_r_nb, group_q8_256, group_q8_32, quantize_q8_256_i8, quantize_q8_32_i8
 
 
 
@@ -440,45 +440,14 @@ def kq_row(typingctx, kind, R, MR, src, nsb, xq, xd, xb, r0, K, res):
 # ---------------------------------------------------------------- legacy rows
 
 @njit(inline="always")
-def _leg_rows(kind, w, xq, xd, xsum, xs, out, res, n, K, m):
-    nb = K // 32
-    src = w[m]
-    r = 0
-    while r + 4 <= n:
-        leg_dot(kind, 4, 1, src, nb, xq, xd, xsum, xs, r, K, res)
-        for i in range(4):
-            out[r + i, m] = res[i]
-        r += 4
-    if r + 2 <= n:
-        leg_dot(kind, 2, 1, src, nb, xq, xd, xsum, xs, r, K, res)
-        out[r, m] = res[0]
-        out[r + 1, m] = res[1]
-        r += 2
-    if r < n:
-        leg_dot(kind, 1, 1, src, nb, xq, xd, xsum, xs, r, K, res)
-        out[r, m] = res[0]
-
-
-@njit(inline="always")
 def _leg_all(kind, w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
-    m = m0
-    # one x row, short W rows: four W rows per call (more independent work per
-    # loop iteration, fewer per-row tails); same float operations per output
-    if n == 1 and w.strides[0] == w.shape[1] and w.shape[1] <= MULTI_ROW_MAX_BYTES:
-        nb = K // 32
-        while m + 4 <= m1:
-            leg_dot(kind, 1, 4, w[m], nb, xq, xd, xsum, xs, 0, K, res)
-            for j in range(4):
-                out[0, m + j] = res[j]
-            m += 4
-        while m + 2 <= m1:
-            leg_dot(kind, 1, 2, w[m], nb, xq, xd, xsum, xs, 0, K, res)
-            out[0, m] = res[0]
-            out[0, m + 1] = res[1]
-            m += 2
-    while m < m1:
-        _leg_rows(kind, w, xq, xd, xsum, xs, out, res, n, K, m)
-        m += 1
+    """Rows r < n (flat activations) one at a time against W rows m0..m1-1;
+    n >= 2 normally runs the row-group kernel (_grp_any) instead."""
+    nb = K // 32
+    for m in range(m0, m1):
+        for r in range(n):
+            leg_row1(kind, w[m], nb, xq, xd, xsum, xs, r, K, res)
+            out[r, m] = res[0]
 
 
 @njit(cache=True)
@@ -826,8 +795,19 @@ def _kq_grp_rows(kind, w, xg, xdg, xbp, x16n, out, res, n, K, m0, m1):
 
 @njit(inline="always")
 def _grp_any(kind, w, xg, xdg, xa, xb, out, res, n, K, m0, m1):
-    """Row-group kernels (n >= 2): kind 10 Q4_K (xa = xbp, xb = x16n), 11 Q6_K."""
-    if kind == 10:
+    """Row-group kernels (n >= 2): kinds 0-4 the 32-element formats (xa =
+    xsumg, xb = xsg), 10 Q4_K (xa = xbp, xb = x16n), 11 Q6_K."""
+    if kind == 0:
+        _leg_grp_rows(0, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+    elif kind == 1:
+        _leg_grp_rows(1, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+    elif kind == 2:
+        _leg_grp_rows(2, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+    elif kind == 3:
+        _leg_grp_rows(3, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+    elif kind == 4:
+        _leg_grp_rows(4, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+    elif kind == 10:
         _kq_grp_rows(0, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
     else:
         _kq_grp_rows(1, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
@@ -862,3 +842,223 @@ def matvec_grp_k(kind, x, w, xq, xd, xb, xb16, xg, xdg, xbp, x16n, out, res, fre
         quantize_q8_256_i8(x, xq, xd, xb, xb16)
         group_q8_256(n, K, xq, xd, xb, xb16, xg, xdg, xbp, x16n)
     _grp_any(kind, w, xg, xdg, xbp, x16n, out, res, n, K, 0, w.shape[0])
+
+
+# ------------------------------------------------ 32-element formats, per block
+#
+# The float operations per (x row r, W row m), the same in the one-row kernel
+# (leg_row1) and the row-group kernel (leg_grp): per block b the integer dot
+# I_b = sum(u * q) - OFF * xsum_b is exact; with j = b mod 8,
+#   a_j = fma(float(I_b), dw_b * dx_b, a_j)      (a_j = 0 at first)
+#   a_j = fma(mw_b, xs_b, a_j)                    (formats with a min)
+# and the result is ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
+
+
+def _codes32(builder, w, wo, k):
+    """32 unsigned code bytes of the legacy block of kind k at byte offset wo."""
+    BB, MOFF, QHOFF, QSOFF, CODE, OFF = _LEG[k]
+    if CODE == "i8":
+        q = _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v32i8)
+        return builder.xor(q, ir.Constant(_v32i8, [0x80] * 32))
+    u = _nibbles(builder, _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v16i8))
+    if CODE == "nib5":
+        qp = builder.bitcast(builder.gep(w, [builder.add(wo, _c(QHOFF))]), _i32.as_pointer())
+        bits = builder.bitcast(builder.load(qp, align=1), ir.VectorType(_i1, 32))
+        u = builder.or_(u, builder.select(bits, ir.Constant(_v32i8, [16] * 32), ir.Constant(_v32i8, None)))
+    return u
+
+
+def _transpose_sum8(builder, vs):
+    """8 x v8i32 -> v8i32 whose lane j is the sum of vs[j]'s lanes (exact)."""
+    def m(a, b, idx):
+        return builder.add(builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, 8), idx[0])),
+                           builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, 8), idx[1])))
+    l1 = ([0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15])
+    l2 = ([0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
+    l3 = ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+    w = [m(vs[2 * i], vs[2 * i + 1], l1) for i in range(4)]
+    x = [m(w[0], w[1], l2), m(w[2], w[3], l2)]
+    return m(x[0], x[1], l3)
+
+
+def _tree8(builder, a):
+    """((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) for 8 same-typed values."""
+    t = [builder.fadd(a[j], a[j + 4]) for j in range(4)]
+    u = [builder.fadd(t[j], t[j + 2]) for j in range(2)]
+    return builder.fadd(u[0], u[1])
+
+
+@intrinsic
+def leg_row1(typingctx, kind, src, nb, xq, xd, xsum, xs, r0, K, res):
+    """res[0] = row r0 of x . the W row src (32-element format `kind`), with
+    the flat activations of act_quant.quantize_q8_32_i8.  Eight blocks at a
+    time: their integer dots reduced into one vector (lane j: block 8q+j),
+    then one vector of float operations."""
+    if not _literal(kind):
+        return None
+    k = kind.literal_value
+    BB, MOFF, QHOFF, QSOFF, CODE, OFF = _LEG[k]
+    sig = types.void(kind, src, nb, xq, xd, xsum, xs, r0, K, res)
+
+    def codegen(context, builder, signature, args):
+        ta = signature.args
+        _, srcv, nbv, xqv, xdv, xsumv, xsv, r0v, Kv, resv = args
+        w = _data(context, builder, ta[1], srcv)
+        xqp = _data(context, builder, ta[3], xqv)
+        xdp = _data(context, builder, ta[4], xdv)
+        xsump = _data(context, builder, ta[5], xsumv)
+        xsp = _data(context, builder, ta[6], xsv)
+        resp = _data(context, builder, ta[9], resv)
+        nbv, r0v, Kv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (nbv, r0v, Kv)]
+        xrow = builder.mul(r0v, Kv)
+        brow = builder.mul(r0v, nbv)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_v8f32, None))
+
+        def dot(b):
+            xv = _load_vec(builder, xqp, builder.add(xrow, builder.mul(b, _c(32))), _v32i8)
+            return _vpdpbusd(builder, ir.Constant(_v8i32, None), _codes32(builder, w, builder.mul(b, _c(BB)), k), xv)
+
+        def halves(b0, off):
+            h = ir.Constant(ir.VectorType(_i16, 8), None)
+            for j in range(8):
+                p = builder.bitcast(builder.gep(w, [builder.add(builder.mul(builder.add(b0, _c(j)), _c(BB)),
+                                                                _c(off))]), _i16.as_pointer())
+                h = builder.insert_element(h, builder.load(p, align=1), _c(j, _i32))
+            return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), _v8f32)
+
+        def vec8(p, b, t):
+            return builder.load(builder.bitcast(builder.gep(p, [b]), ir.VectorType(t, 8).as_pointer()), align=4)
+
+        nq = builder.sdiv(nbv, _c(8))
+        with cgutils.for_range(builder, nq) as loop:
+            b0 = builder.mul(loop.index, _c(8))
+            isum = _transpose_sum8(builder, [dot(builder.add(b0, _c(j))) for j in range(8)])
+            bi = builder.add(brow, b0)
+            if OFF:
+                isum = builder.sub(isum, builder.mul(vec8(xsump, bi, _i32), ir.Constant(_v8i32, [OFF] * 8)))
+            s = builder.fmul(halves(b0, 0), vec8(xdp, bi, _f32))
+            a = _fma_t(builder, builder.sitofp(isum, _v8f32), s, builder.load(acc))
+            if MOFF >= 0:
+                a = _fma_t(builder, halves(b0, MOFF), vec8(xsp, bi, _f32), a)
+            builder.store(a, acc)
+        b0 = builder.mul(nq, _c(8))
+        rem = builder.sub(nbv, b0)
+        for t in range(7):
+            with builder.if_then(builder.icmp_signed(">", rem, _c(t))):
+                b = builder.add(b0, _c(t))
+                i = _reduce_add(builder, dot(b))
+                bi = builder.add(brow, b)
+                if OFF:
+                    i = builder.sub(i, builder.mul(builder.load(builder.gep(xsump, [bi])), _c(OFF, _i32)))
+                wo = builder.mul(b, _c(BB))
+                s = builder.fmul(_load_half(builder, w, wo), builder.load(builder.gep(xdp, [bi])))
+                av = builder.load(acc)
+                a = _fma_t(builder, builder.sitofp(i, _f32), s, builder.extract_element(av, _c(t, _i32)))
+                if MOFF >= 0:
+                    a = _fma_t(builder, _load_half(builder, w, builder.add(wo, _c(MOFF))),
+                               builder.load(builder.gep(xsp, [bi])), a)
+                builder.store(builder.insert_element(av, a, _c(t, _i32)), acc)
+        av = builder.load(acc)
+        builder.store(_tree8(builder, [builder.extract_element(av, _c(j, _i32)) for j in range(8)]),
+                      builder.gep(resp, [_c(0)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def leg_grp(typingctx, kind, R, src, nb, xg, xdg, xsumg, xsg, res):
+    """res[r] = row r of a row group . the W row src, r < R, 32-element
+    format `kind`.  xg int8 [K*R] interleaved codes (act_quant.group_q8_32);
+    lane arrays [nb*16]: xdg f32 steps, xsumg int32 code sums, xsg f32 xd*xsum."""
+    if not (_literal(kind) and _literal(R)):
+        return None
+    k = kind.literal_value
+    nr = R.literal_value
+    G = 16 // nr
+    BB, MOFF, QHOFF, QSOFF, CODE, OFF = _LEG[k]
+    sig = types.void(kind, R, src, nb, xg, xdg, xsumg, xsg, res)
+
+    def codegen(context, builder, signature, args):
+        ta = signature.args
+        _, _, srcv, nbv, xgv, xdgv, xsumgv, xsgv, resv = args
+        w = _data(context, builder, ta[2], srcv)
+        xp = _data(context, builder, ta[4], xgv)
+        xdp = _data(context, builder, ta[5], xdgv)
+        xsump = _data(context, builder, ta[6], xsumgv)
+        xsp = _data(context, builder, ta[7], xsgv)
+        resp = _data(context, builder, ta[8], resv)
+        nbv = builder.sext(nbv, _i64) if nbv.type != _i64 else nbv
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_v16f32, None)) for _ in range(8)]
+        nch = 8 // G                                  # 64-byte chunks per block
+
+        def lane16(p, b, t):
+            return builder.load(builder.bitcast(builder.gep(p, [builder.mul(b, _c(16))]),
+                                                ir.VectorType(t, 16).as_pointer()), align=4)
+
+        def block(b, j):
+            wo = builder.mul(b, _c(BB))
+            u = _codes32(builder, w, wo, k)
+            p = ir.Constant(_v16i32, None)
+            if OFF:
+                p = builder.mul(lane16(xsump, b, _i32), ir.Constant(_v16i32, [-OFF] * 16))
+            xo = builder.mul(b, _c(32 * nr))
+            for c in range(nch):
+                p = _vpdpbusd512(builder, p, _bcast_w(builder, u, c, G),
+                                 _load_vec(builder, xp, builder.add(xo, _c(64 * c)), _v64i8))
+            isum = _lane_reduce(builder, p, G)
+            s = builder.fmul(_splat16(builder, _load_half(builder, w, wo)), lane16(xdp, b, _f32))
+            a = _fma_t(builder, builder.sitofp(isum, _v16f32), s, builder.load(accs[j]))
+            if MOFF >= 0:
+                a = _fma_t(builder, _splat16(builder, _load_half(builder, w, builder.add(wo, _c(MOFF)))),
+                           lane16(xsp, b, _f32), a)
+            builder.store(a, accs[j])
+
+        nq = builder.sdiv(nbv, _c(8))
+        with cgutils.for_range(builder, nq) as loop:
+            b0 = builder.mul(loop.index, _c(8))
+            for j in range(8):
+                block(builder.add(b0, _c(j)), j)
+        b0 = builder.mul(nq, _c(8))
+        rem = builder.sub(nbv, b0)
+        for t in range(7):
+            with builder.if_then(builder.icmp_signed(">", rem, _c(t))):
+                block(builder.add(b0, _c(t)), t)
+        tot = _tree8(builder, [builder.load(a) for a in accs])
+        for r in range(nr):
+            builder.store(builder.extract_element(tot, _c(r * G, _i32)), builder.gep(resp, [_c(r)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def _leg_grp_rows(kind, w, xg, xdg, xsumg, xsg, out, res, n, K, m0, m1):
+    nb = K // 32
+    ng = (n + 15) // 16
+    for gi in range(ng):
+        R = 16 if gi < ng - 1 else _grp_r_nb(n)
+        xgv = xg[gi * 16 * K:(gi + 1) * 16 * K]
+        xdv = xdg[gi * nb * 16:(gi + 1) * nb * 16]
+        xsv = xsumg[gi * nb * 16:(gi + 1) * nb * 16]
+        xfv = xsg[gi * nb * 16:(gi + 1) * nb * 16]
+        nr = min(16, n - 16 * gi)
+        for m in range(m0, m1):
+            if R == 4:
+                leg_grp(kind, 4, w[m], nb, xgv, xdv, xsv, xfv, res)
+            elif R == 8:
+                leg_grp(kind, 8, w[m], nb, xgv, xdv, xsv, xfv, res)
+            else:
+                leg_grp(kind, 16, w[m], nb, xgv, xdv, xsv, xfv, res)
+            for r in range(nr):
+                out[16 * gi + r, m] = res[r]
+
+
+@njit(cache=True)
+def matvec_grp_leg(kind, x, w, xq, xd, xsum, xs, xg, xdg, xsumg, xsg, out, res, fresh):
+    """As matvec_grp_k for the 32-element formats."""
+    n, K = x.shape
+    if fresh:
+        quantize_q8_32_i8(x, xq, xd, xsum, xs)
+        group_q8_32(n, K, xq, xd, xsum, xs, xg, xdg, xsumg, xsg)
+    _grp_any(kind, w, xg, xdg, xsumg, xsg, out, res, n, K, 0, w.shape[0])
