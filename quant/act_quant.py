@@ -180,8 +180,9 @@ def group_q8_256(n, K, xq, xd, xb, xb16, xg, xdg, xbp, x16n):
 @njit(cache=True)
 def group_q8_32(n, K, xq, xd, xsum, xs, xg, xdg, xsumg, xsg):
     """Regroup quantize_q8_32_i8's flat outputs for vnni.leg_grp: codes as
-    _group_codes, lane arrays [ng, nb*16] (row r of a group in lane r*G):
-    xdg steps, xsumg code sums, xsg = xd * xsum."""
+    _group_codes, lane arrays [ng, nb*16] (blocks b..b+G-1, b a multiple of
+    G, in one 16-lane vector: block b+t of row r in lane r*G + t): xdg
+    steps, xsumg code sums, xsg = xd * xsum."""
     _group_codes(xq, n, K, xg)
     nb = K // 32
     ng = (n + 15) // 16
@@ -191,9 +192,10 @@ def group_q8_32(n, K, xq, xd, xsum, xs, xg, xdg, xsumg, xsg):
     for row in range(n):
         gi = row // 16
         R = 16 if gi < ng - 1 else _grp_r(n)
-        lane = (row % 16) * (16 // R)
+        G = 16 // R
         for b in range(nb):
-            i = (gi * nb + b) * 16 + lane
+            # block b of row r: vector b // G, lane r*G + b % G
+            i = gi * nb * 16 + (b // G) * 16 + (row % 16) * G + b % G
             xdg[i] = xd[row * nb + b]
             xsumg[i] = xsum[row * nb + b]
             xsg[i] = xs[row * nb + b]

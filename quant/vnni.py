@@ -12,13 +12,17 @@ How a weight block is used: its codes are unpacked to 32 unsigned bytes
 (nibbles, nibbles + 5th bit, or Q8_0's int8 xor 0x80) and multiplied with the
 activation row's int8 codes (act_quant.quantize_q8_*_i8) by one vpdpbusd.  The
 unsigned offset (8, 16, 128, 32 for Q6_K) comes back out exactly with the
-row's integer block sum.  Each block is decoded once for R = 1, 2 or 4
-activation rows, all in registers.
+row's integer block sum.
 
-Exactness: for a given (row, output) the float operations are the same
-whatever R is and whatever the other rows hold (batch invariance), and the
-integer parts are exact.  The results differ from the int16 kernels' in the
-last bits (different float summation order).
+One activation row (decode): leg_row1 / kq_row.  Two or more rows (speculative
+verification, batched decode): leg_grp / kq_grp, the rows of a group in the
+lanes of one zmm register and each W block decoded once for the whole group
+(see "row groups" below).
+
+Exactness: for a given (row, output) the float operations are the same in
+every kernel, whatever n is and whatever the other rows hold (batch
+invariance), and the integer parts are exact.  The results differ from the
+int16 kernels' in the last bits (different float summation order).
 """
 from __future__ import annotations
 
@@ -187,135 +191,6 @@ def _pair(builder, a, b):
     """a, b two vectors of one type -> their concatenation."""
     n = a.type.count
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, 2 * n), list(range(2 * n))))
-
-
-@intrinsic
-def leg_dot(typingctx, kind, R, MR, src, nb, xq, xd, xsum, xs, r0, K, res):
-    """res[i*MR + j] = row (r0+i) of x . W row j (src, src + nb*block bytes,
-    ...), i < R, j < MR, for a 32-element format.
-
-    src: the W row's bytes (uint8 1-D); xq int8 [n*K] flat; xd f32, xsum int32,
-    xs f32 [n*nb] flat (act_quant.quantize_q8_32_i8); res f32 [>= R].
-    Two blocks per 512-bit vpdpbusd, two accumulators (blocks 4q, 4q+1 and
-    4q+2, 4q+3), the remainder pair / single block in their own."""
-    if not (_literal(kind) and _literal(R) and _literal(MR)):
-        return None
-    k = kind.literal_value
-    nx = R.literal_value
-    nw = MR.literal_value
-    nrow = nx * nw        # (x row, W row) pairs, p = i * nw + j
-    BB, MOFF, QHOFF, QSOFF, CODE, OFF = _LEG[k]
-    sig = types.void(kind, R, MR, src, nb, xq, xd, xsum, xs, r0, K, res)
-
-    def codegen(context, builder, signature, args):
-        ta = signature.args
-        _, _, _, srcv, nbv, xqv, xdv, xsumv, xsv, r0v, Kv, resv = args
-        w0 = _data(context, builder, ta[3], srcv)
-        xqp = _data(context, builder, ta[5], xqv)
-        xdp = _data(context, builder, ta[6], xdv)
-        xsump = _data(context, builder, ta[7], xsumv)
-        xsp = _data(context, builder, ta[8], xsv)
-        resp = _data(context, builder, ta[11], resv)
-        nbv, r0v, Kv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (nbv, r0v, Kv)]
-        wrows = [builder.gep(w0, [builder.mul(nbv, _c(BB * j))]) for j in range(nw)]
-        xrow = [builder.mul(builder.add(r0v, _c(p // nw)), Kv) for p in range(nrow)]
-        brow = [builder.mul(builder.add(r0v, _c(p // nw)), nbv) for p in range(nrow)]
-
-        def zeros(t):
-            return [cgutils.alloca_once_value(builder, ir.Constant(t, None)) for _ in range(nrow)]
-        accA, accB, accC = zeros(_v16f32), zeros(_v16f32), zeros(_v8f32)
-        mA, mB, mC = zeros(_v2f32), zeros(_v2f32), zeros(_f32)
-
-        def codes(w, wo):
-            """32 unsigned code bytes of the block at byte offset wo."""
-            if CODE == "i8":
-                q = _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v32i8)
-                return builder.xor(q, ir.Constant(_v32i8, [0x80] * 32))
-            u = _nibbles(builder, _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v16i8))
-            if CODE == "nib5":
-                qp = builder.bitcast(builder.gep(w, [builder.add(wo, _c(QHOFF))]), _i32.as_pointer())
-                bits = builder.bitcast(builder.load(qp, align=1), ir.VectorType(_i1, 32))
-                u = builder.or_(u, builder.select(bits, ir.Constant(_v32i8, [16] * 32),
-                                                  ir.Constant(_v32i8, None)))
-            return u
-
-        def two(b, accs, maccs):
-          for j, w in enumerate(wrows):
-            wo0 = builder.mul(b, _c(BB))
-            wo1 = builder.add(wo0, _c(BB))
-            u = _pair(builder, codes(w, wo0), codes(w, wo1))
-            dw = _pair(builder, builder.insert_element(ir.Constant(ir.VectorType(_f32, 1), None),
-                                                       _load_half(builder, w, wo0), _c(0, _i32)),
-                       builder.insert_element(ir.Constant(ir.VectorType(_f32, 1), None),
-                                              _load_half(builder, w, wo1), _c(0, _i32)))
-            if MOFF >= 0:
-                mw = _pair(builder, builder.insert_element(ir.Constant(ir.VectorType(_f32, 1), None),
-                                                           _load_half(builder, w, builder.add(wo0, _c(MOFF))),
-                                                           _c(0, _i32)),
-                           builder.insert_element(ir.Constant(ir.VectorType(_f32, 1), None),
-                                                  _load_half(builder, w, builder.add(wo1, _c(MOFF))),
-                                                  _c(0, _i32)))
-            for i in range(j, nrow, nw):
-                xv = _load_vec(builder, xqp, builder.add(xrow[i], builder.mul(b, _c(32))), _v64i8)
-                bi = builder.add(brow[i], b)
-                dx = builder.load(builder.bitcast(builder.gep(xdp, [bi]), _v2f32.as_pointer()), align=4)
-                init = ir.Constant(_v16i32, None)
-                if OFF:
-                    sx = builder.load(builder.bitcast(builder.gep(xsump, [bi]),
-                                                      ir.VectorType(_i32, 2).as_pointer()), align=4)
-                    sx = builder.mul(sx, ir.Constant(ir.VectorType(_i32, 2), [-OFF] * 2))
-                    init = builder.shuffle_vector(sx, ir.Constant(ir.VectorType(_i32, 2), None),
-                                                  ir.Constant(ir.VectorType(_i32, 16),
-                                                              [0] + [2] * 7 + [1] + [2] * 7))
-                dp = _vpdpbusd512(builder, init, u, xv)
-                s16 = _shuf(builder, builder.fmul(dw, dx), [0] * 8 + [1] * 8)
-                builder.store(_fma_t(builder, builder.sitofp(dp, _v16f32), s16, builder.load(accs[i])), accs[i])
-                if MOFF >= 0:
-                    xs2 = builder.load(builder.bitcast(builder.gep(xsp, [bi]), _v2f32.as_pointer()), align=4)
-                    builder.store(_fma_t(builder, mw, xs2, builder.load(maccs[i])), maccs[i])
-
-        def one(b):
-          for j, w in enumerate(wrows):
-            wo = builder.mul(b, _c(BB))
-            u = codes(w, wo)
-            dw = _load_half(builder, w, wo)
-            mw = _load_half(builder, w, builder.add(wo, _c(MOFF))) if MOFF >= 0 else None
-            for i in range(j, nrow, nw):
-                xv = _load_vec(builder, xqp, builder.add(xrow[i], builder.mul(b, _c(32))), _v32i8)
-                bi = builder.add(brow[i], b)
-                dx = builder.load(builder.gep(xdp, [bi]))
-                init = ir.Constant(_v8i32, None)
-                if OFF:
-                    sx = builder.load(builder.gep(xsump, [bi]))
-                    init = builder.insert_element(init, builder.mul(sx, _c(-OFF, _i32)), _c(0, _i32))
-                dp = _vpdpbusd(builder, init, u, xv)
-                s = _splat(builder, builder.fmul(dw, dx), _v8f32)
-                builder.store(_fma_t(builder, builder.sitofp(dp, _v8f32), s, builder.load(accC[i])), accC[i])
-                if mw is not None:
-                    xsv_ = builder.load(builder.gep(xsp, [bi]))
-                    builder.store(_fma_t(builder, mw, xsv_, builder.load(mC[i])), mC[i])
-
-        nq = builder.sdiv(nbv, _c(4))
-        with cgutils.for_range(builder, nq) as loop:
-            b = builder.mul(loop.index, _c(4))
-            two(b, accA, mA)
-            two(builder.add(b, _c(2)), accB, mB)
-        rem = builder.and_(nbv, _c(3))
-        with builder.if_then(builder.icmp_signed(">=", rem, _c(2))):
-            two(builder.sub(nbv, rem), accA, mA)
-        with builder.if_then(builder.icmp_signed("!=", builder.and_(rem, _c(1)), _c(0))):
-            one(builder.sub(nbv, _c(1)))
-        for i in range(nrow):
-            t = builder.fadd(_hsumf(builder, builder.fadd(builder.load(accA[i]), builder.load(accB[i]))),
-                             _hsumf(builder, builder.load(accC[i])))
-            if MOFF >= 0:
-                m = builder.fadd(_hsumf(builder, builder.fadd(builder.load(mA[i]), builder.load(mB[i]))),
-                                 builder.load(mC[i]))
-                t = builder.fadd(t, m)
-            builder.store(t, builder.gep(resp, [_c(i)]))
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 def _reduce_add(builder, v):
@@ -500,7 +375,7 @@ def _kq_rows(kind, w, xq, xd, xb, out, res, n, K, m):
 @njit(inline="always")
 def _kq_all(kind, w, xq, xd, xb, out, res, n, K, m0, m1):
     m = m0
-    if n == 1 and w.strides[0] == w.shape[1] and w.shape[1] <= MULTI_ROW_MAX_BYTES:   # as _leg_all
+    if n == 1 and w.strides[0] == w.shape[1] and w.shape[1] <= MULTI_ROW_MAX_BYTES:
         nsb = K // 256
         while m + 4 <= m1:
             kq_row(kind, 1, 4, w[m], nsb, xq, xd, xb, 0, K, res)
@@ -989,44 +864,76 @@ def leg_grp(typingctx, kind, R, src, nb, xg, xdg, xsumg, xsg, res):
         xsp = _data(context, builder, ta[7], xsgv)
         resp = _data(context, builder, ta[8], resv)
         nbv = builder.sext(nbv, _i64) if nbv.type != _i64 else nbv
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_v16f32, None)) for _ in range(8)]
+        nst = 8 // G                                  # steps of G blocks per 8 blocks
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_v16f32, None)) for _ in range(nst)]
         nch = 8 // G                                  # 64-byte chunks per block
 
-        def lane16(p, b, t):
-            return builder.load(builder.bitcast(builder.gep(p, [builder.mul(b, _c(16))]),
+        def lane16(p, v, t):
+            return builder.load(builder.bitcast(builder.gep(p, [builder.mul(v, _c(16))]),
                                                 ir.VectorType(t, 16).as_pointer()), align=4)
 
-        def block(b, j):
-            wo = builder.mul(b, _c(BB))
-            u = _codes32(builder, w, wo, k)
-            p = ir.Constant(_v16i32, None)
+        def halves(b, off, nvalid):
+            """f16 field at `off` of blocks b..b+G-1 (0 past nvalid) in lanes l % G."""
+            h = ir.Constant(ir.VectorType(_i16, G), None)
+            for t in range(nvalid):
+                p = builder.bitcast(builder.gep(w, [builder.add(builder.mul(builder.add(b, _c(t)), _c(BB)),
+                                                                _c(off))]), _i16.as_pointer())
+                h = builder.insert_element(h, builder.load(p, align=1), _c(t, _i32))
+            f = builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), G)), ir.VectorType(_f32, G))
+            return builder.shuffle_vector(f, f, ir.Constant(ir.VectorType(_i32, 16), [l % G for l in range(16)]))
+
+        def step(b, si, nvalid):
+            """Blocks b..b+nvalid-1 (nvalid <= G, b a multiple of G) into accs[si]."""
+            ps = []
+            for t in range(G):
+                p = ir.Constant(_v16i32, None)
+                if t < nvalid:
+                    bt = builder.add(b, _c(t))
+                    u = _codes32(builder, w, builder.mul(bt, _c(BB)), k)
+                    xo = builder.mul(bt, _c(32 * nr))
+                    for c in range(nch):
+                        p = _vpdpbusd512(builder, p, _bcast_w(builder, u, c, G),
+                                         _load_vec(builder, xp, builder.add(xo, _c(64 * c)), _v64i8))
+                ps.append(p)
+            # transpose-reduce: lane r*G + t <- block b + t of row r (exact)
+            sp = G // 2
+            while sp >= 1:
+                h = len(ps) // 2
+                lo = [l if (l % G) % (2 * sp) < sp else 16 + l - sp for l in range(16)]
+                hi = [l + sp if (l % G) % (2 * sp) < sp else 16 + l for l in range(16)]
+                ps = [builder.add(builder.shuffle_vector(ps[i], ps[i + h], ir.Constant(ir.VectorType(_i32, 16), lo)),
+                                  builder.shuffle_vector(ps[i], ps[i + h], ir.Constant(ir.VectorType(_i32, 16), hi)))
+                      for i in range(h)]
+                sp //= 2
+            isum = ps[0]
+            v = builder.sdiv(b, _c(G))
             if OFF:
-                p = builder.mul(lane16(xsump, b, _i32), ir.Constant(_v16i32, [-OFF] * 16))
-            xo = builder.mul(b, _c(32 * nr))
-            for c in range(nch):
-                p = _vpdpbusd512(builder, p, _bcast_w(builder, u, c, G),
-                                 _load_vec(builder, xp, builder.add(xo, _c(64 * c)), _v64i8))
-            isum = _lane_reduce(builder, p, G)
-            s = builder.fmul(_splat16(builder, _load_half(builder, w, wo)), lane16(xdp, b, _f32))
-            a = _fma_t(builder, builder.sitofp(isum, _v16f32), s, builder.load(accs[j]))
+                isum = builder.sub(isum, builder.mul(lane16(xsump, v, _i32), ir.Constant(_v16i32, [OFF] * 16)))
+            sc = builder.fmul(halves(b, 0, nvalid), lane16(xdp, v, _f32))
+            old = builder.load(accs[si])
+            a = _fma_t(builder, builder.sitofp(isum, _v16f32), sc, old)
             if MOFF >= 0:
-                a = _fma_t(builder, _splat16(builder, _load_half(builder, w, builder.add(wo, _c(MOFF)))),
-                           lane16(xsp, b, _f32), a)
-            builder.store(a, accs[j])
+                a = _fma_t(builder, halves(b, MOFF, nvalid), lane16(xsp, v, _f32), a)
+            if nvalid < G:
+                a = builder.select(ir.Constant(ir.VectorType(_i1, 16), [int(l % G < nvalid) for l in range(16)]),
+                                   a, old)
+            builder.store(a, accs[si])
 
         nq = builder.sdiv(nbv, _c(8))
         with cgutils.for_range(builder, nq) as loop:
             b0 = builder.mul(loop.index, _c(8))
-            for j in range(8):
-                block(builder.add(b0, _c(j)), j)
+            for si in range(nst):
+                step(builder.add(b0, _c(si * G)), si, G)
         b0 = builder.mul(nq, _c(8))
         rem = builder.sub(nbv, b0)
-        for t in range(7):
-            with builder.if_then(builder.icmp_signed(">", rem, _c(t))):
-                block(builder.add(b0, _c(t)), t)
-        tot = _tree8(builder, [builder.load(a) for a in accs])
+        for t in range(1, 8):                          # rem == t: steps of the last t blocks
+            with builder.if_then(builder.icmp_signed("==", rem, _c(t))):
+                for si in range((t + G - 1) // G):
+                    step(builder.add(b0, _c(si * G)), si, min(G, t - si * G))
+        av = [builder.load(a) for a in accs]
         for r in range(nr):
-            builder.store(builder.extract_element(tot, _c(r * G, _i32)), builder.gep(resp, [_c(r)]))
+            aj = [builder.extract_element(av[j // G], _c(r * G + j % G, _i32)) for j in range(8)]
+            builder.store(_tree8(builder, aj), builder.gep(resp, [_c(r)]))
         return context.get_dummy_value()
 
     return sig, codegen
