@@ -50,7 +50,7 @@ def _cpu_has_vnni() -> bool:
 
 
 HAVE_VNNI = _cpu_has_vnni()
-# One x row (decode) runs 4 W rows per call when a row is at most this many
+# K-quants, one x row (decode): 4 W rows per kq_row call when a row is at most this many
 # bytes.  Measured streaming from DRAM, one thread (GB/s, 4 rows vs 1): Q4_1
 # K=576 (360 B) 13.2 vs 6.3, Q5_0 K=640 (440 B) 12.8 vs 6.8; but Q8_0 K=576
 # (612 B) 8.0 vs 10.8, Q5_0 K=896 (616 B) 4.0 vs 7.6, Q4_1 K=1536 (960 B)
