@@ -188,8 +188,11 @@ def _vnni_buffers(scratch, kk, n, K, nch):
 
 
 def _vnni_grouped(kind, n):
-    """Whether this kind and row count run the row-group kernels (vnni.kq_grp)."""
-    return n >= 2
+    """Whether this kind and row count run the row-group kernels (vnni.leg_grp,
+    vnni.kq_grp).  Q4_K/Q6_K at n=2 stay on kq_row (R=2): measured one core,
+    8960x1536, 0.83-0.88 ms vs 0.88-1.11 ms for a 4-lane group; kq_row and
+    kq_grp do the same float operations, so either is batch invariant."""
+    return n >= 3 if kind >= 10 else n >= 2
 
 
 def _vnni_activations(x, kind, bufs, acts):
