@@ -120,3 +120,82 @@ def quantize_q8_256_i8(x, xq, xd, xb, xb16):
             xb16[r * (K // 16) + j] = s
         for j in range(K // 32):
             xb[r * (K // 32) + j] = xb16[r * (K // 16) + 2 * j] + xb16[r * (K // 16) + 2 * j + 1]
+
+
+@njit(inline="always")
+def _grp_r(n):
+    t = n - 16 * ((n - 1) // 16)
+    return 4 if t <= 4 else 8 if t <= 8 else 16
+
+
+@njit(inline="always")
+def _group_codes(xq, n, K, xg):
+    """Flat int8 codes [n*K] -> row groups of 16 (the last of R = 4, 8 or 16
+    rows), group gi at xg[gi*16*K:]: chunk c of a group (64 bytes) holds
+    codes c*4G..c*4G+4G-1 of each of its R rows, G = 16 // R."""
+    ng = (n + 15) // 16
+    for gi in range(ng):
+        R = 16 if gi < ng - 1 else _grp_r(n)
+        G = 16 // R
+        base = gi * 16 * K
+        for c in range(K // (4 * G)):
+            for r in range(R):
+                row = gi * 16 + r
+                o = base + c * 64 + r * 4 * G
+                if row < n:
+                    src = row * K + c * 4 * G
+                    for t in range(4 * G):
+                        xg[o + t] = xq[src + t]
+                else:
+                    for t in range(4 * G):
+                        xg[o + t] = 0
+
+
+@njit(cache=True)
+def group_q8_256(n, K, xq, xd, xb, xb16, xg, xdg, xbp, x16n):
+    """Regroup quantize_q8_256_i8's flat outputs for vnni.kq_grp: codes as
+    _group_codes, and lane arrays (16 lanes per entry, row r of a group in lane
+    r*G, zeros elsewhere): xdg f32 [ng, nsb*16] steps, xbp int32 [ng, nsb*4*16]
+    code sums per 32 as int16 pairs (2p, 2p+1), x16n int32 [ng, nsb*16*16]
+    -32 * code sums per 16."""
+    _group_codes(xq, n, K, xg)
+    nsb = K // 256
+    ng = (n + 15) // 16
+    xdg[:ng * nsb * 16] = 0
+    xbp[:ng * nsb * 64] = 0
+    x16n[:ng * nsb * 256] = 0
+    for row in range(n):
+        gi = row // 16
+        R = 16 if gi < ng - 1 else _grp_r(n)
+        lane = (row % 16) * (16 // R)
+        for sb in range(nsb):
+            xdg[(gi * nsb + sb) * 16 + lane] = xd[row * nsb + sb]
+            for p in range(4):
+                j = row * (K // 32) + sb * 8 + 2 * p
+                xbp[(gi * nsb + sb) * 64 + p * 16 + lane] = (xb[j] & 0xFFFF) | (xb[j + 1] << 16)
+            for j in range(16):
+                x16n[(gi * nsb + sb) * 256 + j * 16 + lane] = -32 * xb16[row * (K // 16) + sb * 16 + j]
+
+
+@njit(cache=True)
+def group_q8_32(n, K, xq, xd, xsum, xs, xg, xdg, xsumg, xsg):
+    """Regroup quantize_q8_32_i8's flat outputs for vnni.leg_grp: codes as
+    _group_codes, lane arrays [ng, nb*16] (blocks b..b+G-1, b a multiple of
+    G, in one 16-lane vector: block b+t of row r in lane r*G + t): xdg
+    steps, xsumg code sums, xsg = xd * xsum."""
+    _group_codes(xq, n, K, xg)
+    nb = K // 32
+    ng = (n + 15) // 16
+    xdg[:ng * nb * 16] = 0
+    xsumg[:ng * nb * 16] = 0
+    xsg[:ng * nb * 16] = 0
+    for row in range(n):
+        gi = row // 16
+        R = 16 if gi < ng - 1 else _grp_r(n)
+        G = 16 // R
+        for b in range(nb):
+            # block b of row r: vector b // G, lane r*G + b % G
+            i = gi * nb * 16 + (b // G) * 16 + (row % 16) * G + b % G
+            xdg[i] = xd[row * nb + b]
+            xsumg[i] = xsum[row * nb + b]
+            xsg[i] = xs[row * nb + b]

@@ -173,24 +173,46 @@ def _vnni_buffers(scratch, kk, n, K, nch):
     b = scratch._sets.get(key)
     if b is None:
         g = scratch.get
+        ng = (n + 15) // 16
         if kk:
             b = (g("vxq256", (n * K,), np.int8), g("vxd256", (n * (K // 256),)),
                  g("vxb32", (n * (K // 32),), np.int32), g("vxb16", (n * (K // 16),), np.int32),
-                 g("vres", (nch, 4)))
+                 g("vres", (nch, 16)),
+                 # row groups (n >= 2): codes, steps, Q4_K min sums, Q6_K offset sums
+                 g("vxg256", (ng * 16 * K,), np.int8), g("vxdg256", (ng * (K // 256) * 16,)),
+                 g("vxbp", (ng * (K // 256) * 64,), np.int32), g("vx16n", (ng * (K // 256) * 256,), np.int32))
         else:
             b = (g("vxq32", (n * K,), np.int8), g("vxd32", (n * (K // 32),)),
                  g("vxsum32", (n * (K // 32),), np.int32), g("vxs32", (n * (K // 32),)),
-                 g("vres", (nch, 4)))
+                 g("vres", (nch, 16)),
+                 # row groups (n >= 2): codes, steps, code sums, steps * code sums
+                 g("vxg32", (ng * 16 * K,), np.int8), g("vxdg32", (ng * (K // 32) * 16,)),
+                 g("vxsumg", (ng * (K // 32) * 16,), np.int32), g("vxsg", (ng * (K // 32) * 16,)))
         scratch._sets[key] = b
     return b
 
 
+def _vnni_grouped(kind, n):
+    """Whether this kind and row count run the row-group kernels (vnni.leg_grp,
+    vnni.kq_grp).  Q4_K/Q6_K at n=2 stay on kq_row (R=2): measured one core,
+    8960x1536, 0.83-0.88 ms vs 0.88-1.11 ms for a 4-lane group; kq_row and
+    kq_grp do the same float operations, so either is batch invariant."""
+    return n >= 3 if kind >= 10 else n >= 2
+
+
 def _vnni_activations(x, kind, bufs, acts):
-    """(xq, xd, xs1, xs2) as vnni.rows_any wants them for this kind."""
+    """(xq, xd, xs1, xs2) as vnni.rows_any wants them for this kind, or for
+    the row-group kernels (n >= 2, _vnni_grouped) (xg, xdg, xa, xb) as
+    vnni.grp_rows wants them."""
     kk = kind >= 10
     if ("v", kk) not in acts:
         acts[("v", kk)] = True
         (quantize_q8_256_i8 if kk else quantize_q8_32_i8)(x, *bufs[:4])
+        if _vnni_grouped(kind, x.shape[0]):
+            n, K = x.shape
+            (KV.group_q8_256 if kk else KV.group_q8_32)(n, K, *bufs[:4], *bufs[5:9])
+    if _vnni_grouped(kind, x.shape[0]):
+        return bufs[5:9]
     if not kk:
         return bufs[:4]
     return bufs[0], bufs[1], bufs[2] if kind == 10 else bufs[3], bufs[1]
@@ -201,15 +223,19 @@ def _small_batch_vnni(x, W, out, scratch, acts, kind):
     n, K = x.shape
     M = w.shape[0]
     kk = kind >= 10
+    grouped = _vnni_grouped(kind, n)
     if M * K >= PARALLEL_MIN_ELEMS and _nthreads() > 1:
         nch = min(M, 8 * _nthreads())
         bufs = _vnni_buffers(scratch, kk, n, K, nch)
-        xq, xd, x1, x2 = _vnni_activations(x, kind, bufs, acts)
-        _run_parallel(KV.par_any, kind, w, xq, xd, x1, x2, out, bufs[4], n, K, nch)
+        xa = _vnni_activations(x, kind, bufs, acts)
+        _run_parallel(KV.grp_par if grouped else KV.par_any, kind, w, *xa, out, bufs[4], n, K, nch)
         return
     bufs = _vnni_buffers(scratch, kk, n, K, 1)
     fresh = ("v", kk) not in acts
     acts[("v", kk)] = True
+    if grouped:
+        (KV.matvec_grp_k if kk else KV.matvec_grp_leg)(kind, x, w, *bufs[:4], *bufs[5:9], out, bufs[4][0], fresh)
+        return
     (KV.matvec_k if kk else KV.matvec_leg)(kind, x, w, bufs[0], bufs[1], bufs[2], bufs[3], out,
                                             bufs[4][0], fresh)
 
@@ -450,7 +476,7 @@ def _fused(x, Ws, outs, scratch) -> bool:
         kk = kind >= 10
         bufs = _vnni_buffers(scratch, kk, n, K, nch)
         xa = _vnni_activations(x, kind, bufs, {})
-        _run_parallel(KV.multi_any, kind, tuple(W.data for W in Ws), *xa, tuple(outs), bufs[4], n, K,
+        _run_parallel(KV.grp_multi if _vnni_grouped(kind, n) else KV.multi_any, kind, tuple(W.data for W in Ws), *xa, tuple(outs), bufs[4], n, K,
                       cw, c0, c1)
         return True
     fam = _FAMILY[qt]

@@ -12,13 +12,17 @@ How a weight block is used: its codes are unpacked to 32 unsigned bytes
 (nibbles, nibbles + 5th bit, or Q8_0's int8 xor 0x80) and multiplied with the
 activation row's int8 codes (act_quant.quantize_q8_*_i8) by one vpdpbusd.  The
 unsigned offset (8, 16, 128, 32 for Q6_K) comes back out exactly with the
-row's integer block sum.  Each block is decoded once for R = 1, 2 or 4
-activation rows, all in registers.
+row's integer block sum.
 
-Exactness: for a given (row, output) the float operations are the same
-whatever R is and whatever the other rows hold (batch invariance), and the
-integer parts are exact.  The results differ from the int16 kernels' in the
-last bits (different float summation order).
+One activation row (decode): leg_row1 / kq_row.  Two or more rows (speculative
+verification, batched decode): leg_grp / kq_grp, the rows of a group in the
+lanes of one zmm register and each W block decoded once for the whole group
+(see "row groups" below).
+
+Exactness: for a given (row, output) the float operations are the same in
+every kernel, whatever n is and whatever the other rows hold (batch
+invariance), and the integer parts are exact.  The results differ from the
+int16 kernels' in the last bits (different float summation order).
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .act_quant import quantize_q8_256_i8, quantize_q8_32_i8
+from .act_quant import _grp_r as _grp_r_nb, group_q8_256, group_q8_32, quantize_q8_256_i8, quantize_q8_32_i8
 
 
 
@@ -46,7 +50,7 @@ def _cpu_has_vnni() -> bool:
 
 
 HAVE_VNNI = _cpu_has_vnni()
-# One x row (decode) runs 4 W rows per call when a row is at most this many
+# K-quants, one x row (decode): 4 W rows per kq_row call when a row is at most this many
 # bytes.  Measured streaming from DRAM, one thread (GB/s, 4 rows vs 1): Q4_1
 # K=576 (360 B) 13.2 vs 6.3, Q5_0 K=640 (440 B) 12.8 vs 6.8; but Q8_0 K=576
 # (612 B) 8.0 vs 10.8, Q5_0 K=896 (616 B) 4.0 vs 7.6, Q4_1 K=1536 (960 B)
@@ -189,135 +193,6 @@ def _pair(builder, a, b):
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, 2 * n), list(range(2 * n))))
 
 
-@intrinsic
-def leg_dot(typingctx, kind, R, MR, src, nb, xq, xd, xsum, xs, r0, K, res):
-    """res[i*MR + j] = row (r0+i) of x . W row j (src, src + nb*block bytes,
-    ...), i < R, j < MR, for a 32-element format.
-
-    src: the W row's bytes (uint8 1-D); xq int8 [n*K] flat; xd f32, xsum int32,
-    xs f32 [n*nb] flat (act_quant.quantize_q8_32_i8); res f32 [>= R].
-    Two blocks per 512-bit vpdpbusd, two accumulators (blocks 4q, 4q+1 and
-    4q+2, 4q+3), the remainder pair / single block in their own."""
-    if not (_literal(kind) and _literal(R) and _literal(MR)):
-        return None
-    k = kind.literal_value
-    nx = R.literal_value
-    nw = MR.literal_value
-    nrow = nx * nw        # (x row, W row) pairs, p = i * nw + j
-    BB, MOFF, QHOFF, QSOFF, CODE, OFF = _LEG[k]
-    sig = types.void(kind, R, MR, src, nb, xq, xd, xsum, xs, r0, K, res)
-
-    def codegen(context, builder, signature, args):
-        ta = signature.args
-        _, _, _, srcv, nbv, xqv, xdv, xsumv, xsv, r0v, Kv, resv = args
-        w0 = _data(context, builder, ta[3], srcv)
-        xqp = _data(context, builder, ta[5], xqv)
-        xdp = _data(context, builder, ta[6], xdv)
-        xsump = _data(context, builder, ta[7], xsumv)
-        xsp = _data(context, builder, ta[8], xsv)
-        resp = _data(context, builder, ta[11], resv)
-        nbv, r0v, Kv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (nbv, r0v, Kv)]
-        wrows = [builder.gep(w0, [builder.mul(nbv, _c(BB * j))]) for j in range(nw)]
-        xrow = [builder.mul(builder.add(r0v, _c(p // nw)), Kv) for p in range(nrow)]
-        brow = [builder.mul(builder.add(r0v, _c(p // nw)), nbv) for p in range(nrow)]
-
-        def zeros(t):
-            return [cgutils.alloca_once_value(builder, ir.Constant(t, None)) for _ in range(nrow)]
-        accA, accB, accC = zeros(_v16f32), zeros(_v16f32), zeros(_v8f32)
-        mA, mB, mC = zeros(_v2f32), zeros(_v2f32), zeros(_f32)
-
-        def codes(w, wo):
-            """32 unsigned code bytes of the block at byte offset wo."""
-            if CODE == "i8":
-                q = _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v32i8)
-                return builder.xor(q, ir.Constant(_v32i8, [0x80] * 32))
-            u = _nibbles(builder, _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v16i8))
-            if CODE == "nib5":
-                qp = builder.bitcast(builder.gep(w, [builder.add(wo, _c(QHOFF))]), _i32.as_pointer())
-                bits = builder.bitcast(builder.load(qp, align=1), ir.VectorType(_i1, 32))
-                u = builder.or_(u, builder.select(bits, ir.Constant(_v32i8, [16] * 32),
-                                                  ir.Constant(_v32i8, None)))
-            return u
-
-        def two(b, accs, maccs):
-          for j, w in enumerate(wrows):
-            wo0 = builder.mul(b, _c(BB))
-            wo1 = builder.add(wo0, _c(BB))
-            u = _pair(builder, codes(w, wo0), codes(w, wo1))
-            dw = _pair(builder, builder.insert_element(ir.Constant(ir.VectorType(_f32, 1), None),
-                                                       _load_half(builder, w, wo0), _c(0, _i32)),
-                       builder.insert_element(ir.Constant(ir.VectorType(_f32, 1), None),
-                                              _load_half(builder, w, wo1), _c(0, _i32)))
-            if MOFF >= 0:
-                mw = _pair(builder, builder.insert_element(ir.Constant(ir.VectorType(_f32, 1), None),
-                                                           _load_half(builder, w, builder.add(wo0, _c(MOFF))),
-                                                           _c(0, _i32)),
-                           builder.insert_element(ir.Constant(ir.VectorType(_f32, 1), None),
-                                                  _load_half(builder, w, builder.add(wo1, _c(MOFF))),
-                                                  _c(0, _i32)))
-            for i in range(j, nrow, nw):
-                xv = _load_vec(builder, xqp, builder.add(xrow[i], builder.mul(b, _c(32))), _v64i8)
-                bi = builder.add(brow[i], b)
-                dx = builder.load(builder.bitcast(builder.gep(xdp, [bi]), _v2f32.as_pointer()), align=4)
-                init = ir.Constant(_v16i32, None)
-                if OFF:
-                    sx = builder.load(builder.bitcast(builder.gep(xsump, [bi]),
-                                                      ir.VectorType(_i32, 2).as_pointer()), align=4)
-                    sx = builder.mul(sx, ir.Constant(ir.VectorType(_i32, 2), [-OFF] * 2))
-                    init = builder.shuffle_vector(sx, ir.Constant(ir.VectorType(_i32, 2), None),
-                                                  ir.Constant(ir.VectorType(_i32, 16),
-                                                              [0] + [2] * 7 + [1] + [2] * 7))
-                dp = _vpdpbusd512(builder, init, u, xv)
-                s16 = _shuf(builder, builder.fmul(dw, dx), [0] * 8 + [1] * 8)
-                builder.store(_fma_t(builder, builder.sitofp(dp, _v16f32), s16, builder.load(accs[i])), accs[i])
-                if MOFF >= 0:
-                    xs2 = builder.load(builder.bitcast(builder.gep(xsp, [bi]), _v2f32.as_pointer()), align=4)
-                    builder.store(_fma_t(builder, mw, xs2, builder.load(maccs[i])), maccs[i])
-
-        def one(b):
-          for j, w in enumerate(wrows):
-            wo = builder.mul(b, _c(BB))
-            u = codes(w, wo)
-            dw = _load_half(builder, w, wo)
-            mw = _load_half(builder, w, builder.add(wo, _c(MOFF))) if MOFF >= 0 else None
-            for i in range(j, nrow, nw):
-                xv = _load_vec(builder, xqp, builder.add(xrow[i], builder.mul(b, _c(32))), _v32i8)
-                bi = builder.add(brow[i], b)
-                dx = builder.load(builder.gep(xdp, [bi]))
-                init = ir.Constant(_v8i32, None)
-                if OFF:
-                    sx = builder.load(builder.gep(xsump, [bi]))
-                    init = builder.insert_element(init, builder.mul(sx, _c(-OFF, _i32)), _c(0, _i32))
-                dp = _vpdpbusd(builder, init, u, xv)
-                s = _splat(builder, builder.fmul(dw, dx), _v8f32)
-                builder.store(_fma_t(builder, builder.sitofp(dp, _v8f32), s, builder.load(accC[i])), accC[i])
-                if mw is not None:
-                    xsv_ = builder.load(builder.gep(xsp, [bi]))
-                    builder.store(_fma_t(builder, mw, xsv_, builder.load(mC[i])), mC[i])
-
-        nq = builder.sdiv(nbv, _c(4))
-        with cgutils.for_range(builder, nq) as loop:
-            b = builder.mul(loop.index, _c(4))
-            two(b, accA, mA)
-            two(builder.add(b, _c(2)), accB, mB)
-        rem = builder.and_(nbv, _c(3))
-        with builder.if_then(builder.icmp_signed(">=", rem, _c(2))):
-            two(builder.sub(nbv, rem), accA, mA)
-        with builder.if_then(builder.icmp_signed("!=", builder.and_(rem, _c(1)), _c(0))):
-            one(builder.sub(nbv, _c(1)))
-        for i in range(nrow):
-            t = builder.fadd(_hsumf(builder, builder.fadd(builder.load(accA[i]), builder.load(accB[i]))),
-                             _hsumf(builder, builder.load(accC[i])))
-            if MOFF >= 0:
-                m = builder.fadd(_hsumf(builder, builder.fadd(builder.load(mA[i]), builder.load(mB[i]))),
-                                 builder.load(mC[i]))
-                t = builder.fadd(t, m)
-            builder.store(t, builder.gep(resp, [_c(i)]))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 def _reduce_add(builder, v):
     fn = _fn(builder, f"llvm.vector.reduce.add.v{v.type.count}i32", _i32, [v.type])
     return builder.call(fn, [v])
@@ -440,45 +315,14 @@ def kq_row(typingctx, kind, R, MR, src, nsb, xq, xd, xb, r0, K, res):
 # ---------------------------------------------------------------- legacy rows
 
 @njit(inline="always")
-def _leg_rows(kind, w, xq, xd, xsum, xs, out, res, n, K, m):
-    nb = K // 32
-    src = w[m]
-    r = 0
-    while r + 4 <= n:
-        leg_dot(kind, 4, 1, src, nb, xq, xd, xsum, xs, r, K, res)
-        for i in range(4):
-            out[r + i, m] = res[i]
-        r += 4
-    if r + 2 <= n:
-        leg_dot(kind, 2, 1, src, nb, xq, xd, xsum, xs, r, K, res)
-        out[r, m] = res[0]
-        out[r + 1, m] = res[1]
-        r += 2
-    if r < n:
-        leg_dot(kind, 1, 1, src, nb, xq, xd, xsum, xs, r, K, res)
-        out[r, m] = res[0]
-
-
-@njit(inline="always")
 def _leg_all(kind, w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
-    m = m0
-    # one x row, short W rows: four W rows per call (more independent work per
-    # loop iteration, fewer per-row tails); same float operations per output
-    if n == 1 and w.strides[0] == w.shape[1] and w.shape[1] <= MULTI_ROW_MAX_BYTES:
-        nb = K // 32
-        while m + 4 <= m1:
-            leg_dot(kind, 1, 4, w[m], nb, xq, xd, xsum, xs, 0, K, res)
-            for j in range(4):
-                out[0, m + j] = res[j]
-            m += 4
-        while m + 2 <= m1:
-            leg_dot(kind, 1, 2, w[m], nb, xq, xd, xsum, xs, 0, K, res)
-            out[0, m] = res[0]
-            out[0, m + 1] = res[1]
-            m += 2
-    while m < m1:
-        _leg_rows(kind, w, xq, xd, xsum, xs, out, res, n, K, m)
-        m += 1
+    """Rows r < n (flat activations) one at a time against W rows m0..m1-1;
+    n >= 2 normally runs the row-group kernel (_grp_any) instead."""
+    nb = K // 32
+    for m in range(m0, m1):
+        for r in range(n):
+            leg_row1(kind, w[m], nb, xq, xd, xsum, xs, r, K, res)
+            out[r, m] = res[0]
 
 
 @njit(cache=True)
@@ -531,7 +375,7 @@ def _kq_rows(kind, w, xq, xd, xb, out, res, n, K, m):
 @njit(inline="always")
 def _kq_all(kind, w, xq, xd, xb, out, res, n, K, m0, m1):
     m = m0
-    if n == 1 and w.strides[0] == w.shape[1] and w.shape[1] <= MULTI_ROW_MAX_BYTES:   # as _leg_all
+    if n == 1 and w.strides[0] == w.shape[1] and w.shape[1] <= MULTI_ROW_MAX_BYTES:
         nsb = K // 256
         while m + 4 <= m1:
             kq_row(kind, 1, 4, w[m], nsb, xq, xd, xb, 0, K, res)
@@ -621,3 +465,507 @@ def matvec_k(kind, x, w, xq, xd, xb, xb16, out, res, fresh):
     if fresh:
         quantize_q8_256_i8(x, xq, xd, xb, xb16)
     _rows_any(kind, w, xq, xd, xb if kind == 10 else xb16, xd, out, res, n, K, 0, w.shape[0])
+
+
+# ---------------------------------------------------------------- row groups
+#
+# Several activation rows (2..16: speculative verification, batched decode)
+# against one W row, the rows laid out in the 16 int32 lanes of a zmm
+# register: a group of R = 4, 8 or 16 rows gives each row G = 16 / R lanes.
+# act_quant.group_q8 interleaves the int8 codes so that one 64-byte load holds
+# G dwords (4G codes) of each of the R rows; the W codes of those G dwords are
+# broadcast R times, and one vpdpbusd does 4G multiply-adds for every row.
+# Per-row values (scales, code sums) are "lane arrays": 16 lanes per block,
+# row r's value in lane r*G, zeros elsewhere.  Lanes never mix, so every
+# lane-wise float operation on lane r*G is exactly the scalar operation the
+# one-row kernels do for row r (batch invariance across kernels), and rows
+# beyond n (zero codes) only produce unused lanes.
+
+GROUP_R = (4, 8, 16)
+
+
+def _grp_r(n):
+    """Rows per group for the last group of n rows (groups of 16 before it)."""
+    t = n - 16 * ((n - 1) // 16)
+    return 4 if t <= 4 else 8 if t <= 8 else 16
+
+
+def _bcast_w(builder, u, c, G):
+    """u: 32 code bytes (v32i8); -> v64i8 holding dwords c*G..c*G+G-1 of u in
+    every row's G lanes."""
+    u32 = builder.bitcast(u, _v8i32)
+    return builder.bitcast(builder.shuffle_vector(u32, u32, ir.Constant(
+        ir.VectorType(_i32, 16), [c * G + l % G for l in range(16)])), _v64i8)
+
+
+def _lane_reduce(builder, v, G):
+    """Sum each row's G lanes into its first lane (integer, exact)."""
+    s = 1
+    while s < G:
+        v = builder.add(v, _shuf(builder, v, [l ^ s for l in range(16)]))
+        s *= 2
+    return v
+
+
+def _splat16(builder, v):
+    return _splat(builder, v, ir.VectorType(v.type, 16))
+
+
+@intrinsic
+def kq_grp(typingctx, kind, R, src, nsb, xg, xdg, xbp, x16n, res):
+    """res[r] = row r of a row group . the W row src, r < R, Q4_K / Q6_K.
+
+    xg int8 [K*R] interleaved codes, xdg f32 [nsb*16] lane steps, xbp int32
+    [nsb*4*16] (Q4_K: code sums per 32 as int16 pairs per lane), x16n int32
+    [nsb*16*16] (Q6_K: -32 * code sums per 16).  Same float operations per
+    row as kq_row."""
+    if not (_literal(kind) and _literal(R)):
+        return None
+    k = kind.literal_value
+    assert k in (Q4_K, Q6_K)
+    nr = R.literal_value
+    G = 16 // nr
+    sig = types.void(kind, R, src, nsb, xg, xdg, xbp, x16n, res)
+
+    def codegen(context, builder, signature, args):
+        ta = signature.args
+        _, _, srcv, nsbv, xgv, xdgv, xbpv, x16nv, resv = args
+        w = _data(context, builder, ta[2], srcv)
+        xp = _data(context, builder, ta[4], xgv)
+        xdp = _data(context, builder, ta[5], xdgv)
+        xbpp = _data(context, builder, ta[6], xbpv)
+        x16p = _data(context, builder, ta[7], x16nv)
+        resp = _data(context, builder, ta[8], resv)
+        nsbv = builder.sext(nsbv, _i64) if nsbv.type != _i64 else nsbv
+        bb = 144 if k == Q4_K else 210
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_v16f32, None))
+        zero = ir.Constant(_v16i32, None)
+        with cgutils.for_range(builder, nsbv) as loop:
+            sb = loop.index
+            o = builder.mul(sb, _c(bb))
+            xo = builder.mul(sb, _c(256 * nr))       # byte offset of this super-block in xg
+
+            def xchunk(q):                           # q: chunk index within the super-block
+                return _load_vec(builder, xp, builder.add(xo, _c(64 * q)), _v64i8)
+            dx = builder.load(builder.bitcast(builder.gep(xdp, [builder.mul(sb, _c(16))]),
+                                              _v16f32.as_pointer()), align=4)
+            if k == Q4_K:
+                d = _load_half(builder, w, o)
+                dmin = _load_half(builder, w, builder.add(o, _c(2)))
+                u = [builder.load(builder.bitcast(builder.gep(w, [builder.add(o, _c(4 + 4 * t))]),
+                                                  _i32.as_pointer()), align=1) for t in range(3)]
+                k1, k2, k3 = _c(0x3F3F3F3F, _i32), _c(0x0F0F0F0F, _i32), _c(0x03030303, _i32)
+                sc_lo = builder.and_(u[0], k1)
+                sc_hi = builder.or_(builder.and_(u[2], k2),
+                                    builder.shl(builder.and_(builder.lshr(u[0], _c(6, _i32)), k3), _c(4, _i32)))
+                mn_lo = builder.and_(u[1], k1)
+                mn_hi = builder.or_(builder.and_(builder.lshr(u[2], _c(4, _i32)), k2),
+                                    builder.shl(builder.and_(builder.lshr(u[1], _c(6, _i32)), k3), _c(4, _i32)))
+
+                def bytes8(lo, hi):
+                    two = builder.insert_element(ir.Constant(ir.VectorType(_i32, 2), None), lo, _c(0, _i32))
+                    two = builder.insert_element(two, hi, _c(1, _i32))
+                    return builder.bitcast(two, ir.VectorType(_i8, 8))
+                scb = builder.zext(bytes8(sc_lo, sc_hi), ir.VectorType(_i16, 8))
+                mnb = builder.zext(bytes8(mn_lo, mn_hi), ir.VectorType(_i16, 8))
+                z8 = ir.Constant(ir.VectorType(_i16, 8), None)
+                # (sc_j, 0) int16 pairs, and (mn_2p, mn_2p+1) pairs, as int32 lanes
+                scp = builder.bitcast(builder.shuffle_vector(scb, z8, ir.Constant(
+                    ir.VectorType(_i32, 16), [x for j in range(8) for x in (j, 8)])), _v8i32)
+                mnp = builder.bitcast(mnb, ir.VectorType(_i32, 4))
+                isum = zero
+                nch = 8 // G                         # chunks per 32-code sub-block
+                per = min(nch, 4)                    # chunks per int16-safe partial
+                for g in range(4):
+                    q = _load_vec(builder, w, builder.add(o, _c(16 + 32 * g)), _v32i8)
+                    for h in range(2):
+                        cu = (builder.and_(q, ir.Constant(_v32i8, [15] * 32)) if h == 0
+                              else builder.lshr(q, ir.Constant(_v32i8, [4] * 32)))
+                        j = 2 * g + h
+                        s16 = _splat16(builder, builder.extract_element(scp, _c(j, _i32)))
+                        for c0 in range(0, nch, per):
+                            p = zero
+                            for c in range(c0, c0 + per):
+                                p = _vpdpbusd512(builder, p, _bcast_w(builder, cu, c, G),
+                                                 xchunk(j * nch + c))
+                            isum = _vpdpwssd512(builder, isum, p, s16)
+                msum = zero
+                for pp in range(2 * 0, 4):
+                    xb = builder.load(builder.bitcast(builder.gep(xbpp, [builder.add(builder.mul(sb, _c(64)),
+                                                                                     _c(16 * pp))]),
+                                                      _v16i32.as_pointer()), align=4)
+                    msum = _vpdpwssd512(builder, msum, xb,
+                                        _splat16(builder, builder.extract_element(mnp, _c(pp, _i32))))
+                isum = _lane_reduce(builder, isum, G)
+                msum = _lane_reduce(builder, msum, G)
+                t1 = builder.fmul(builder.fmul(_splat16(builder, d), dx), builder.sitofp(isum, _v16f32))
+                t2 = builder.fmul(builder.fmul(_splat16(builder, dmin), dx), builder.sitofp(msum, _v16f32))
+                builder.store(builder.fadd(builder.load(acc), builder.fsub(t1, t2)), acc)
+            else:
+                d = _load_half(builder, w, builder.add(o, _c(208)))
+                S = builder.sext(_load_vec(builder, w, builder.add(o, _c(192)), _v16i8), ir.VectorType(_i32, 16))
+                nch = 4 // G                         # chunks per 16-code sub-block
+                isum = zero
+                for half in range(2):
+                    qh = _load_vec(builder, w, builder.add(o, _c(128 + 32 * half)), _v32i8)
+                    qa = [_load_vec(builder, w, builder.add(o, _c(64 * half + 32 * j)), _v32i8) for j in range(2)]
+                    for t in range(4):
+                        a = qa[t & 1]
+                        low = (builder.and_(a, ir.Constant(_v32i8, [15] * 32)) if t < 2
+                               else builder.lshr(a, ir.Constant(_v32i8, [4] * 32)))
+                        hb = builder.and_(builder.lshr(qh, ir.Constant(_v32i8, [2 * t] * 32)),
+                                          ir.Constant(_v32i8, [3] * 32))
+                        uu = builder.or_(low, builder.shl(hb, ir.Constant(_v32i8, [4] * 32)))
+                        for h in range(2):
+                            j = 8 * half + 2 * t + h          # sub-block of 16
+                            init = builder.load(builder.bitcast(
+                                builder.gep(x16p, [builder.add(builder.mul(sb, _c(256)), _c(16 * j))]),
+                                _v16i32.as_pointer()), align=4)
+                            p = init
+                            for c in range(nch):
+                                p = _vpdpbusd512(builder, p, _bcast_w(builder, uu, h * nch + c, G),
+                                                 xchunk(j * nch + c))
+                            isum = builder.add(isum, builder.mul(p, _splat16(
+                                builder, builder.extract_element(S, _c(j, _i32)))))
+                isum = _lane_reduce(builder, isum, G)
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(
+                    builder.fmul(_splat16(builder, d), dx), builder.sitofp(isum, _v16f32))), acc)
+        a = builder.load(acc)
+        for r in range(nr):
+            builder.store(builder.extract_element(a, _c(r * G, _i32)), builder.gep(resp, [_c(r)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _vpdpwssd512(builder, acc, a, b):
+    # (LLVM 22 declares the word operands as <32 x i16>; an i32 declaration is
+    # "auto-upgraded" into wrong code)
+    v32i16 = ir.VectorType(_i16, 32)
+    fn = _fn(builder, "llvm.x86.avx512.vpdpwssd.512", _v16i32, [_v16i32, v32i16, v32i16])
+    return builder.call(fn, [acc, builder.bitcast(a, v32i16), builder.bitcast(b, v32i16)])
+
+
+@njit(inline="always")
+def _kq_grp_rows(kind, w, xg, xdg, xbp, x16n, out, res, n, K, m0, m1):
+    nsb = K // 256
+    ng = (n + 15) // 16
+    for gi in range(ng):
+        R = 16 if gi < ng - 1 else _grp_r_nb(n)
+        xgv = xg[gi * 16 * K:(gi + 1) * 16 * K]
+        xdv = xdg[gi * nsb * 16:(gi + 1) * nsb * 16]
+        xbv = xbp[gi * nsb * 64:(gi + 1) * nsb * 64]
+        x16v = x16n[gi * nsb * 256:(gi + 1) * nsb * 256]
+        nr = min(16, n - 16 * gi)
+        for m in range(m0, m1):
+            if R == 4:
+                kq_grp(kind, 4, w[m], nsb, xgv, xdv, xbv, x16v, res)
+            elif R == 8:
+                kq_grp(kind, 8, w[m], nsb, xgv, xdv, xbv, x16v, res)
+            else:
+                kq_grp(kind, 16, w[m], nsb, xgv, xdv, xbv, x16v, res)
+            for r in range(nr):
+                out[16 * gi + r, m] = res[r]
+
+
+@njit(inline="always")
+def _grp_any(kind, w, xg, xdg, xa, xb, out, res, n, K, m0, m1):
+    """Row-group kernels (n >= 2): kinds 0-4 the 32-element formats (xa =
+    xsumg, xb = xsg), 10 Q4_K (xa = xbp, xb = x16n), 11 Q6_K."""
+    if kind == 0:
+        _leg_grp_rows(0, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+    elif kind == 1:
+        _leg_grp_rows(1, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+    elif kind == 2:
+        _leg_grp_rows(2, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+    elif kind == 3:
+        _leg_grp_rows(3, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+    elif kind == 4:
+        _leg_grp_rows(4, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+    elif kind == 10:
+        _kq_grp_rows(0, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+    else:
+        _kq_grp_rows(1, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+
+
+@njit(cache=True)
+def grp_rows(kind, w, xg, xdg, xa, xb, out, res, n, K, m0, m1):
+    _grp_any(kind, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+
+
+@njit(parallel=True, cache=True)
+def grp_par(kind, w, xg, xdg, xa, xb, out, res, n, K, nch):
+    """As par_any for the row-group kernels; res f32 [nch, 16]."""
+    M = w.shape[0]
+    per = (M + nch - 1) // nch
+    for c in prange(nch):
+        _grp_any(kind, w, xg, xdg, xa, xb, out, res[c], n, K, c * per, min(M, (c + 1) * per))
+
+
+@njit(parallel=True, cache=True)
+def grp_multi(kind, ws, xg, xdg, xa, xb, outs, res, n, K, cw, cm0, cm1):
+    for c in prange(cw.size):
+        _grp_any(kind, ws[cw[c]], xg, xdg, xa, xb, outs[cw[c]], res[c], n, K, cm0[c], cm1[c])
+
+
+@njit(cache=True)
+def matvec_grp_k(kind, x, w, xq, xd, xb, xb16, xg, xdg, xbp, x16n, out, res, fresh):
+    """One serial call, n >= 2, Q4_K / Q6_K: quantize x (when fresh), regroup,
+    all W rows with the row-group kernel."""
+    n, K = x.shape
+    if fresh:
+        quantize_q8_256_i8(x, xq, xd, xb, xb16)
+        group_q8_256(n, K, xq, xd, xb, xb16, xg, xdg, xbp, x16n)
+    _grp_any(kind, w, xg, xdg, xbp, x16n, out, res, n, K, 0, w.shape[0])
+
+
+# ------------------------------------------------ 32-element formats, per block
+#
+# The float operations per (x row r, W row m), the same in the one-row kernel
+# (leg_row1) and the row-group kernel (leg_grp): per block b the integer dot
+# I_b = sum(u * q) - OFF * xsum_b is exact; with j = b mod 8,
+#   a_j = fma(float(I_b), dw_b * dx_b, a_j)      (a_j = 0 at first)
+#   a_j = fma(mw_b, xs_b, a_j)                    (formats with a min)
+# and the result is ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
+
+
+def _codes32(builder, w, wo, k):
+    """32 unsigned code bytes of the legacy block of kind k at byte offset wo."""
+    BB, MOFF, QHOFF, QSOFF, CODE, OFF = _LEG[k]
+    if CODE == "i8":
+        q = _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v32i8)
+        return builder.xor(q, ir.Constant(_v32i8, [0x80] * 32))
+    u = _nibbles(builder, _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v16i8))
+    if CODE == "nib5":
+        qp = builder.bitcast(builder.gep(w, [builder.add(wo, _c(QHOFF))]), _i32.as_pointer())
+        bits = builder.bitcast(builder.load(qp, align=1), ir.VectorType(_i1, 32))
+        u = builder.or_(u, builder.select(bits, ir.Constant(_v32i8, [16] * 32), ir.Constant(_v32i8, None)))
+    return u
+
+
+def _transpose_sum8(builder, vs):
+    """8 x v8i32 -> v8i32 whose lane j is the sum of vs[j]'s lanes (exact)."""
+    def m(a, b, idx):
+        return builder.add(builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, 8), idx[0])),
+                           builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, 8), idx[1])))
+    l1 = ([0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15])
+    l2 = ([0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
+    l3 = ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+    w = [m(vs[2 * i], vs[2 * i + 1], l1) for i in range(4)]
+    x = [m(w[0], w[1], l2), m(w[2], w[3], l2)]
+    return m(x[0], x[1], l3)
+
+
+def _tree8(builder, a):
+    """((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) for 8 same-typed values."""
+    t = [builder.fadd(a[j], a[j + 4]) for j in range(4)]
+    u = [builder.fadd(t[j], t[j + 2]) for j in range(2)]
+    return builder.fadd(u[0], u[1])
+
+
+@intrinsic
+def leg_row1(typingctx, kind, src, nb, xq, xd, xsum, xs, r0, K, res):
+    """res[0] = row r0 of x . the W row src (32-element format `kind`), with
+    the flat activations of act_quant.quantize_q8_32_i8.  Eight blocks at a
+    time: their integer dots reduced into one vector (lane j: block 8q+j),
+    then one vector of float operations."""
+    if not _literal(kind):
+        return None
+    k = kind.literal_value
+    BB, MOFF, QHOFF, QSOFF, CODE, OFF = _LEG[k]
+    sig = types.void(kind, src, nb, xq, xd, xsum, xs, r0, K, res)
+
+    def codegen(context, builder, signature, args):
+        ta = signature.args
+        _, srcv, nbv, xqv, xdv, xsumv, xsv, r0v, Kv, resv = args
+        w = _data(context, builder, ta[1], srcv)
+        xqp = _data(context, builder, ta[3], xqv)
+        xdp = _data(context, builder, ta[4], xdv)
+        xsump = _data(context, builder, ta[5], xsumv)
+        xsp = _data(context, builder, ta[6], xsv)
+        resp = _data(context, builder, ta[9], resv)
+        nbv, r0v, Kv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (nbv, r0v, Kv)]
+        xrow = builder.mul(r0v, Kv)
+        brow = builder.mul(r0v, nbv)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_v8f32, None))
+
+        def dot(b):
+            xv = _load_vec(builder, xqp, builder.add(xrow, builder.mul(b, _c(32))), _v32i8)
+            return _vpdpbusd(builder, ir.Constant(_v8i32, None), _codes32(builder, w, builder.mul(b, _c(BB)), k), xv)
+
+        def halves(b0, off):
+            h = ir.Constant(ir.VectorType(_i16, 8), None)
+            for j in range(8):
+                p = builder.bitcast(builder.gep(w, [builder.add(builder.mul(builder.add(b0, _c(j)), _c(BB)),
+                                                                _c(off))]), _i16.as_pointer())
+                h = builder.insert_element(h, builder.load(p, align=1), _c(j, _i32))
+            return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), _v8f32)
+
+        def vec8(p, b, t):
+            return builder.load(builder.bitcast(builder.gep(p, [b]), ir.VectorType(t, 8).as_pointer()), align=4)
+
+        nq = builder.sdiv(nbv, _c(8))
+        with cgutils.for_range(builder, nq) as loop:
+            b0 = builder.mul(loop.index, _c(8))
+            isum = _transpose_sum8(builder, [dot(builder.add(b0, _c(j))) for j in range(8)])
+            bi = builder.add(brow, b0)
+            if OFF:
+                isum = builder.sub(isum, builder.mul(vec8(xsump, bi, _i32), ir.Constant(_v8i32, [OFF] * 8)))
+            s = builder.fmul(halves(b0, 0), vec8(xdp, bi, _f32))
+            a = _fma_t(builder, builder.sitofp(isum, _v8f32), s, builder.load(acc))
+            if MOFF >= 0:
+                a = _fma_t(builder, halves(b0, MOFF), vec8(xsp, bi, _f32), a)
+            builder.store(a, acc)
+        b0 = builder.mul(nq, _c(8))
+        rem = builder.sub(nbv, b0)
+        for t in range(7):
+            with builder.if_then(builder.icmp_signed(">", rem, _c(t))):
+                b = builder.add(b0, _c(t))
+                i = _reduce_add(builder, dot(b))
+                bi = builder.add(brow, b)
+                if OFF:
+                    i = builder.sub(i, builder.mul(builder.load(builder.gep(xsump, [bi])), _c(OFF, _i32)))
+                wo = builder.mul(b, _c(BB))
+                s = builder.fmul(_load_half(builder, w, wo), builder.load(builder.gep(xdp, [bi])))
+                av = builder.load(acc)
+                a = _fma_t(builder, builder.sitofp(i, _f32), s, builder.extract_element(av, _c(t, _i32)))
+                if MOFF >= 0:
+                    a = _fma_t(builder, _load_half(builder, w, builder.add(wo, _c(MOFF))),
+                               builder.load(builder.gep(xsp, [bi])), a)
+                builder.store(builder.insert_element(av, a, _c(t, _i32)), acc)
+        av = builder.load(acc)
+        builder.store(_tree8(builder, [builder.extract_element(av, _c(j, _i32)) for j in range(8)]),
+                      builder.gep(resp, [_c(0)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def leg_grp(typingctx, kind, R, src, nb, xg, xdg, xsumg, xsg, res):
+    """res[r] = row r of a row group . the W row src, r < R, 32-element
+    format `kind`.  xg int8 [K*R] interleaved codes (act_quant.group_q8_32);
+    lane arrays [nb*16]: xdg f32 steps, xsumg int32 code sums, xsg f32 xd*xsum."""
+    if not (_literal(kind) and _literal(R)):
+        return None
+    k = kind.literal_value
+    nr = R.literal_value
+    G = 16 // nr
+    BB, MOFF, QHOFF, QSOFF, CODE, OFF = _LEG[k]
+    sig = types.void(kind, R, src, nb, xg, xdg, xsumg, xsg, res)
+
+    def codegen(context, builder, signature, args):
+        ta = signature.args
+        _, _, srcv, nbv, xgv, xdgv, xsumgv, xsgv, resv = args
+        w = _data(context, builder, ta[2], srcv)
+        xp = _data(context, builder, ta[4], xgv)
+        xdp = _data(context, builder, ta[5], xdgv)
+        xsump = _data(context, builder, ta[6], xsumgv)
+        xsp = _data(context, builder, ta[7], xsgv)
+        resp = _data(context, builder, ta[8], resv)
+        nbv = builder.sext(nbv, _i64) if nbv.type != _i64 else nbv
+        nst = 8 // G                                  # steps of G blocks per 8 blocks
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_v16f32, None)) for _ in range(nst)]
+        nch = 8 // G                                  # 64-byte chunks per block
+
+        def lane16(p, v, t):
+            return builder.load(builder.bitcast(builder.gep(p, [builder.mul(v, _c(16))]),
+                                                ir.VectorType(t, 16).as_pointer()), align=4)
+
+        def halves(b, off, nvalid):
+            """f16 field at `off` of blocks b..b+G-1 (0 past nvalid) in lanes l % G."""
+            h = ir.Constant(ir.VectorType(_i16, G), None)
+            for t in range(nvalid):
+                p = builder.bitcast(builder.gep(w, [builder.add(builder.mul(builder.add(b, _c(t)), _c(BB)),
+                                                                _c(off))]), _i16.as_pointer())
+                h = builder.insert_element(h, builder.load(p, align=1), _c(t, _i32))
+            f = builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), G)), ir.VectorType(_f32, G))
+            return builder.shuffle_vector(f, f, ir.Constant(ir.VectorType(_i32, 16), [l % G for l in range(16)]))
+
+        def step(b, si, nvalid):
+            """Blocks b..b+nvalid-1 (nvalid <= G, b a multiple of G) into accs[si]."""
+            ps = []
+            for t in range(G):
+                p = ir.Constant(_v16i32, None)
+                if t < nvalid:
+                    bt = builder.add(b, _c(t))
+                    u = _codes32(builder, w, builder.mul(bt, _c(BB)), k)
+                    xo = builder.mul(bt, _c(32 * nr))
+                    for c in range(nch):
+                        p = _vpdpbusd512(builder, p, _bcast_w(builder, u, c, G),
+                                         _load_vec(builder, xp, builder.add(xo, _c(64 * c)), _v64i8))
+                ps.append(p)
+            # transpose-reduce: lane r*G + t <- block b + t of row r (exact)
+            sp = G // 2
+            while sp >= 1:
+                h = len(ps) // 2
+                lo = [l if (l % G) % (2 * sp) < sp else 16 + l - sp for l in range(16)]
+                hi = [l + sp if (l % G) % (2 * sp) < sp else 16 + l for l in range(16)]
+                ps = [builder.add(builder.shuffle_vector(ps[i], ps[i + h], ir.Constant(ir.VectorType(_i32, 16), lo)),
+                                  builder.shuffle_vector(ps[i], ps[i + h], ir.Constant(ir.VectorType(_i32, 16), hi)))
+                      for i in range(h)]
+                sp //= 2
+            isum = ps[0]
+            v = builder.sdiv(b, _c(G))
+            if OFF:
+                isum = builder.sub(isum, builder.mul(lane16(xsump, v, _i32), ir.Constant(_v16i32, [OFF] * 16)))
+            sc = builder.fmul(halves(b, 0, nvalid), lane16(xdp, v, _f32))
+            old = builder.load(accs[si])
+            a = _fma_t(builder, builder.sitofp(isum, _v16f32), sc, old)
+            if MOFF >= 0:
+                a = _fma_t(builder, halves(b, MOFF, nvalid), lane16(xsp, v, _f32), a)
+            if nvalid < G:
+                a = builder.select(ir.Constant(ir.VectorType(_i1, 16), [int(l % G < nvalid) for l in range(16)]),
+                                   a, old)
+            builder.store(a, accs[si])
+
+        nq = builder.sdiv(nbv, _c(8))
+        with cgutils.for_range(builder, nq) as loop:
+            b0 = builder.mul(loop.index, _c(8))
+            for si in range(nst):
+                step(builder.add(b0, _c(si * G)), si, G)
+        b0 = builder.mul(nq, _c(8))
+        rem = builder.sub(nbv, b0)
+        for t in range(1, 8):                          # rem == t: steps of the last t blocks
+            with builder.if_then(builder.icmp_signed("==", rem, _c(t))):
+                for si in range((t + G - 1) // G):
+                    step(builder.add(b0, _c(si * G)), si, min(G, t - si * G))
+        av = [builder.load(a) for a in accs]
+        for r in range(nr):
+            aj = [builder.extract_element(av[j // G], _c(r * G + j % G, _i32)) for j in range(8)]
+            builder.store(_tree8(builder, aj), builder.gep(resp, [_c(r)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def _leg_grp_rows(kind, w, xg, xdg, xsumg, xsg, out, res, n, K, m0, m1):
+    nb = K // 32
+    ng = (n + 15) // 16
+    for gi in range(ng):
+        R = 16 if gi < ng - 1 else _grp_r_nb(n)
+        xgv = xg[gi * 16 * K:(gi + 1) * 16 * K]
+        xdv = xdg[gi * nb * 16:(gi + 1) * nb * 16]
+        xsv = xsumg[gi * nb * 16:(gi + 1) * nb * 16]
+        xfv = xsg[gi * nb * 16:(gi + 1) * nb * 16]
+        nr = min(16, n - 16 * gi)
+        for m in range(m0, m1):
+            if R == 4:
+                leg_grp(kind, 4, w[m], nb, xgv, xdv, xsv, xfv, res)
+            elif R == 8:
+                leg_grp(kind, 8, w[m], nb, xgv, xdv, xsv, xfv, res)
+            else:
+                leg_grp(kind, 16, w[m], nb, xgv, xdv, xsv, xfv, res)
+            for r in range(nr):
+                out[16 * gi + r, m] = res[r]
+
+
+@njit(cache=True)
+def matvec_grp_leg(kind, x, w, xq, xd, xsum, xs, xg, xdg, xsumg, xsg, out, res, fresh):
+    """As matvec_grp_k for the 32-element formats."""
+    n, K = x.shape
+    if fresh:
+        quantize_q8_32_i8(x, xq, xd, xsum, xs)
+        group_q8_32(n, K, xq, xd, xsum, xs, xg, xdg, xsumg, xsg)
+    _grp_any(kind, w, xg, xdg, xsumg, xsg, out, res, n, K, 0, w.shape[0])

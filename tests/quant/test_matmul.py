@@ -152,3 +152,22 @@ def test_single_row_multi_w_row_path(qtype, K, rng):
     for r in (0, 3):
         np.testing.assert_array_equal(matmul(x[r:r + 1], W)[0], batch[r])
     _check(x[:1], W, matmul(x[:1], W))
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
+                                   GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_row_groups_long_rows(qtype, rng):
+    """Row-group kernels (n >= 2: groups of 4, 8 or 16 rows in vector lanes)
+    and the one-row kernel on rows long enough for their main loops and every
+    tail (K = 1248 / 1280: 39 / 40 blocks; 5 super-blocks): each row equals its
+    n=1 value bit for bit for every n <= 16, and n = 17..31 (several groups)
+    stays within the bound."""
+    M = 21
+    K = 1280 if TYPE_INFO[qtype][0] == 256 else 1248
+    W = QTensor("w", qtype, (M, K), random_weight_bytes(rng, qtype, M, K))
+    x = (rng.standard_normal((31, K)) * rng.uniform(0.01, 100, (31, 1))).astype(np.float32)
+    alone = np.stack([matmul(x[r:r + 1], W)[0] for r in range(31)])
+    for n in range(2, BATCH_INVARIANT_MAX_ROWS + 1):
+        np.testing.assert_array_equal(matmul(x[:n], W), alone[:n], err_msg=f"n={n}")
+    for n in (17, 24, 31):
+        _check(x[:n], W, matmul(x[:n], W))
