@@ -288,7 +288,8 @@ class Drafter:
         self.draft, self.target = draft, target
         self.k = min(k, 15)          # k+1 rows stay within quant's batch-invariant range
         self.adaptive = adaptive
-        stops = set(target.tokenizer.stop_ids) | {target.tokenizer.eos_id or 0}
+        tok = target.tokenizer      # None for weights-only models (GPU test files)
+        stops = set(tok.stop_ids) | {tok.eos_id or 0} if tok is not None else set()
         self.vocab_ids = restrict_draft_vocab(draft, draft_vocab, stops)
         self.dseq: Sequence | None = None
         self.stats = SpecStats()
