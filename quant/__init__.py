@@ -51,7 +51,7 @@ from .types import (BLOCK_LAYOUT, QK, QK_K, SUPPORTED, TYPE_INFO, GGMLType, Unsu
                     row_nbytes, tensor_nbytes, type_name)
 from .tensor import QTensor
 from .dequant import dequantize, dequantize_rows
-from .matmul_cpu import (BATCH_INVARIANT_MAX_ROWS, Scratch, matmul, matmul_into, matmul_multi)
+from .matmul_cpu import (BATCH_INVARIANT_MAX_ROWS, Scratch, matmul, matmul_dequant, matmul_into, matmul_multi)
 from .encode import quantize
 
 __all__ = [

@@ -14,8 +14,11 @@ Paths, chosen per call from the row count n of x:
   operations that produce y[r, m] involve only x[r] and W[m] and do not depend
   on n or on how rows are split between threads: batch invariance.
 * large batches (prompt processing): W is dequantized one tile of rows at a
-  time into float32 scratch and multiplied with BLAS sgemm (np.matmul); each
-  weight block is decoded once per call.
+  time into float32 scratch and multiplied with single-threaded OpenBLAS
+  sgemm inside Numba's pool (gemm_tiles.py); each weight block is decoded
+  once per call.  LLAMBA_INT8_PREFILL=1 uses the VNNI row groups instead
+  (faster, 8-bit activations: see _sgemm_path).  matmul_dequant keeps x in
+  float32 at any row count.
 
 Small matrices (M*K < PARALLEL_MIN_ELEMS) run on the calling thread: waking
 the thread pool costs more than it saves, and on a busy machine a parallel
@@ -164,6 +167,8 @@ def _buffers(scratch, fam, n, K, nch):
 # AVX512-VNNI kernels (quant/vnni.py) where the CPU has them: kind code per type.
 # USE_VNNI is read per call, so tests can run the int16 fallback too.
 USE_VNNI = KV.HAVE_VNNI
+# prompt processing on the VNNI kernels too (see _sgemm_path): faster, 8-bit activations
+INT8_PREFILL = os.environ.get("LLAMBA_INT8_PREFILL", "0") == "1"
 _VNNI_KIND = {GGMLType.Q4_0: 0, GGMLType.Q4_1: 1, GGMLType.Q5_0: 2, GGMLType.Q5_1: 3,
               GGMLType.Q8_0: 4, GGMLType.Q4_K: 10, GGMLType.Q6_K: 11}
 
@@ -361,10 +366,34 @@ def matmul_into(x: np.ndarray, W: QTensor, out: np.ndarray, scratch: Scratch) ->
 
     x: float32 [n, K] C-contiguous; out: float32 [n, M] C-contiguous; W: 2-D QTensor.
     """
-    if x.shape[0] >= LARGE_BATCH_MIN:
+    if _sgemm_path(x.shape[0], W.qtype):
         return _matmul_large(x, W, out, scratch)
     _small_batch(x, W, out, scratch, {})
     return out
+
+
+def _sgemm_path(n: int, qtype) -> bool:
+    """Whether n rows of x go through dequantize-tile + sgemm (x kept in float32).
+
+    With INT8_PREFILL the VNNI kernels' row groups (16 rows per pass over a W
+    block) take every row count where they exist for the type, as llama.cpp's
+    int8 path does.  That is faster (2 threads, pp512 interleaved: Qwen2.5-0.5B
+    239/247 vs 199/209 t/s, SmolLM2 265/265 vs 175/176, gemma3 243/273 vs
+    215/220) but rounds every prompt activation to 8 bits: against HF
+    transformers over a 256-token text, top-1 agreement fell from 100% to
+    97.7% (SmolLM2) and 97.3% (gemma3), mean KL from 4e-7 to 3-5e-3.  Prompt
+    logits stay float32-exact by default; set LLAMBA_INT8_PREFILL=1 to trade."""
+    return n >= LARGE_BATCH_MIN and not (INT8_PREFILL and USE_VNNI and qtype in _VNNI_KIND)
+
+
+def matmul_dequant(x: np.ndarray, W: QTensor, out: np.ndarray | None = None) -> np.ndarray:
+    """y = x @ dequantize(W).T with x kept in float32 (dequantize a tile, sgemm)
+    at any row count: the float reference path, for tests and comparisons."""
+    _check(x, W, out)
+    x = np.ascontiguousarray(x)
+    if out is None:
+        out = np.empty((x.shape[0], W.shape[0]), np.float32)
+    return _matmul_large(x, W, out, default_scratch())
 
 
 def _check(x, W, out):
@@ -418,13 +447,7 @@ def matmul_multi(x: np.ndarray, Ws: list[QTensor], outs: list[np.ndarray | None]
         _check(x, W, o)
     outs = [np.empty((n, W.shape[0]), np.float32) if o is None else o for W, o in zip(Ws, outs)]
     tgts = [o if o.flags.c_contiguous else np.empty(o.shape, np.float32) for o in outs]
-    if n < LARGE_BATCH_MIN and not _fused(x, Ws, tgts, scratch):
-        acts = {}
-        for W, t in zip(Ws, tgts):
-            _small_batch(x, W, t, scratch, acts)
-    elif n >= LARGE_BATCH_MIN:
-        for W, t in zip(Ws, tgts):
-            _matmul_large(x, W, t, scratch)
+    matmul_multi_into(x, Ws, tgts, scratch)
     for o, t in zip(outs, tgts):
         if t is not o:
             o[...] = t
@@ -434,9 +457,10 @@ def matmul_multi(x: np.ndarray, Ws: list[QTensor], outs: list[np.ndarray | None]
 def matmul_multi_into(x: np.ndarray, Ws, outs, scratch: Scratch):
     """matmul_multi without argument checks or allocation (hot path): x float32
     [n, K] C-contiguous, outs float32 [n, M_i] C-contiguous."""
-    if x.shape[0] >= LARGE_BATCH_MIN:
+    n = x.shape[0]
+    if n >= LARGE_BATCH_MIN and any(_sgemm_path(n, W.qtype) for W in Ws):
         for W, o in zip(Ws, outs):
-            _matmul_large(x, W, o, scratch)
+            matmul_into(x, W, o, scratch)
     elif not _fused(x, Ws, outs, scratch):
         acts = {}
         for W, o in zip(Ws, outs):
@@ -490,7 +514,7 @@ def activation_block(qtype, n: int) -> int:
     """Block size of the 8-bit activation quantization matmul uses for this
     weight type and row count, 0 when x stays float32 (what the accuracy bound
     in the tests depends on)."""
-    if n >= LARGE_BATCH_MIN:
+    if _sgemm_path(n, qtype):
         return 0
     t = GGMLType(qtype)
     return 256 if t in _K else 32 if t in _LEGACY else 0
@@ -516,7 +540,7 @@ def matmul_float_fma(x, W, out, scratch):
 
 def kernel_name(qtype, n: int) -> str:
     """Which kernel matmul uses for this type and row count (for the benchmark)."""
-    if n >= LARGE_BATCH_MIN:
+    if _sgemm_path(n, qtype):
         return "dequant-tile+sgemm"
     t = GGMLType(qtype)
     if USE_VNNI and t in _VNNI_KIND:
