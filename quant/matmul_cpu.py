@@ -260,13 +260,14 @@ _FAMILY = {t: 0 for t in _K} | {t: 1 for t in _LEGACY} | {GGMLType.F32: 2, GGMLT
 def _run_parallel(kernel, *args):
     # chunks of W rows are handed out one at a time instead of split evenly up
     # front, so a thread that the OS deschedules holds back one chunk, not half
-    # the matrix.  (Set from Python: calling set_parallel_chunksize inside a
-    # kernel makes Numba refuse to cache it.)
-    old = numba.set_parallel_chunksize(1)
-    try:
-        kernel(*args)
-    finally:
-        numba.set_parallel_chunksize(old)
+    # the matrix.  The setting is per calling thread and every parallel kernel
+    # Llamba runs is coarse-grained, so it is set once per thread and left on
+    # (setting and restoring it took two Numba calls per matmul, ~100 matmuls a
+    # token; calling it inside a kernel makes Numba refuse to cache the kernel).
+    if not getattr(_local, "chunk1", False):
+        numba.set_parallel_chunksize(1)
+        _local.chunk1 = True
+    kernel(*args)
 
 
 def _small_batch(x, W, out, scratch, acts):
