@@ -367,6 +367,55 @@ def vexp_le0(typingctx, a):
     return f32x16(a), codegen
 
 
+def _transpose16(builder, rows):
+    """16 <16 x float> rows -> 16 columns: 4 butterfly stages of 2-input shuffles."""
+    rows = list(rows)
+    b = 1
+    while b < _VW:
+        nxt = list(rows)
+        for i in range(_VW):
+            if i & b:
+                continue
+            lo = [l if not l & b else _VW + l - b for l in range(_VW)]
+            hi = [l + b if not l & b else _VW + l for l in range(_VW)]
+            nxt[i] = builder.shuffle_vector(rows[i], rows[i + b], ir.Constant(_I16V, lo))
+            nxt[i + b] = builder.shuffle_vector(rows[i], rows[i + b], ir.Constant(_I16V, hi))
+        rows = nxt
+        b *= 2
+    return rows
+
+
+@intrinsic
+def kt16_f16(typingctx, pool, offs, i0, x0, kt, o, ld):
+    """Convert and transpose a 16 x 16 block of f16 K: for i, j < 16,
+    kt.flat[o + j*ld + i] = f16(pool.flat[offs[i0 + i] + x0 + j])."""
+    if not (isinstance(pool, types.Array) and _is_f32_array(kt)):
+        return None
+    sig = types.void(pool, offs, types.intp, types.intp, kt, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        if signature.args[0].dtype != types.uint16:
+            # typed for the q8_0 pool too (one kernel source for both), never called there
+            return context.get_dummy_value()
+        pool_v, offs_v, i0_v, x0_v, kt_v, o_v, ld_v = args
+        ta = signature.args
+        pdata = context.make_array(ta[0])(context, builder, pool_v).data
+        odata = context.make_array(ta[1])(context, builder, offs_v).data
+        kdata = context.make_array(ta[4])(context, builder, kt_v).data
+        vh = ir.VectorType(ir.HalfType(), _VW)
+        rows = []
+        for i in range(_VW):
+            off = builder.load(builder.gep(odata, [builder.add(i0_v, ir.Constant(i0_v.type, i))]))
+            off = context.cast(builder, off, ta[1].dtype, types.intp)
+            ptr = builder.bitcast(builder.gep(pdata, [builder.add(off, x0_v)]), vh.as_pointer())
+            rows.append(builder.fpext(builder.load(ptr, align=2), _V16))
+        for j, col in enumerate(_transpose16(builder, rows)):
+            idx = builder.add(o_v, builder.mul(ld_v, ir.Constant(ld_v.type, j)))
+            builder.store(col, builder.bitcast(builder.gep(kdata, [idx]), _V16.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
 # keys per K/V tile of paged_attention (4 vectors: the micro-kernels are written
 # for exactly 4 x 16 keys); the tile is converted to f32 once per work item
 # (K transposed, [Dp, BK]) and stays in L1/L2 while every query row runs against it
@@ -503,6 +552,7 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
     g = h // kvh
     per_tile = kvh * n_splits
     dp = (d + 63) // 64 * 64
+    fast_k = not quantized and d % 16 == 0
     for it in nb.prange(n_tiles * per_tile):
         # zig-zag over tiles so that contiguous chunks of items (one per thread)
         # mix short early tiles with long late ones under causal masking
@@ -535,6 +585,7 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
         sc = np.empty((_RB, ATTN_BK), np.float32)
         rc0 = np.empty(_RB, np.int64)
         rc1 = np.empty(_RB, np.int64)
+        koff = np.empty(ATTN_BK, np.int64)
         for r in range(rows):
             for x in range(d):
                 qs[r, x] = q[t0 + r // g, kh * g + r % g, x] * scale
@@ -549,9 +600,20 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
                 run = min(nk - c, block_size - off)
                 base = table[blk] * block_size + off
                 for e in range(run):
-                    _load_col(k_pool, k_scale, quantized, base + e, kh, d, kt, c + e)
+                    if fast_k:
+                        koff[c + e] = ((base + e) * kvh + kh) * d
+                    else:
+                        _load_col(k_pool, k_scale, quantized, base + e, kh, d, kt, c + e)
                     _load_row_d(v_pool, v_scale, quantized, base + e, kh, d, vf, c + e)
                 c += run
+            if fast_k:
+                # K: 16 keys x 16 dims at a time, converted and transposed in
+                # registers (keys past nk repeat the last one: masked anyway)
+                for c in range(nk, (nk + 15) // 16 * 16):
+                    koff[c] = koff[nk - 1]
+                for c16 in range(0, nk, 16):
+                    for x0 in range(0, d, 16):
+                        kt16_f16(k_pool, koff, c16, x0, kt, x0 * ATTN_BK + c16, ATTN_BK)
             for r0 in range(0, rp, _RB):
                 # each row's keys inside its causal window: c in [c0, c1)
                 cu0 = ATTN_BK
