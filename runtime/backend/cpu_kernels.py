@@ -56,25 +56,39 @@ def rope(x, positions, inv_freq, neox, pos_scale):
                     x[t, hh, 2 * i + 1] = a * s + b * c
 
 
+@nb.njit(inline="always")
+def _sigmoid(v):
+    """1 / (1 + exp(-v)) through _exp_le0(-|v|) (no overflow, branch-free selects,
+    so loops over it vectorize; np.exp was a scalar libm call per element)."""
+    e = _exp_le0(-abs(v))
+    r = np.float32(1.0) / (np.float32(1.0) + e)
+    return r if v >= 0 else e * r
+
+
 @nb.njit(**_JIT)
 def silu_mul(g, u):
     """g = silu(g) * u (SwiGLU), in place."""
     n, d = g.shape
     for i in range(n):
+        gi = g[i]
+        ui = u[i]
         for j in range(d):
-            v = g[i, j]
-            g[i, j] = v / (np.float32(1.0) + np.exp(-v)) * u[i, j]
+            v = gi[j]
+            gi[j] = v * _sigmoid(v) * ui[j]
 
 
 @nb.njit(**_JIT)
 def gelu_mul(g, u):
-    """g = gelu_tanh(g) * u (GeGLU), in place."""
+    """g = gelu_tanh(g) * u (GeGLU), in place: 0.5 v (1 + tanh(y)) = v sigmoid(2y),
+    y = sqrt(2/pi) (v + 0.044715 v^3)."""
     n, d = g.shape
-    c = np.float32(math.sqrt(2.0 / math.pi))
+    c = np.float32(2.0 * math.sqrt(2.0 / math.pi))
     for i in range(n):
+        gi = g[i]
+        ui = u[i]
         for j in range(d):
-            v = g[i, j]
-            g[i, j] = np.float32(0.5) * v * (np.float32(1.0) + np.tanh(c * (v + np.float32(0.044715) * v * v * v))) * u[i, j]
+            v = gi[j]
+            gi[j] = v * _sigmoid(c * (v + np.float32(0.044715) * v * v * v)) * ui[j]
 
 
 @nb.njit(**_JIT)
@@ -164,17 +178,41 @@ def kv_write(k, v, k_pool, v_pool, k_scale, v_scale, quantized, slots):
                     v_pool[s, h, j] = f32_to_f16(v[t, h, j])
 
 
+@nb.njit(inline="always")
+def _split_key(p, window, n_splits, block_size):
+    """(first key, split length) a token at position p would get alone: rows that
+    share both split their context identically."""
+    lo = 0
+    if window > 0 and p - window + 1 > 0:
+        lo = p - window + 1
+    if n_splits == 1:
+        return lo, 0
+    chunk = (p + 1 - lo + n_splits - 1) // n_splits
+    return lo, (chunk + block_size - 1) // block_size * block_size
+
+
 @nb.njit(**_JIT)
-def attention_tiles(seq_of_token, positions, max_tile, tile_t0, tile_n):
+def attention_tiles(seq_of_token, positions, max_tile, tile_t0, tile_n, window=0, n_splits=1,
+                    block_size=16, exact=False):
     """Cut the step's tokens into query tiles: runs of consecutive positions of
-    one sequence, at most max_tile long.  Returns the number of tiles."""
+    one sequence, at most max_tile long.  Returns the number of tiles.
+
+    exact: also cut where a token's own key range would split differently (its
+    window start, or its context split length under flash-decoding), so every
+    row of a tile walks the keys exactly as it would alone -- the output of a
+    token in a small step is then bit-identical to stepping it by itself."""
     n = seq_of_token.shape[0]
     nt = 0
     t = 0
     while t < n:
         e = t + 1
+        lo_t, ch_t = _split_key(positions[t], window, n_splits, block_size)
         while (e < n and e - t < max_tile and seq_of_token[e] == seq_of_token[t]
                and positions[e] == positions[e - 1] + 1):
+            if exact:
+                lo_e, ch_e = _split_key(positions[e], window, n_splits, block_size)
+                if lo_e != lo_t or ch_e != ch_t:
+                    break
             e += 1
         tile_t0[nt] = t
         tile_n[nt] = e - t
