@@ -17,6 +17,8 @@ from numba.extending import intrinsic, models, register_model
 from quant.half import bits_to_f32, f16_to_f32, f32_to_f16
 
 _JIT = dict(cache=True, nogil=True, fastmath=True)
+# no ZeroDivisionError check (its branch keeps a loop with a division scalar)
+_JIT_VEC = dict(_JIT, error_model="numpy")
 
 
 @nb.njit(**_JIT)
@@ -65,7 +67,7 @@ def _sigmoid(v):
     return r if v >= 0 else e * r
 
 
-@nb.njit(**_JIT)
+@nb.njit(**_JIT_VEC)
 def silu_mul(g, u):
     """g = silu(g) * u (SwiGLU), in place."""
     n, d = g.shape
@@ -77,7 +79,7 @@ def silu_mul(g, u):
             gi[j] = v * _sigmoid(v) * ui[j]
 
 
-@nb.njit(**_JIT)
+@nb.njit(**_JIT_VEC)
 def gelu_mul(g, u):
     """g = gelu_tanh(g) * u (GeGLU), in place: 0.5 v (1 + tanh(y)) = v sigmoid(2y),
     y = sqrt(2/pi) (v + 0.044715 v^3)."""
