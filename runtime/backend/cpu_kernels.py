@@ -290,6 +290,23 @@ def vload(typingctx, arr, i):
 
 
 @intrinsic
+def vload_f16(typingctx, arr, i):
+    """arr.flat[i:i+16] of a C-contiguous uint16 (f16 bits) array, widened to float32."""
+    if not (isinstance(arr, types.Array) and arr.layout == "C"):
+        return None
+
+    def codegen(context, builder, sig, args):
+        if sig.args[0].dtype != types.uint16:
+            # typed for the q8_0 pool too (one kernel source for both), never called there
+            return ir.Constant(_V16, [0.0] * _VW)
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        vh = ir.VectorType(ir.HalfType(), _VW)
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), vh.as_pointer())
+        return builder.fpext(builder.load(ptr, align=2), _V16)
+    return f32x16(arr, types.intp), codegen
+
+
+@intrinsic
 def vstore(typingctx, arr, i, v):
     """arr.flat[i:i+16] = v."""
     if not _is_f32_array(arr) or v != f32x16:
@@ -557,6 +574,40 @@ def _pv4(sc, vf, acc, r0, cu0, cu1):
         vstore(acc, o3, a30); vstore(acc, o3 + 16, a31); vstore(acc, o3 + 32, a32); vstore(acc, o3 + 48, a33)
 
 
+@nb.njit(**_JIT)
+def _pv4_f16(sc, v_pool, voff, acc, r0, cu0, cu1):
+    """_pv4 reading the V rows straight from an f16 pool (row c at v_pool.flat[voff[c]]):
+    no converted V tile to write and read back.  Same arithmetic as _pv4."""
+    dp = acc.shape[1]
+    for x0 in range(0, dp, 64):
+        o0 = r0 * dp + x0
+        a00 = vload(acc, o0); a01 = vload(acc, o0 + 16); a02 = vload(acc, o0 + 32); a03 = vload(acc, o0 + 48)
+        o1 = o0 + dp
+        a10 = vload(acc, o1); a11 = vload(acc, o1 + 16); a12 = vload(acc, o1 + 32); a13 = vload(acc, o1 + 48)
+        o2 = o1 + dp
+        a20 = vload(acc, o2); a21 = vload(acc, o2 + 16); a22 = vload(acc, o2 + 32); a23 = vload(acc, o2 + 48)
+        o3 = o2 + dp
+        a30 = vload(acc, o3); a31 = vload(acc, o3 + 16); a32 = vload(acc, o3 + 32); a33 = vload(acc, o3 + 48)
+        for c in range(cu0, cu1):
+            o = voff[c] + x0
+            v0 = vload_f16(v_pool, o)
+            v1 = vload_f16(v_pool, o + 16)
+            v2 = vload_f16(v_pool, o + 32)
+            v3 = vload_f16(v_pool, o + 48)
+            w = vsplat(sc[0, c])
+            a00 = vfma(w, v0, a00); a01 = vfma(w, v1, a01); a02 = vfma(w, v2, a02); a03 = vfma(w, v3, a03)
+            w = vsplat(sc[1, c])
+            a10 = vfma(w, v0, a10); a11 = vfma(w, v1, a11); a12 = vfma(w, v2, a12); a13 = vfma(w, v3, a13)
+            w = vsplat(sc[2, c])
+            a20 = vfma(w, v0, a20); a21 = vfma(w, v1, a21); a22 = vfma(w, v2, a22); a23 = vfma(w, v3, a23)
+            w = vsplat(sc[3, c])
+            a30 = vfma(w, v0, a30); a31 = vfma(w, v1, a31); a32 = vfma(w, v2, a32); a33 = vfma(w, v3, a33)
+        vstore(acc, o0, a00); vstore(acc, o0 + 16, a01); vstore(acc, o0 + 32, a02); vstore(acc, o0 + 48, a03)
+        vstore(acc, o1, a10); vstore(acc, o1 + 16, a11); vstore(acc, o1 + 32, a12); vstore(acc, o1 + 48, a13)
+        vstore(acc, o2, a20); vstore(acc, o2 + 16, a21); vstore(acc, o2 + 32, a22); vstore(acc, o2 + 48, a23)
+        vstore(acc, o3, a30); vstore(acc, o3 + 16, a31); vstore(acc, o3 + 32, a32); vstore(acc, o3 + 48, a33)
+
+
 @nb.njit(parallel=True, **_JIT)
 def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, block_tables,
                     seq_of_token, positions, window, scale, n_splits, tile_t0, tile_n, n_tiles,
@@ -593,6 +644,7 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
     per_tile = kvh * n_splits
     dp = (d + 63) // 64 * 64
     fast_k = not quantized and d % 16 == 0
+    fast_v = not quantized and d % 64 == 0      # V read in place, 64 dims per step
     for it in nb.prange(n_tiles * per_tile):
         # zig-zag over tiles so that contiguous chunks of items (one per thread)
         # mix short early tiles with long late ones under causal masking
@@ -644,7 +696,8 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
                         koff[c + e] = ((base + e) * kvh + kh) * d
                     else:
                         _load_col(k_pool, k_scale, quantized, base + e, kh, d, kt, c + e)
-                    _load_row_d(v_pool, v_scale, quantized, base + e, kh, d, vf, c + e)
+                    if not fast_v:
+                        _load_row_d(v_pool, v_scale, quantized, base + e, kh, d, vf, c + e)
                 c += run
             if fast_k:
                 # K: 16 keys x 16 dims at a time, converted and transposed in
@@ -716,7 +769,10 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
                         sc[i, c] = 0.0
                     l[r] += hsum(vadd(vadd(vload(sc, o), vload(sc, o + 16)),
                                       vadd(vload(sc, o + 32), vload(sc, o + 48))))
-                _pv4(sc, vf, acc, r0, cu0, cu1)
+                if fast_v:
+                    _pv4_f16(sc, v_pool, koff, acc, r0, cu0, cu1)
+                else:
+                    _pv4(sc, vf, acc, r0, cu0, cu1)
             j += nk
         for r in range(rows):
             t = t0 + r // g
