@@ -159,14 +159,14 @@ def run_bench(args) -> int:
     if args.n_prompt:
         m, sd = measure(lambda: time_pp(engine, args.n_prompt, rng), args.repetitions)
         rows.append({**model_desc, "test": f"pp{args.n_prompt}", "t_s": m, "sd": sd, "depth": 0})
+    # bytes read per decoded token: all weights except the embedding table
+    # (only one row of it is read) unless it doubles as the output layer
+    per_tok = lm.weight_bytes
+    if not lm.config.tied_output:
+        per_tok -= lm.tensors["token_embd.weight"].nbytes
     if args.n_gen:
         m, sd = measure(lambda: time_tg(engine, args.n_gen, rng), args.repetitions)
         rows.append({**model_desc, "test": f"tg{args.n_gen}", "t_s": m, "sd": sd, "depth": 0})
-        # bytes read per decoded token: all weights except the embedding table
-        # (only one row of it is read) unless it doubles as the output layer
-        per_tok = lm.weight_bytes
-        if not lm.config.tied_output:
-            per_tok -= lm.tensors["token_embd.weight"].nbytes
         rows[-1]["weight_bytes_per_token"] = per_tok
         rows[-1]["weight_GB_per_s"] = per_tok * m / 1e9
     for d in depths:
@@ -175,9 +175,19 @@ def run_bench(args) -> int:
             print(f"depth {d} + {args.n_gen} exceeds the model's context {engine.n_ctx}: measuring at {eff}",
                   file=sys.stderr)
         runs, kv = time_tg_at_depth(engine, args.n_gen, eff, args.repetitions, rng)
+        # a memory-bound decode reads the weights plus the context's K/V per token
+        kv_tok = engine.stats()["bytes_per_token"]
         rows.append({**model_desc, "test": f"tg{args.n_gen}@d{d}", "depth": eff, "depth_requested": d,
                      "t_s": statistics.mean(runs), "sd": statistics.stdev(runs) if len(runs) > 1 else 0.0,
-                     "t_s_median": statistics.median(runs), "kv_cache": kv})
+                     "t_s_median": statistics.median(runs), "kv_cache": kv,
+                     "weight_bytes_per_token": per_tok, "kv_bytes_per_context_token": kv_tok,
+                     "bytes_per_token": per_tok + eff * kv_tok})
+    base = next((r for r in rows if r["test"].startswith("tg") and "@d" in r["test"] and r["depth"] == 0), None)
+    for r in rows:
+        if base is not None and "bytes_per_token" in r:
+            # t/s relative to depth 0, and the same ratio if decode were bound by bytes read
+            r["ratio_to_depth0"] = r["t_s"] / base["t_s"]
+            r["bytes_bound_ratio"] = base["bytes_per_token"] / r["bytes_per_token"]
     if reuse_n:
         rows.append({**model_desc, **time_prefix_reuse(engine, reuse_n, 32, args.repetitions, rng)})
     if args.peer:
@@ -219,3 +229,8 @@ def _print_table(rows: list[dict]) -> None:
         params = f"{r.get('params', 0) / 1e6:.0f} M" if r.get("params") else ""
         print(f"| {str(r.get('model', ''))[:40]:<40} | {size:>9} | {params:>8} | {str(r.get('backend', ''))[:28]:<28} | "
               f"{str(r.get('threads', '')):>7} | {r['test']:>8} | {r['t_s']:>8.2f} ± {r['sd']:<5.2f} |")
+    for r in rows:
+        if "ratio_to_depth0" in r:
+            print(f"| {r['test']}: {r['ratio_to_depth0']:.2f}x of depth 0 (bytes-read bound "
+                  f"{r['bytes_bound_ratio']:.2f}x: weights {r['weight_bytes_per_token'] / 1e6:.0f} MB + "
+                  f"{r['depth']} x {r['kv_bytes_per_context_token'] / 1024:.1f} KiB K/V per token)")

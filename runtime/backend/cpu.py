@@ -191,14 +191,18 @@ class CPUBackend:
         splits = step.attn_splits
         tile_t0 = self.arena.get((n,), np.int32)
         tile_n = self.arena.get((n,), np.int32)
-        n_tiles = K.attention_tiles(step.seq_of_token, step.positions, ATTN_TILE, tile_t0, tile_n)
+        window = step.window(layer)
+        # steps of up to 16 tokens (decode, speculative verify) must give each token
+        # the arithmetic it would get alone: tiles never mix differently split rows
+        n_tiles = K.attention_tiles(step.seq_of_token, step.positions, ATTN_TILE, tile_t0, tile_n,
+                                    window, splits, step.block_size, n <= EXACT_STEP)
         pshape = (n, kvh, splits, g) if splits > 1 else (1, 1, 1, 1)
         part_m = self.arena.get(pshape)
         part_l = self.arena.get(pshape)
         part_acc = self.arena.get(pshape + ((d,) if splits > 1 else (1,)))
         out = self.arena.get((n, h, d))
         K.paged_attention(q, kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.quantized,
-                          step.block_size, tables, step.seq_of_token, step.positions, step.window(layer),
+                          step.block_size, tables, step.seq_of_token, step.positions, window,
                           np.float32(step.attn_scale), splits, tile_t0, tile_n, n_tiles,
                           part_m, part_l, part_acc, out)
         return out.reshape(n, h * d)
@@ -206,6 +210,8 @@ class CPUBackend:
 
 # queries per prefill tile: each K/V block is converted once per tile and kv head
 ATTN_TILE = 16
+# steps up to this many tokens are batch-invariant (engine._splits' rule)
+EXACT_STEP = 16
 
 
 def _rows2d(x):

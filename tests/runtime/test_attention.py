@@ -180,3 +180,59 @@ def test_verify_tile_rounds_like_single_queries(splits):
         tile = attend(p0, k)
         singles = np.concatenate([attend(p0 + i, 1) for i in range(k)])
         assert np.array_equal(tile, singles), (length, np.abs(tile - singles).max())
+def _attend_steps(L, chunks, h, kvh, d=64, bs=16, window=0, splits=1, seed=3):
+    """Fill a cache with L tokens, then run the last sum(chunks) tokens as steps of
+    the given sizes; returns the concatenated outputs (same q, k, v either way)."""
+    rng = np.random.default_rng(seed)
+    be = CPUBackend()
+    nblk = (L + bs - 1) // bs + 1
+    be.alloc_kv(1, nblk * bs, kvh, d)
+    table = rng.permutation(nblk)[None, :].astype(np.int32)
+    K = rng.standard_normal((L, kvh, d)).astype(np.float32)
+    V = rng.standard_normal((L, kvh, d)).astype(np.float32)
+    Q = rng.standard_normal((L, h, d)).astype(np.float32)
+    outs = []
+    a = 0
+    for size in [L - sum(chunks)] + list(chunks):
+        b = a + size
+        pos = np.arange(a, b, dtype=np.int32)
+        st = Step(tokens=np.zeros(size, np.int32), positions=pos,
+                  slots=(table[0][pos // bs] * bs + pos % bs).astype(np.int32),
+                  seq_of_token=np.zeros(size, np.int32), block_tables=table, logit_rows=np.zeros(0, np.int64),
+                  block_size=bs, attn_scale=1.0 / np.sqrt(d), attn_splits=splits, windows=[window])
+        be.arena.reset()
+        o = be.attention(Q[a:b], K[a:b], V[a:b], 0, st).copy()
+        if a >= L - sum(chunks):
+            outs.append(o)
+        a = b
+    return np.concatenate(outs)
+
+
+@pytest.mark.parametrize("L,splits,window", [
+    (323, 2, 0),      # rows 318..322: their split lengths differ (160 vs 176 keys)
+    (300, 2, 0),
+    (517, 4, 0),
+    (300, 4, 64),     # sliding window: every row starts its keys elsewhere
+    (40, 1, 0),
+])
+def test_small_step_rows_bit_identical_to_single_steps(L, splits, window):
+    """Speculative verification relies on it: a token's attention output in a step
+    of k <= 16 tokens equals, bit for bit, stepping the tokens one at a time."""
+    batched = _attend_steps(L, [5], 14, 2, splits=splits, window=window)
+    single = _attend_steps(L, [1] * 5, 14, 2, splits=splits, window=window)
+    assert np.array_equal(batched, single)
+
+
+def test_glu_kernels_match_float64():
+    from runtime.backend import cpu_kernels as K
+    rng = np.random.default_rng(0)
+    g = (rng.standard_normal((7, 301)) * 6).astype(np.float32)
+    g[0, :4] = [0.0, -100.0, 100.0, -1e-6]
+    u = rng.standard_normal((7, 301)).astype(np.float32)
+    x = g.astype(np.float64)
+    silu = x / (1 + np.exp(-x)) * u
+    gelu = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3))) * u
+    a = g.copy(); K.silu_mul(a, u)
+    b = g.copy(); K.gelu_mul(b, u)
+    np.testing.assert_allclose(a, silu, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(b, gelu, rtol=2e-5, atol=2e-5)
