@@ -302,8 +302,10 @@ def _controller(alpha, t_plain, t_draft, t_row):
 
 
 def test_controller_picks_k_from_acceptance_and_costs():
-    # cheap draft, high acceptance: draft several tokens
-    assert _controller(0.85, 0.08, 0.02, 0.004).choose() >= 4
+    # a very cheap draft, high acceptance: draft many tokens (k+1 fills a row group)
+    assert _controller(0.85, 0.08, 0.005, 0.004).choose() == 7
+    # a costlier draft: shorter drafts
+    assert _controller(0.85, 0.08, 0.02, 0.004).choose() == 3
     # lower acceptance: shorter drafts
     assert 1 <= _controller(0.5, 0.08, 0.02, 0.004).choose() <= 3
     # a draft nearly as slow as the target: plain decoding wins
@@ -311,6 +313,11 @@ def test_controller_picks_k_from_acceptance_and_costs():
     # the expected yield formula: sum of a^i for i <= k
     c = _controller(0.5, 1, 1, 1)
     assert abs(c.expected_tokens(3) - (1 + 0.5 + 0.25 + 0.125)) < 1e-12
+    # a measured verify cost overrides the linear estimate: 8 rows that cost as
+    # much as a second pass over the weights make k=7 lose to k=3
+    c = _controller(0.85, 0.08, 0.005, 0.004)
+    c.observe_round(7, 7, 0.005, 0.25)
+    assert c.choose() == 3
     # until a few drafted rounds were measured, k stays at its start value
     c.rounds = 0
     assert c.choose() == min(c.k_fixed, c.k_max)
