@@ -237,7 +237,13 @@ def main(argv=None) -> int:
     if a.threads:
         numba.set_num_threads(a.threads)
     types = REAL_MODEL_TYPES if a.types == "real" else [t.strip() for t in a.types.split(",") if t.strip()]
-    types = [GGMLType[t] for t in types]
+    from .types import SUPPORTED
+    by_name = {GGMLType(t).name.upper(): GGMLType(t) for t in SUPPORTED}
+    unknown = [t for t in types if t.upper() not in by_name]
+    if unknown:
+        print(f"error: unknown type(s) {', '.join(unknown)}; choose from {', '.join(by_name)}", file=sys.stderr)
+        return 2
+    types = [by_name[t.upper()] for t in types]
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",") if s.strip()]
     rows = [int(r) for r in a.rows.split(",")]
     rng = np.random.default_rng(0)
