@@ -5,9 +5,9 @@ that exist here.
 
 A rule names the type llama.cpp would choose; `encodable` then walks
 llama.cpp's own fallback chain (for rows that are not whole super-blocks) and,
-where we have no encoder for a type, the next best one we do have:
-Q6_K -> Q8_0, Q5_0 -> Q4_0.  When encoders for Q6_K / Q5_0 arrive in
-quant.encode.ENCODERS, the policy picks them up with no change here.
+where a type has no encoder in quant.encode.ENCODERS, the next best one
+that does (today every type these schemes name has one: Q8_0, Q4_0, Q4_K,
+Q5_0, Q5_K, Q6_K; the fallback table stays for types added to a rule later).
 """
 from __future__ import annotations
 
