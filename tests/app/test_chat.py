@@ -34,6 +34,7 @@ def test_streamed_answer_live_panel_and_event_loop(make_window, qtbot, stall_pro
     qtbot.keyClicks(w.composer, "Write a Python function that adds two numbers.")
     with qtbot.waitSignal(w.worker.finished, timeout=ANSWER_TIMEOUT_MS):
         qtbot.keyClick(w.composer, Qt.Key.Key_Return)       # Enter sends
+    qtbot.waitUntil(lambda: not w.busy, timeout=10_000)   # the window's finished slot ran too
     stall_probe.stop()
     qtbot.wait(100)
 
@@ -94,6 +95,7 @@ def test_shift_enter_adds_a_line_and_enter_sends(make_window, qtbot):
     assert not w.messages
     with qtbot.waitSignal(w.worker.finished, timeout=ANSWER_TIMEOUT_MS):
         qtbot.keyClick(w.composer, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: not w.busy, timeout=10_000)   # the window's finished slot ran too
     assert [m.role for m in w.messages] == ["user", "assistant"]
     assert w.messages[0].content == "first line\nsecond line"
     assert w.composer.toPlainText() == ""
@@ -133,11 +135,13 @@ def test_regenerate_then_edit(make_window, qtbot):
     question = "Name three colours of the rainbow, please. Answer in one short line."
     with qtbot.waitSignal(w.worker.finished, timeout=ANSWER_TIMEOUT_MS):
         w.send(question)
+    qtbot.waitUntil(lambda: not w.busy, timeout=10_000)   # the window's finished slot ran too
     first = w.messages[-1].content
     assert first
 
     with qtbot.waitSignal(w.worker.finished, timeout=ANSWER_TIMEOUT_MS):
         w.view.views[-1].buttons["Regenerate"].click()
+    qtbot.waitUntil(lambda: not w.busy, timeout=10_000)   # the window's finished slot ran too
     rows = w.store.messages(w.chat_id)
     assert [m.role for m in rows] == ["user", "assistant"]     # the old answer was replaced
     assert rows[1].content and rows[1].complete
@@ -152,6 +156,7 @@ def test_regenerate_then_edit(make_window, qtbot):
     w.composer.setPlainText("Name three animals that live in the sea.")
     with qtbot.waitSignal(w.worker.finished, timeout=ANSWER_TIMEOUT_MS):
         qtbot.keyClick(w.composer, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: not w.busy, timeout=10_000)   # the window's finished slot ran too
     rows = w.store.messages(w.chat_id)
     assert [m.role for m in rows] == ["user", "assistant"]
     assert rows[0].content == "Name three animals that live in the sea."

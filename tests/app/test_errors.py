@@ -47,4 +47,5 @@ def test_context_overflow_is_a_message_not_a_crash(make_window, qtbot):
     w.clear_chat()
     with qtbot.waitSignal(w.worker.finished, timeout=ANSWER_TIMEOUT_MS):
         w.send("Hi!")
+    qtbot.waitUntil(lambda: not w.busy, timeout=10_000)   # the window's finished slot ran too
     assert w.messages[-1].content

@@ -22,9 +22,11 @@ def test_history_survives_a_restart(make_window, qtbot):
     w.system_edit.editingFinished.emit()
     with qtbot.waitSignal(w.worker.finished, timeout=ANSWER_TIMEOUT_MS):
         w.send("What is the capital of France?")
+    qtbot.waitUntil(lambda: not w.busy, timeout=10_000)   # the window's finished slot ran too
     w.new_chat()
     with qtbot.waitSignal(w.worker.finished, timeout=ANSWER_TIMEOUT_MS):
         w.send("Say hello.")
+    qtbot.waitUntil(lambda: not w.busy, timeout=10_000)   # the window's finished slot ran too
     before = {c.id: (c.title, [(m.role, m.content) for m in w.store.messages(c.id)]) for c in w.store.chats()}
     engine = w.worker.engine
     assert engine.stats()["blocks_used"] > 0
