@@ -650,8 +650,11 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
         # mix short early tiles with long late ones under causal masking
         k_ = it // per_tile
         ti = k_ // 2 if k_ % 2 == 0 else n_tiles - 1 - k_ // 2
-        kh = (it // n_splits) % kvh
-        sp = it % n_splits
+        # kv heads innermost: the threads taking neighbouring items read the
+        # neighbouring heads' rows of the same cache slots (one slot holds all
+        # kv heads), so each cache line a thread's prefetcher brings is used
+        sp = (it // kvh) % n_splits
+        kh = it % kvh
         t0 = tile_t0[ti]
         nq = tile_n[ti]
         p0 = positions[t0]
