@@ -20,18 +20,19 @@ F32 = np.float32
 
 
 @njit(inline="always")
-def _quantize_block(xr, o, L, xq_r):
-    """Round xr[o:o+L] to int8 range with step amax/127; returns the step."""
+def _quantize_block(xr, o, L, q, qo):
+    """Round xr[o:o+L] to int8 range with step amax/127 into q[qo:qo+L] (an int16
+    or int8 array: the codes fit both); returns the step."""
     amax = F32(0.0)
     for i in range(L):
         amax = max(amax, abs(xr[o + i]))
     if amax == F32(0.0):
         for i in range(L):
-            xq_r[o + i] = 0
+            q[qo + i] = 0
         return F32(0.0)
     idv = F32(127.0) / amax
     for i in range(L):
-        xq_r[o + i] = np.int16(np.rint(xr[o + i] * idv))
+        q[qo + i] = np.rint(xr[o + i] * idv)
     return amax / F32(127.0)
 
 
@@ -43,7 +44,7 @@ def quantize_q8_32(x, xq, xd, xs):
         xr = x[r]
         xq_r = xq[r]
         for b in range(K // 32):
-            d = _quantize_block(xr, b * 32, 32, xq_r)
+            d = _quantize_block(xr, b * 32, 32, xq_r, b * 32)
             s = 0
             for i in range(32):
                 s += xq_r[b * 32 + i]
@@ -59,28 +60,12 @@ def quantize_q8_256(x, xq, xd, xb):
         xr = x[r]
         xq_r = xq[r]
         for b in range(K // 256):
-            xd[r, b] = _quantize_block(xr, b * 256, 256, xq_r)
+            xd[r, b] = _quantize_block(xr, b * 256, 256, xq_r, b * 256)
         for j in range(K // 32):
             s = 0
             for i in range(32):
                 s += xq_r[j * 32 + i]
             xb[r, j] = s
-
-
-@njit(inline="always")
-def _quantize_block_i8(xr, o, L, q, qo):
-    """As _quantize_block, into int8 q[qo:qo+L]; returns (step, sum of codes)."""
-    amax = F32(0.0)
-    for i in range(L):
-        amax = max(amax, abs(xr[o + i]))
-    if amax == F32(0.0):
-        for i in range(L):
-            q[qo + i] = 0
-        return F32(0.0)
-    idv = F32(127.0) / amax
-    for i in range(L):
-        q[qo + i] = np.int8(np.rint(xr[o + i] * idv))
-    return amax / F32(127.0)
 
 
 @njit(cache=True)
@@ -94,7 +79,7 @@ def quantize_q8_32_i8(x, xq, xd, xsum, xs):
         xr = x[r]
         for b in range(nb):
             o = r * K + b * 32
-            d = _quantize_block_i8(xr, b * 32, 32, xq, o)
+            d = _quantize_block(xr, b * 32, 32, xq, o)
             s = 0
             for i in range(32):
                 s += np.int32(xq[o + i])
@@ -112,7 +97,7 @@ def quantize_q8_256_i8(x, xq, xd, xb, xb16):
     for r in range(n):
         xr = x[r]
         for b in range(nsb):
-            xd[r * nsb + b] = _quantize_block_i8(xr, b * 256, 256, xq, r * K + b * 256)
+            xd[r * nsb + b] = _quantize_block(xr, b * 256, 256, xq, r * K + b * 256)
         for j in range(K // 16):
             s = 0
             for i in range(16):

@@ -11,6 +11,7 @@ enough.  Anything else (MKL, Accelerate): left alone.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 _SYMBOLS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
@@ -74,19 +75,13 @@ _SGEMM = (("scipy_cblas_sgemm64_", True), ("cblas_sgemm64_", True), ("scipy_cbla
           ("cblas_sgemm", False))
 
 
+@functools.cache
 def sgemm_address() -> tuple[int, bool] | None:
     """(address of numpy's OpenBLAS cblas_sgemm, whether it takes 64-bit ints),
     or None where no OpenBLAS was found (then callers use np.matmul)."""
-    global _sgemm_cache
-    try:
-        return _sgemm_cache
-    except NameError:
-        pass
-    _sgemm_cache = None
     for lib in _libraries():
         for name, wide in _SGEMM:
             fn = getattr(lib, name, None)
             if fn is not None:
-                _sgemm_cache = (ctypes.cast(fn, ctypes.c_void_p).value, wide)
-                return _sgemm_cache
+                return ctypes.cast(fn, ctypes.c_void_p).value, wide
     return None

@@ -63,6 +63,20 @@ def encode_q8_0(x, out):
                 dst[o + 2 + j] = np.uint8(np.int64(_roundf(src[b * QK + j] * idv)) & 0xFF)
 
 
+@njit(inline="always")
+def _signed_absmax(src, o):
+    """The value of largest magnitude in src[o:o+QK], sign kept (the first one on
+    ties), as ggml's quantize_row_q4_0 / q5_0 take it."""
+    amax = F32(0.0)
+    vmax = F32(0.0)
+    for j in range(QK):
+        v = src[o + j]
+        if amax < abs(v):
+            amax = abs(v)
+            vmax = v
+    return vmax
+
+
 @njit(parallel=True, cache=True)
 def encode_q4_0(x, out):
     M, K = x.shape
@@ -70,13 +84,7 @@ def encode_q4_0(x, out):
         src = x[r]
         dst = out[r]
         for b in range(K // QK):
-            amax = F32(0.0)
-            vmax = F32(0.0)
-            for j in range(QK):
-                v = src[b * QK + j]
-                if amax < abs(v):
-                    amax = abs(v)
-                    vmax = v
+            vmax = _signed_absmax(src, b * QK)
             d = vmax / F32(-8.0)
             idv = F32(1.0) / d if d != F32(0.0) else F32(0.0)
             o = b * 18
@@ -257,13 +265,7 @@ def encode_q5_0(x, out):
         src = x[r]
         dst = out[r]
         for b in range(K // QK):
-            amax = F32(0.0)
-            vmax = F32(0.0)
-            for j in range(QK):
-                v = src[b * QK + j]
-                if amax < abs(v):
-                    amax = abs(v)
-                    vmax = v
+            vmax = _signed_absmax(src, b * QK)
             d = vmax / F32(-16.0)
             idv = F32(1.0) / d if d != F32(0.0) else F32(0.0)
             o = b * 22

@@ -45,17 +45,10 @@ def _sgemm_xwT(typingctx, fn, wide, n, t, K, x, w, out, m0):
                                                f32p, iw, ir.FloatType(), f32p, iw])
         fptr = builder.inttoptr(fn_v, fnty.as_pointer())
 
-        def data(ty, v):
-            return context.make_array(ty)(context, builder, v).data
-
-        def arr_dim(ty, v, d):
-            shape = cgutils_unpack(context.make_array(ty)(context, builder, v).shape, builder, ty.ndim)
-            return shape[d]
-
-        xp = data(signature.args[5], x_v)
-        wp = data(signature.args[6], w_v)
-        op = data(signature.args[7], out_v)
-        ldc = arr_dim(signature.args[7], out_v, 1)
+        xa, wa, oa = (context.make_array(ty)(context, builder, v)
+                      for ty, v in zip(signature.args[5:8], (x_v, w_v, out_v)))
+        xp, wp, op = xa.data, wa.data, oa.data
+        ldc = builder.extract_value(oa.shape, 1)
         cp = builder.gep(op, [m0_v])
 
         def iwv(v):
@@ -68,10 +61,6 @@ def _sgemm_xwT(typingctx, fn, wide, n, t, K, x, w, out, m0):
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-def cgutils_unpack(tup, builder, n):
-    return [builder.extract_value(tup, i) for i in range(n)]
 
 
 @njit(parallel=True, cache=True)

@@ -31,6 +31,7 @@ region (the CPU backend fusing q/k/v) can split work the same way.
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
@@ -316,20 +317,19 @@ def _small_batch(x, W, out, scratch, acts):
             KF.rows_f16(x, w, out, bufs[0][0], bf16, 0, M)
 
 
-_POOL_SGEMM = []
-
-
 def pool_sgemm():
     """numpy's OpenBLAS sgemm address, with OpenBLAS set to one thread on first
-    use: it is then called from each of Numba's workers, which are the pool."""
-    if not USE_POOL_SGEMM:
-        return None
-    if not _POOL_SGEMM:
-        sg = sgemm_address()
-        if sg is not None:
-            set_blas_threads(1)
-        _POOL_SGEMM.append(sg)
-    return _POOL_SGEMM[0]
+    use: it is then called from each of Numba's workers, which are the pool.
+    None where LLAMBA_QUANT_POOL_SGEMM=0 or no OpenBLAS was found."""
+    return _pool_sgemm() if USE_POOL_SGEMM else None
+
+
+@functools.cache
+def _pool_sgemm():
+    sg = sgemm_address()
+    if sg is not None:
+        set_blas_threads(1)
+    return sg
 
 
 def _matmul_large(x, W, out, scratch):
