@@ -16,8 +16,6 @@ import traceback
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 WORKER_NICE = 5
-WARMUP_TEXT = ("Llamba warms up: the quick brown fox jumps over the lazy dog, then counts "
-               "one, two, three, four, five, six, seven, eight, nine, ten.")
 _ENGINES: dict = {}      # the one loaded engine, kept across windows (reopening a window is instant)
 
 
@@ -98,6 +96,7 @@ class EngineWorker(QObject):
         from runtime.chat import ChatSession
         from runtime.engine import Engine
         from runtime.loader import resolve_model_path
+        from runtime.warmup import warm_up
 
         device = cfg.get("device", "cpu")
         overflow = cfg.get("overflow", "stop")
@@ -121,17 +120,9 @@ class EngineWorker(QObject):
                 kwargs["overflow"] = engine_overflow
             engine = Engine(str(path), **kwargs)
             # Numba compiles the kernels on their first call and caches them on disk:
-            # a tiny throwaway forward pays that cost here, not in the first answer.
+            # throwaway forwards at every row count pay that cost here, not in an answer.
             self.status.emit("Compiling kernels (first run only)…")
-            tw = time.perf_counter()
-            # A prompt of a few dozen tokens, then one decode step: both the many-row
-            # (prefill) and the one-row (decode) kernel paths get compiled.
-            seq = engine.new_sequence()
-            ids = engine.tokenizer.encode(WARMUP_TEXT)
-            engine.prefill(seq, ids)
-            engine.step([seq], [[ids[-1]]])
-            engine.release(seq)
-            warm = time.perf_counter() - tw
+            warm = warm_up(engine, force=True)
             drafter, draft_note = self._load_draft(cfg.get("draft_model", ""), engine)
             cached = _ENGINES[key] = (engine, drafter, draft_note)
         engine, drafter, draft_note = cached
@@ -168,6 +159,8 @@ class EngineWorker(QObject):
                 return None, f"{draft_model}: not used (this runtime's chat has no draft support)"
             self.status.emit(f"Loading the draft model {draft_model}…")
             d = Drafter.load(draft_model, engine, announce=self.status.emit)
+            from runtime.warmup import warm_up
+            warm_up(d.draft, force=True)
             return d, draft_model
         except Exception as e:
             traceback.print_exc()

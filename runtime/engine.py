@@ -87,8 +87,8 @@ class Engine:
     def new_sequence(self) -> Sequence:
         return self.cache.new_sequence()
 
-    def release(self, seq: Sequence) -> None:
-        self.cache.release(seq)
+    def release(self, seq: Sequence, keep_cached: bool = True) -> None:
+        self.cache.release(seq, keep_cached=keep_cached)
 
     # ---- one forward -------------------------------------------------------------
     def step(self, seqs: list[Sequence], new_tokens: list[list[int]], all_logits: bool = False) -> np.ndarray:

@@ -179,11 +179,14 @@ class PagedKVCache:
         self._seqs[seq.seq_id] = seq
         return seq
 
-    def release(self, seq: Sequence) -> None:
-        """Let go of all of a sequence's blocks (hashed ones stay cached for reuse)."""
+    def release(self, seq: Sequence, keep_cached: bool = True) -> None:
+        """Let go of all of a sequence's blocks (hashed ones stay cached for reuse,
+        unless keep_cached is False and no other sequence shares them)."""
         for pool, table in zip(self.pools, seq.tables):
             for b in reversed(table):
                 if b != RELEASED:
+                    if not keep_cached and pool.ref[b] == 1:
+                        pool.forget(b)
                     pool.decref(b)
             table.clear()
         seq.hashes.clear(); seq.tokens.clear(); seq.history.clear()

@@ -4,7 +4,7 @@ Numba compiles each kernel for *this* CPU on first use and caches it on disk
 (NUMBA_CACHE_DIR, or beside the sources); nothing compiled on another machine is
 ever loaded, so no "illegal instruction" on an older CPU.  The first start
 therefore spends tens of seconds compiling: we tell the user, and warm the
-kernels with one tiny forward before the real prompt.  A marker per (Llamba
+kernels with a few throwaway forwards before the real prompt.  A marker per (Llamba
 version, Numba version, CPU model) remembers that this machine has done it.
 """
 from __future__ import annotations
@@ -28,21 +28,36 @@ def first_run() -> bool:
     return not _marker().exists()
 
 
+# Row counts that reach every kernel path: a prompt (many rows: dequantize-tile +
+# sgemm), a few rows (a follow-up chat turn, speculative verification, batched
+# decode: the VNNI row-group kernels) and one row (decode).  Each path is its own
+# set of Numba kernels; one left cold compiles, GIL held, inside the first answer
+# that needs it, freezing a window's event loop for up to a second at a time.
+WARMUP_ROWS = (48, 5, 1)
+
+
 def warm_up(engine, notice=None, force: bool = False) -> float:
-    """On a machine that has not compiled the kernels yet (or when forced), run one
-    tiny prefill and decode step so compilation happens now, with a notice."""
+    """On a machine that has not compiled the kernels yet (or when forced), run a
+    throwaway forward at each row count in WARMUP_ROWS so compilation happens now,
+    with a notice.  Returns the seconds it took (0.0 when skipped)."""
     if not (force or first_run()):
         return 0.0
     if notice:
         notice("Compiling kernels for this CPU (first run only, about a minute)…")
     t = time.perf_counter()
+    vocab = engine.config.vocab_size
+    room = engine.n_ctx
     seq = engine.new_sequence()
     try:
-        ids = engine.tokenizer.encode("Hello, world")
-        logits = engine.prefill(seq, ids)
-        engine.step([seq], [[int(logits.argmax())]])
+        for n in WARMUP_ROWS:
+            n = min(n, room - len(seq))
+            if n <= 0:
+                break
+            # any valid ids do: only the shapes matter
+            engine.step([seq], [[(7919 * (len(seq) + i) + 11) % vocab for i in range(n)]])
     finally:
-        engine.release(seq)
+        # throwaway tokens: their blocks must not linger as a reusable cached prefix
+        engine.release(seq, keep_cached=False)
     m = _marker()
     m.parent.mkdir(parents=True, exist_ok=True)
     m.touch()
