@@ -137,32 +137,6 @@ def _group_codes(xq, n, K, xg):
 
 
 @njit(cache=True)
-def group_q8_256(n, K, xq, xd, xb, xb16, xg, xdg, xbp, x16n):
-    """Regroup quantize_q8_256_i8's flat outputs for vnni.kq_grp: codes as
-    _group_codes, and lane arrays (16 lanes per entry, row r of a group in lane
-    r*G, zeros elsewhere): xdg f32 [ng, nsb*16] steps, xbp int32 [ng, nsb*4*16]
-    code sums per 32 as int16 pairs (2p, 2p+1), x16n int32 [ng, nsb*16*16]
-    -32 * code sums per 16."""
-    _group_codes(xq, n, K, xg)
-    nsb = K // 256
-    ng = (n + 15) // 16
-    xdg[:ng * nsb * 16] = 0
-    xbp[:ng * nsb * 64] = 0
-    x16n[:ng * nsb * 256] = 0
-    for row in range(n):
-        gi = row // 16
-        R = 16 if gi < ng - 1 else _grp_r(n)
-        lane = (row % 16) * (16 // R)
-        for sb in range(nsb):
-            xdg[(gi * nsb + sb) * 16 + lane] = xd[row * nsb + sb]
-            for p in range(4):
-                j = row * (K // 32) + sb * 8 + 2 * p
-                xbp[(gi * nsb + sb) * 64 + p * 16 + lane] = (xb[j] & 0xFFFF) | (xb[j + 1] << 16)
-            for j in range(16):
-                x16n[(gi * nsb + sb) * 256 + j * 16 + lane] = -32 * xb16[row * (K // 16) + sb * 16 + j]
-
-
-@njit(cache=True)
 def group_q8_32(n, K, xq, xd, xsum, xs, xg, xdg, xsumg, xsg):
     """Regroup quantize_q8_32_i8's flat outputs for vnni.leg_grp: codes as
     _group_codes, lane arrays [ng, nb*16] (blocks b..b+G-1, b a multiple of

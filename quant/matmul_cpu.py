@@ -183,10 +183,7 @@ def _vnni_buffers(scratch, kk, n, K, nch):
         if kk:
             b = (g("vxq256", (n * K,), np.int8), g("vxd256", (n * (K // 256),)),
                  g("vxb32", (n * (K // 32),), np.int32), g("vxb16", (n * (K // 16),), np.int32),
-                 g("vres", (nch, 16)),
-                 # row groups (n >= 2): codes, steps, Q4_K min sums, Q6_K offset sums
-                 g("vxg256", (ng * 16 * K,), np.int8), g("vxdg256", (ng * (K // 256) * 16,)),
-                 g("vxbp", (ng * (K // 256) * 64,), np.int32), g("vx16n", (ng * (K // 256) * 256,), np.int32))
+                 g("vres", (nch, 16)))
         else:
             b = (g("vxq32", (n * K,), np.int8), g("vxd32", (n * (K // 32),)),
                  g("vxsum32", (n * (K // 32),), np.int32), g("vxs32", (n * (K // 32),)),
@@ -199,11 +196,10 @@ def _vnni_buffers(scratch, kk, n, K, nch):
 
 
 def _vnni_grouped(kind, n):
-    """Whether this kind and row count run the row-group kernels (vnni.leg_grp,
-    vnni.kq_grp).  Q4_K/Q6_K at n=2 stay on kq_row (R=2): measured one core,
-    8960x1536, 0.83-0.88 ms vs 0.88-1.11 ms for a 4-lane group; kq_row and
-    kq_grp do the same float operations, so either is batch invariant."""
-    return n >= 3 if kind >= 10 else n >= 2
+    """Whether this kind and row count run the row-group kernels (vnni.leg_grp).
+    K-quants never do: vnni_kq.kq_rows shares each W decode among up to 8 rows
+    itself, on the flat activation layout."""
+    return kind < 10 and n >= 2
 
 
 def _vnni_activations(x, kind, bufs, acts):
@@ -216,7 +212,7 @@ def _vnni_activations(x, kind, bufs, acts):
         (quantize_q8_256_i8 if kk else quantize_q8_32_i8)(x, *bufs[:4])
         if _vnni_grouped(kind, x.shape[0]):
             n, K = x.shape
-            (KV.group_q8_256 if kk else KV.group_q8_32)(n, K, *bufs[:4], *bufs[5:9])
+            KV.group_q8_32(n, K, *bufs[:4], *bufs[5:9])
     if _vnni_grouped(kind, x.shape[0]):
         return bufs[5:9]
     if not kk:
@@ -240,7 +236,7 @@ def _small_batch_vnni(x, W, out, scratch, acts, kind):
     fresh = ("v", kk) not in acts
     acts[("v", kk)] = True
     if grouped:
-        (KV.matvec_grp_k if kk else KV.matvec_grp_leg)(kind, x, w, *bufs[:4], *bufs[5:9], out, bufs[4][0], fresh)
+        KV.matvec_grp_leg(kind, x, w, *bufs[:4], *bufs[5:9], out, bufs[4][0], fresh)
         return
     (KV.matvec_k if kk else KV.matvec_leg)(kind, x, w, bufs[0], bufs[1], bufs[2], bufs[3], out,
                                             bufs[4][0], fresh)

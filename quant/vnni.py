@@ -14,10 +14,11 @@ activation row's int8 codes (act_quant.quantize_q8_*_i8) by one vpdpbusd.  The
 unsigned offset (8, 16, 128, 32 for Q6_K) comes back out exactly with the
 row's integer block sum.
 
-One activation row (decode): leg_row1 / kq_row.  Two or more rows (speculative
-verification, batched decode): leg_grp / kq_grp, the rows of a group in the
-lanes of one zmm register and each W block decoded once for the whole group
-(see "row groups" below).
+32-element formats: one activation row (decode) leg_row1; two or more rows
+(speculative verification, batched decode) leg_grp, the rows of a group in
+the lanes of one zmm register and each W block decoded once for the whole
+group (see "row groups" below).  K-quants (Q4_K, Q6_K): vnni_kq.kq_rows, up
+to 8 activation rows per decode of a W super-block, any row count.
 
 Exactness: for a given (row, output) the float operations are the same in
 every kernel, whatever n is and whatever the other rows hold (batch
@@ -34,7 +35,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .act_quant import _grp_r as _grp_r_nb, group_q8_256, group_q8_32, quantize_q8_256_i8, quantize_q8_32_i8
+from .act_quant import _grp_r as _grp_r_nb, group_q8_32, quantize_q8_256_i8, quantize_q8_32_i8
 
 
 
@@ -50,14 +51,6 @@ def _cpu_has_vnni() -> bool:
 
 
 HAVE_VNNI = _cpu_has_vnni()
-# K-quants, one x row (decode): 4 W rows per kq_row call when a row is at most this many
-# bytes.  Measured streaming from DRAM, one thread (GB/s, 4 rows vs 1): Q4_1
-# K=576 (360 B) 13.2 vs 6.3, Q5_0 K=640 (440 B) 12.8 vs 6.8; but Q8_0 K=576
-# (612 B) 8.0 vs 10.8, Q5_0 K=896 (616 B) 4.0 vs 7.6, Q4_1 K=1536 (960 B)
-# 5.8 vs 9.7: short rows need the extra independent work, long rows stream
-# better one at a time (the hardware prefetcher).
-MULTI_ROW_MAX_BYTES = 512
-
 F32 = np.float32
 _i1 = ir.IntType(1)
 _i8 = ir.IntType(8)
@@ -202,116 +195,6 @@ def _shuf(builder, v, idx):
     return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, len(idx)), idx))
 
 
-@intrinsic
-def kq_row(typingctx, kind, R, MR, src, nsb, xq, xd, xb, r0, K, res):
-    """res[i*MR + j] = row (r0+i) of x . W row j (src, src + row bytes, ...),
-    i < R, j < MR, for Q4_K / Q6_K.
-
-    src: the W row's bytes; xq int8 [n*K] flat; xd f32 [n*K/256] flat; xb
-    int32 code sums flat, per 32 ([n*K/32], Q4_K's mins) or per 16 ([n*K/16],
-    Q6_K's -32 offset).  Per super-block and row the integer dot is exact and
-    the float update is a = a + ((d*dx)*isum - (dmin*dx)*msum) (Q4_K) or
-    a = a + (d*dx)*(isum - 32*corr) (Q6_K)."""
-    if not (_literal(kind) and _literal(R) and _literal(MR)):
-        return None
-    k = kind.literal_value
-    nw = MR.literal_value
-    nrow = R.literal_value * nw       # (x row, W row) pairs, p = i * nw + j
-    sig = types.void(kind, R, MR, src, nsb, xq, xd, xb, r0, K, res)
-
-    def codegen(context, builder, signature, args):
-        ta = signature.args
-        _, _, _, srcv, nsbv, xqv, xdv, xbv, r0v, Kv, resv = args
-        w0 = _data(context, builder, ta[3], srcv)
-        xqp = _data(context, builder, ta[5], xqv)
-        xdp = _data(context, builder, ta[6], xdv)
-        xbp = _data(context, builder, ta[7], xbv)
-        resp = _data(context, builder, ta[10], resv)
-        nsbv, r0v, Kv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (nsbv, r0v, Kv)]
-        per = 8 if k == Q4_K else 16          # xb entries per super-block
-        bb = 144 if k == Q4_K else 210
-        wrows = [builder.gep(w0, [builder.mul(nsbv, _c(bb * j))]) for j in range(nw)]
-        xrow = [builder.mul(builder.add(r0v, _c(p // nw)), Kv) for p in range(nrow)]
-        drow = [builder.mul(builder.add(r0v, _c(p // nw)), nsbv) for p in range(nrow)]
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0)) for _ in range(nrow)]
-        with cgutils.for_range(builder, nsbv) as loop:
-            sb = loop.index
-            o = builder.mul(sb, _c(bb))
-            dec = []
-            for w in wrows:
-              vecs = []
-              d = dmin = scv = mnv = S = None
-              if k == Q4_K:
-                  d = _load_half(builder, w, o)
-                  dmin = _load_half(builder, w, builder.add(o, _c(2)))
-                  u = [builder.load(builder.bitcast(builder.gep(w, [builder.add(o, _c(4 + 4 * t))]),
-                                                    _i32.as_pointer()), align=1) for t in range(3)]
-                  k1, k2, k3 = _c(0x3F3F3F3F, _i32), _c(0x0F0F0F0F, _i32), _c(0x03030303, _i32)
-                  sc_lo = builder.and_(u[0], k1)
-                  sc_hi = builder.or_(builder.and_(u[2], k2),
-                                      builder.shl(builder.and_(builder.lshr(u[0], _c(6, _i32)), k3), _c(4, _i32)))
-                  mn_lo = builder.and_(u[1], k1)
-                  mn_hi = builder.or_(builder.and_(builder.lshr(u[2], _c(4, _i32)), k2),
-                                      builder.shl(builder.and_(builder.lshr(u[1], _c(6, _i32)), k3), _c(4, _i32)))
-
-                  def bytes8(lo, hi):
-                      two = builder.insert_element(ir.Constant(ir.VectorType(_i32, 2), None), lo, _c(0, _i32))
-                      two = builder.insert_element(two, hi, _c(1, _i32))
-                      return builder.zext(builder.bitcast(two, ir.VectorType(_i8, 8)), _v8i32)
-                  scv = bytes8(sc_lo, sc_hi)
-                  mnv = bytes8(mn_lo, mn_hi)
-                  for g in range(4):
-                      q = _load_vec(builder, w, builder.add(o, _c(16 + 32 * g)), _v32i8)
-                      vecs.append((builder.and_(q, ir.Constant(_v32i8, [15] * 32)), _shuf(builder, scv, [2 * g] * 8)))
-                      vecs.append((builder.lshr(q, ir.Constant(_v32i8, [4] * 32)), _shuf(builder, scv, [2 * g + 1] * 8)))
-              else:
-                  d = _load_half(builder, w, builder.add(o, _c(208)))
-                  S = builder.sext(_load_vec(builder, w, builder.add(o, _c(192)), _v16i8), ir.VectorType(_i32, 16))
-                  for half in range(2):
-                      qh = _load_vec(builder, w, builder.add(o, _c(128 + 32 * half)), _v32i8)
-                      qa = [_load_vec(builder, w, builder.add(o, _c(64 * half + 32 * j)), _v32i8) for j in range(2)]
-                      for t in range(4):
-                          a = qa[t & 1]
-                          low = (builder.and_(a, ir.Constant(_v32i8, [15] * 32)) if t < 2
-                                 else builder.lshr(a, ir.Constant(_v32i8, [4] * 32)))
-                          hb = builder.and_(builder.lshr(qh, ir.Constant(_v32i8, [2 * t] * 32)),
-                                            ir.Constant(_v32i8, [3] * 32))
-                          uu = builder.or_(low, builder.shl(hb, ir.Constant(_v32i8, [4] * 32)))
-                          j = 8 * half + 2 * t
-                          vecs.append((uu, _shuf(builder, S, [j] * 4 + [j + 1] * 4)))
-              dec.append((vecs, d, dmin, mnv, S))
-            for i in range(nrow):
-                vecs, d, dmin, mnv, S = dec[i % nw]
-                base = builder.add(xrow[i], builder.mul(sb, _c(256)))
-                acc = ir.Constant(_v8i32, None)
-                for j, (uu, scl) in enumerate(vecs):
-                    xv = _load_vec(builder, xqp, builder.add(base, _c(32 * j)), _v32i8)
-                    dp = _vpdpbusd(builder, ir.Constant(_v8i32, None), uu, xv)
-                    acc = builder.add(acc, builder.mul(dp, scl))
-                isum = _reduce_add(builder, acc)
-                dx = builder.load(builder.gep(xdp, [builder.add(drow[i], sb)]))
-                xbo = builder.add(builder.mul(builder.add(r0v, _c(i // nw)), builder.mul(nsbv, _c(per))),
-                                  builder.mul(sb, _c(per)))
-                xbv_ = builder.load(builder.bitcast(builder.gep(xbp, [xbo]),
-                                                    ir.VectorType(_i32, per).as_pointer()), align=4)
-                a = builder.load(accs[i])
-                if k == Q4_K:
-                    msum = _reduce_add(builder, builder.mul(mnv, xbv_))
-                    t1 = builder.fmul(builder.fmul(d, dx), builder.sitofp(isum, _f32))
-                    t2 = builder.fmul(builder.fmul(dmin, dx), builder.sitofp(msum, _f32))
-                    a = builder.fadd(a, builder.fsub(t1, t2))
-                else:
-                    corr = _reduce_add(builder, builder.mul(S, xbv_))
-                    tot = builder.sub(isum, builder.mul(corr, _c(32, _i32)))
-                    a = builder.fadd(a, builder.fmul(builder.fmul(d, dx), builder.sitofp(tot, _f32)))
-                builder.store(a, accs[i])
-        for i in range(nrow):
-            builder.store(builder.load(accs[i]), builder.gep(resp, [_c(i)]))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 # ---------------------------------------------------------------- legacy rows
 
 @njit(inline="always")
@@ -353,43 +236,31 @@ def rows_q8_0(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
 # ---------------------------------------------------------------- K-quants
 
 @njit(inline="always")
-def _kq_rows(kind, w, xq, xd, xb, out, res, n, K, m):
-    nsb = K // 256
-    src = w[m]
-    r = 0
-    while r + 4 <= n:
-        kq_row(kind, 4, 1, src, nsb, xq, xd, xb, r, K, res)
-        for i in range(4):
-            out[r + i, m] = res[i]
-        r += 4
-    if r + 2 <= n:
-        kq_row(kind, 2, 1, src, nsb, xq, xd, xb, r, K, res)
-        out[r, m] = res[0]
-        out[r + 1, m] = res[1]
-        r += 2
-    if r < n:
-        kq_row(kind, 1, 1, src, nsb, xq, xd, xb, r, K, res)
-        out[r, m] = res[0]
-
-
-@njit(inline="always")
 def _kq_all(kind, w, xq, xd, xb, out, res, n, K, m0, m1):
-    m = m0
-    if n == 1 and w.strides[0] == w.shape[1] and w.shape[1] <= MULTI_ROW_MAX_BYTES:
-        nsb = K // 256
-        while m + 4 <= m1:
-            kq_row(kind, 1, 4, w[m], nsb, xq, xd, xb, 0, K, res)
-            for j in range(4):
-                out[0, m + j] = res[j]
-            m += 4
-        while m + 2 <= m1:
-            kq_row(kind, 1, 2, w[m], nsb, xq, xd, xb, 0, K, res)
-            out[0, m] = res[0]
-            out[0, m + 1] = res[1]
-            m += 2
-    while m < m1:
-        _kq_rows(kind, w, xq, xd, xb, out, res, n, K, m)
-        m += 1
+    """W rows m0..m1-1 against all n activation rows, up to 8 rows per decode
+    of a W row (vnni_kq.kq_rows)."""
+    nsb = K // 256
+    for m in range(m0, m1):
+        src = w[m]
+        r = 0
+        while r + 8 <= n:
+            kq_rows(kind, 8, src, nsb, xq, xd, xb, r, K, res)
+            for i in range(8):
+                out[r + i, m] = res[i]
+            r += 8
+        if r + 4 <= n:
+            kq_rows(kind, 4, src, nsb, xq, xd, xb, r, K, res)
+            for i in range(4):
+                out[r + i, m] = res[i]
+            r += 4
+        if r + 2 <= n:
+            kq_rows(kind, 2, src, nsb, xq, xd, xb, r, K, res)
+            out[r, m] = res[0]
+            out[r + 1, m] = res[1]
+            r += 2
+        if r < n:
+            kq_rows(kind, 1, src, nsb, xq, xd, xb, r, K, res)
+            out[r, m] = res[0]
 
 
 @njit(cache=True)
@@ -511,133 +382,6 @@ def _splat16(builder, v):
     return _splat(builder, v, ir.VectorType(v.type, 16))
 
 
-@intrinsic
-def kq_grp(typingctx, kind, R, src, nsb, xg, xdg, xbp, x16n, res):
-    """res[r] = row r of a row group . the W row src, r < R, Q4_K / Q6_K.
-
-    xg int8 [K*R] interleaved codes, xdg f32 [nsb*16] lane steps, xbp int32
-    [nsb*4*16] (Q4_K: code sums per 32 as int16 pairs per lane), x16n int32
-    [nsb*16*16] (Q6_K: -32 * code sums per 16).  Same float operations per
-    row as kq_row."""
-    if not (_literal(kind) and _literal(R)):
-        return None
-    k = kind.literal_value
-    assert k in (Q4_K, Q6_K)
-    nr = R.literal_value
-    G = 16 // nr
-    sig = types.void(kind, R, src, nsb, xg, xdg, xbp, x16n, res)
-
-    def codegen(context, builder, signature, args):
-        ta = signature.args
-        _, _, srcv, nsbv, xgv, xdgv, xbpv, x16nv, resv = args
-        w = _data(context, builder, ta[2], srcv)
-        xp = _data(context, builder, ta[4], xgv)
-        xdp = _data(context, builder, ta[5], xdgv)
-        xbpp = _data(context, builder, ta[6], xbpv)
-        x16p = _data(context, builder, ta[7], x16nv)
-        resp = _data(context, builder, ta[8], resv)
-        nsbv = builder.sext(nsbv, _i64) if nsbv.type != _i64 else nsbv
-        bb = 144 if k == Q4_K else 210
-        acc = cgutils.alloca_once_value(builder, ir.Constant(_v16f32, None))
-        zero = ir.Constant(_v16i32, None)
-        with cgutils.for_range(builder, nsbv) as loop:
-            sb = loop.index
-            o = builder.mul(sb, _c(bb))
-            xo = builder.mul(sb, _c(256 * nr))       # byte offset of this super-block in xg
-
-            def xchunk(q):                           # q: chunk index within the super-block
-                return _load_vec(builder, xp, builder.add(xo, _c(64 * q)), _v64i8)
-            dx = builder.load(builder.bitcast(builder.gep(xdp, [builder.mul(sb, _c(16))]),
-                                              _v16f32.as_pointer()), align=4)
-            if k == Q4_K:
-                d = _load_half(builder, w, o)
-                dmin = _load_half(builder, w, builder.add(o, _c(2)))
-                u = [builder.load(builder.bitcast(builder.gep(w, [builder.add(o, _c(4 + 4 * t))]),
-                                                  _i32.as_pointer()), align=1) for t in range(3)]
-                k1, k2, k3 = _c(0x3F3F3F3F, _i32), _c(0x0F0F0F0F, _i32), _c(0x03030303, _i32)
-                sc_lo = builder.and_(u[0], k1)
-                sc_hi = builder.or_(builder.and_(u[2], k2),
-                                    builder.shl(builder.and_(builder.lshr(u[0], _c(6, _i32)), k3), _c(4, _i32)))
-                mn_lo = builder.and_(u[1], k1)
-                mn_hi = builder.or_(builder.and_(builder.lshr(u[2], _c(4, _i32)), k2),
-                                    builder.shl(builder.and_(builder.lshr(u[1], _c(6, _i32)), k3), _c(4, _i32)))
-
-                def bytes8(lo, hi):
-                    two = builder.insert_element(ir.Constant(ir.VectorType(_i32, 2), None), lo, _c(0, _i32))
-                    two = builder.insert_element(two, hi, _c(1, _i32))
-                    return builder.bitcast(two, ir.VectorType(_i8, 8))
-                scb = builder.zext(bytes8(sc_lo, sc_hi), ir.VectorType(_i16, 8))
-                mnb = builder.zext(bytes8(mn_lo, mn_hi), ir.VectorType(_i16, 8))
-                z8 = ir.Constant(ir.VectorType(_i16, 8), None)
-                # (sc_j, 0) int16 pairs, and (mn_2p, mn_2p+1) pairs, as int32 lanes
-                scp = builder.bitcast(builder.shuffle_vector(scb, z8, ir.Constant(
-                    ir.VectorType(_i32, 16), [x for j in range(8) for x in (j, 8)])), _v8i32)
-                mnp = builder.bitcast(mnb, ir.VectorType(_i32, 4))
-                isum = zero
-                nch = 8 // G                         # chunks per 32-code sub-block
-                per = min(nch, 4)                    # chunks per int16-safe partial
-                for g in range(4):
-                    q = _load_vec(builder, w, builder.add(o, _c(16 + 32 * g)), _v32i8)
-                    for h in range(2):
-                        cu = (builder.and_(q, ir.Constant(_v32i8, [15] * 32)) if h == 0
-                              else builder.lshr(q, ir.Constant(_v32i8, [4] * 32)))
-                        j = 2 * g + h
-                        s16 = _splat16(builder, builder.extract_element(scp, _c(j, _i32)))
-                        for c0 in range(0, nch, per):
-                            p = zero
-                            for c in range(c0, c0 + per):
-                                p = _vpdpbusd512(builder, p, _bcast_w(builder, cu, c, G),
-                                                 xchunk(j * nch + c))
-                            isum = _vpdpwssd512(builder, isum, p, s16)
-                msum = zero
-                for pp in range(2 * 0, 4):
-                    xb = builder.load(builder.bitcast(builder.gep(xbpp, [builder.add(builder.mul(sb, _c(64)),
-                                                                                     _c(16 * pp))]),
-                                                      _v16i32.as_pointer()), align=4)
-                    msum = _vpdpwssd512(builder, msum, xb,
-                                        _splat16(builder, builder.extract_element(mnp, _c(pp, _i32))))
-                isum = _lane_reduce(builder, isum, G)
-                msum = _lane_reduce(builder, msum, G)
-                t1 = builder.fmul(builder.fmul(_splat16(builder, d), dx), builder.sitofp(isum, _v16f32))
-                t2 = builder.fmul(builder.fmul(_splat16(builder, dmin), dx), builder.sitofp(msum, _v16f32))
-                builder.store(builder.fadd(builder.load(acc), builder.fsub(t1, t2)), acc)
-            else:
-                d = _load_half(builder, w, builder.add(o, _c(208)))
-                S = builder.sext(_load_vec(builder, w, builder.add(o, _c(192)), _v16i8), ir.VectorType(_i32, 16))
-                nch = 4 // G                         # chunks per 16-code sub-block
-                isum = zero
-                for half in range(2):
-                    qh = _load_vec(builder, w, builder.add(o, _c(128 + 32 * half)), _v32i8)
-                    qa = [_load_vec(builder, w, builder.add(o, _c(64 * half + 32 * j)), _v32i8) for j in range(2)]
-                    for t in range(4):
-                        a = qa[t & 1]
-                        low = (builder.and_(a, ir.Constant(_v32i8, [15] * 32)) if t < 2
-                               else builder.lshr(a, ir.Constant(_v32i8, [4] * 32)))
-                        hb = builder.and_(builder.lshr(qh, ir.Constant(_v32i8, [2 * t] * 32)),
-                                          ir.Constant(_v32i8, [3] * 32))
-                        uu = builder.or_(low, builder.shl(hb, ir.Constant(_v32i8, [4] * 32)))
-                        for h in range(2):
-                            j = 8 * half + 2 * t + h          # sub-block of 16
-                            init = builder.load(builder.bitcast(
-                                builder.gep(x16p, [builder.add(builder.mul(sb, _c(256)), _c(16 * j))]),
-                                _v16i32.as_pointer()), align=4)
-                            p = init
-                            for c in range(nch):
-                                p = _vpdpbusd512(builder, p, _bcast_w(builder, uu, h * nch + c, G),
-                                                 xchunk(j * nch + c))
-                            isum = builder.add(isum, builder.mul(p, _splat16(
-                                builder, builder.extract_element(S, _c(j, _i32)))))
-                isum = _lane_reduce(builder, isum, G)
-                builder.store(builder.fadd(builder.load(acc), builder.fmul(
-                    builder.fmul(_splat16(builder, d), dx), builder.sitofp(isum, _v16f32))), acc)
-        a = builder.load(acc)
-        for r in range(nr):
-            builder.store(builder.extract_element(a, _c(r * G, _i32)), builder.gep(resp, [_c(r)]))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 def _vpdpwssd512(builder, acc, a, b):
     # (LLVM 22 declares the word operands as <32 x i16>; an i32 declaration is
     # "auto-upgraded" into wrong code)
@@ -647,31 +391,9 @@ def _vpdpwssd512(builder, acc, a, b):
 
 
 @njit(inline="always")
-def _kq_grp_rows(kind, w, xg, xdg, xbp, x16n, out, res, n, K, m0, m1):
-    nsb = K // 256
-    ng = (n + 15) // 16
-    for gi in range(ng):
-        R = 16 if gi < ng - 1 else _grp_r_nb(n)
-        xgv = xg[gi * 16 * K:(gi + 1) * 16 * K]
-        xdv = xdg[gi * nsb * 16:(gi + 1) * nsb * 16]
-        xbv = xbp[gi * nsb * 64:(gi + 1) * nsb * 64]
-        x16v = x16n[gi * nsb * 256:(gi + 1) * nsb * 256]
-        nr = min(16, n - 16 * gi)
-        for m in range(m0, m1):
-            if R == 4:
-                kq_grp(kind, 4, w[m], nsb, xgv, xdv, xbv, x16v, res)
-            elif R == 8:
-                kq_grp(kind, 8, w[m], nsb, xgv, xdv, xbv, x16v, res)
-            else:
-                kq_grp(kind, 16, w[m], nsb, xgv, xdv, xbv, x16v, res)
-            for r in range(nr):
-                out[16 * gi + r, m] = res[r]
-
-
-@njit(inline="always")
 def _grp_any(kind, w, xg, xdg, xa, xb, out, res, n, K, m0, m1):
-    """Row-group kernels (n >= 2): kinds 0-4 the 32-element formats (xa =
-    xsumg, xb = xsg), 10 Q4_K (xa = xbp, xb = x16n), 11 Q6_K."""
+    """Row-group kernels (n >= 2) of the 32-element formats, kinds 0-4 (xa =
+    xsumg, xb = xsg).  K-quants take any n through _rows_any (vnni_kq)."""
     if kind == 0:
         _leg_grp_rows(0, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
     elif kind == 1:
@@ -680,12 +402,8 @@ def _grp_any(kind, w, xg, xdg, xa, xb, out, res, n, K, m0, m1):
         _leg_grp_rows(2, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
     elif kind == 3:
         _leg_grp_rows(3, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
-    elif kind == 4:
-        _leg_grp_rows(4, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
-    elif kind == 10:
-        _kq_grp_rows(0, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
     else:
-        _kq_grp_rows(1, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+        _leg_grp_rows(4, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
 
 
 @njit(cache=True)
@@ -706,17 +424,6 @@ def grp_par(kind, w, xg, xdg, xa, xb, out, res, n, K, nch):
 def grp_multi(kind, ws, xg, xdg, xa, xb, outs, res, n, K, cw, cm0, cm1):
     for c in prange(cw.size):
         _grp_any(kind, ws[cw[c]], xg, xdg, xa, xb, outs[cw[c]], res[c], n, K, cm0[c], cm1[c])
-
-
-@njit(cache=True)
-def matvec_grp_k(kind, x, w, xq, xd, xb, xb16, xg, xdg, xbp, x16n, out, res, fresh):
-    """One serial call, n >= 2, Q4_K / Q6_K: quantize x (when fresh), regroup,
-    all W rows with the row-group kernel."""
-    n, K = x.shape
-    if fresh:
-        quantize_q8_256_i8(x, xq, xd, xb, xb16)
-        group_q8_256(n, K, xq, xd, xb, xb16, xg, xdg, xbp, x16n)
-    _grp_any(kind, w, xg, xdg, xbp, x16n, out, res, n, K, 0, w.shape[0])
 
 
 # ------------------------------------------------ 32-element formats, per block
@@ -969,3 +676,6 @@ def matvec_grp_leg(kind, x, w, xq, xd, xsum, xs, xg, xdg, xsumg, xsg, out, res, 
         quantize_q8_32_i8(x, xq, xd, xsum, xs)
         group_q8_32(n, K, xq, xd, xsum, xs, xg, xdg, xsumg, xsg)
     _grp_any(kind, w, xg, xdg, xsumg, xsg, out, res, n, K, 0, w.shape[0])
+
+
+from .vnni_kq import kq_rows  # noqa: E402  (it builds on the helpers above)

@@ -1,0 +1,171 @@
+"""K-quant (Q4_K, Q6_K) VNNI kernel: one W row against R activation rows.
+
+Each 256-weight super-block of the W row is decoded once into four 64-byte
+vectors of unsigned codes in natural weight order (so the activation rows are
+read as they are, no regrouped copy), plus its sub-block scales as int16 lane
+pairs.  Then, per activation row, four vpdpbusd give int32 lane sums that never
+mix two sub-blocks, and four vpdpwssd multiply them by their sub-block scales
+into one int32 vector: no horizontal reduction per super-block, only one float
+FMA per row.  The lanes are reduced once, at the end of the row.
+
+Per (x row, W row) the float operations are the same whatever R is, so every
+row count gives bit-identical results for a row (batch invariance: speculative
+verification must reproduce plain decoding exactly).  Integer parts are exact:
+|lane sum| <= 4 * 15 * 127 (Q4_K) or 4 * 63 * 127 (Q6_K) fits the int16 that
+vpdpwssd reads.
+
+    Q4_K:  acc += float(sum_j sc_j * dot_j) * (d * dx)
+           macc += float(mn_j * xsum32_j) * (dmin * dx)      (8 lanes)
+           y = hsum(acc) - hsum(macc)
+    Q6_K:  acc += float(sum_j sc_j * dot_j - 32 * sc_j * xsum16_j) * (d * dx)
+           y = hsum(acc)
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .vnni import (Q4_K, Q6_K, _c, _data, _f32, _fma_t, _fn, _hsumf, _i8, _i16, _i32, _i64, _literal,
+                   _load_half, _load_vec, _shuf, _splat, _v8f32, _v8i32, _v16f32, _v16i32, _v32i8, _v64i8,
+                   _vpdpbusd512)
+
+_v32i16 = ir.VectorType(_i16, 32)
+_v16i16 = ir.VectorType(_i16, 16)
+_v8i16 = ir.VectorType(_i16, 8)
+
+# most activation rows one call handles (2 float accumulators a row in zmm registers)
+R_MAX = 8
+
+
+def _vpdpwssd(builder, acc, a, b):
+    """acc + per int32 lane (a.lo16 * b.lo16 + a.hi16 * b.hi16), 8 or 16 lanes."""
+    n = acc.type.count
+    half = ir.VectorType(_i16, 2 * n)
+    fn = _fn(builder, f"llvm.x86.avx512.vpdpwssd.{32 * n}", acc.type, [acc.type, half, half])
+    return builder.call(fn, [acc, builder.bitcast(a, half), builder.bitcast(b, half)])
+
+
+def _twice(builder, v32):
+    """32 bytes -> 64 bytes: the same 32 twice."""
+    return builder.shuffle_vector(v32, v32, ir.Constant(ir.VectorType(_i32, 64), list(range(64))))
+
+
+def _shr_halves(builder, v64, lo_shift, hi_shift, mask):
+    """Bytes of the low 32 shifted right by lo_shift, of the high 32 by hi_shift,
+    then & mask (word shifts: the mask drops what crossed from the next byte)."""
+    w = builder.bitcast(v64, _v32i16)
+    w = builder.lshr(w, ir.Constant(_v32i16, [lo_shift] * 16 + [hi_shift] * 16))
+    return builder.and_(builder.bitcast(w, _v64i8), ir.Constant(_v64i8, [mask] * 64))
+
+
+def _pairs(builder, v16):
+    """v16 int16 -> 16 int32 lanes (value, 0): a vpdpwssd operand that multiplies
+    one signed int16 per lane."""
+    return builder.zext(v16, _v16i32)
+
+
+@intrinsic
+def kq_rows(typingctx, kind, R, src, nsb, xq, xd, xb, r0, K, res):
+    """res[i] = activation row r0+i . the W row src, i < R (1..R_MAX), Q4_K / Q6_K.
+
+    xq int8 [n*K] flat codes, xd f32 [n*K/256] steps, xb int32 code sums per 32
+    (Q4_K, [n*K/32]) or per 16 (Q6_K, [n*K/16]): act_quant.quantize_q8_256_i8."""
+    if not (_literal(kind) and _literal(R)):
+        return None
+    k = kind.literal_value
+    nr = R.literal_value
+    assert k in (Q4_K, Q6_K) and 1 <= nr <= R_MAX
+    sig = types.void(kind, R, src, nsb, xq, xd, xb, r0, K, res)
+
+    def codegen(context, builder, signature, args):
+        ta = signature.args
+        _, _, srcv, nsbv, xqv, xdv, xbv, r0v, Kv, resv = args
+        w = _data(context, builder, ta[2], srcv)
+        xqp = _data(context, builder, ta[4], xqv)
+        xdp = _data(context, builder, ta[5], xdv)
+        xbp = _data(context, builder, ta[6], xbv)
+        resp = _data(context, builder, ta[9], resv)
+        nsbv, r0v, Kv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (nsbv, r0v, Kv)]
+        bb = 144 if k == Q4_K else 210
+        per = 8 if k == Q4_K else 16               # xb entries per super-block
+        rows = [builder.add(r0v, _c(i)) for i in range(nr)]
+        xrow = [builder.mul(r, Kv) for r in rows]
+        drow = [builder.mul(r, nsbv) for r in rows]
+        brow = [builder.mul(r, builder.mul(nsbv, _c(per))) for r in rows]
+        acc = [cgutils.alloca_once_value(builder, ir.Constant(_v16f32, None)) for _ in range(nr)]
+        macc = [cgutils.alloca_once_value(builder, ir.Constant(_v8f32, None)) for _ in range(nr)] \
+            if k == Q4_K else []
+        zero = ir.Constant(_v16i32, None)
+        with cgutils.for_range(builder, nsbv) as loop:
+            sb = loop.index
+            o = builder.mul(sb, _c(bb))
+            codes, scales = [], []                 # 4 x 64 codes, their sub-block scale pairs
+            if k == Q4_K:
+                d = _load_half(builder, w, o)
+                dmin = _load_half(builder, w, builder.add(o, _c(2)))
+                u = [builder.load(builder.bitcast(builder.gep(w, [builder.add(o, _c(4 + 4 * t))]),
+                                                  _i32.as_pointer()), align=1) for t in range(3)]
+                k1, k2, k3 = _c(0x3F3F3F3F, _i32), _c(0x0F0F0F0F, _i32), _c(0x03030303, _i32)
+                sc_lo = builder.and_(u[0], k1)
+                sc_hi = builder.or_(builder.and_(u[2], k2),
+                                    builder.shl(builder.and_(builder.lshr(u[0], _c(6, _i32)), k3), _c(4, _i32)))
+                mn_lo = builder.and_(u[1], k1)
+                mn_hi = builder.or_(builder.and_(builder.lshr(u[2], _c(4, _i32)), k2),
+                                    builder.shl(builder.and_(builder.lshr(u[1], _c(6, _i32)), k3), _c(4, _i32)))
+
+                def bytes8(lo, hi):        # two little-endian words -> 8 int32 lanes
+                    two = builder.insert_element(ir.Constant(ir.VectorType(_i32, 2), None), lo, _c(0, _i32))
+                    two = builder.insert_element(two, hi, _c(1, _i32))
+                    return builder.zext(builder.bitcast(two, ir.VectorType(_i8, 8)), _v8i32)
+                scv = bytes8(sc_lo, sc_hi)
+                mnv = bytes8(mn_lo, mn_hi)
+                for g in range(4):
+                    # low nibbles: sub-block 2g; high nibbles: sub-block 2g+1
+                    q = _load_vec(builder, w, builder.add(o, _c(16 + 32 * g)), _v32i8)
+                    codes.append(_shr_halves(builder, _twice(builder, q), 0, 4, 15))
+                    scales.append(_shuf(builder, scv, [2 * g] * 8 + [2 * g + 1] * 8))
+            else:
+                d = _load_half(builder, w, builder.add(o, _c(208)))
+                s8 = _load_vec(builder, w, builder.add(o, _c(192)), ir.VectorType(_i8, 16))
+                s16 = builder.sext(s8, _v16i16)
+                ns = _pairs(builder, builder.mul(s16, ir.Constant(_v16i16, [-32] * 16)))
+                for h in range(2):
+                    ql = _load_vec(builder, w, builder.add(o, _c(64 * h)), _v64i8)
+                    qh = _twice(builder, _load_vec(builder, w, builder.add(o, _c(128 + 32 * h)), _v32i8))
+                    lo = builder.and_(ql, ir.Constant(_v64i8, [15] * 64))
+                    hi = _shr_halves(builder, ql, 4, 4, 15)
+                    for part, (low4, s0) in enumerate(((lo, 0), (hi, 4))):
+                        hb = _shr_halves(builder, qh, 4 * part, 4 * part + 2, 3)
+                        hb = builder.bitcast(builder.shl(builder.bitcast(hb, _v32i16),
+                                                         ir.Constant(_v32i16, [4] * 32)), _v64i8)
+                        codes.append(builder.or_(low4, hb))
+                        j0 = 8 * h + s0                 # first sub-block of 16 in these 64 codes
+                        scales.append(_pairs(builder, _shuf(builder, s16, [j0 + l // 4 for l in range(16)])))
+            for i in range(nr):
+                base = builder.add(xrow[i], builder.mul(sb, _c(256)))
+                isum = zero
+                for g in range(4):
+                    xv = _load_vec(builder, xqp, builder.add(base, _c(64 * g)), _v64i8)
+                    isum = _vpdpwssd(builder, isum, _vpdpbusd512(builder, zero, codes[g], xv), scales[g])
+                xbo = builder.add(brow[i], builder.mul(sb, _c(per)))
+                dx = builder.load(builder.gep(xdp, [builder.add(drow[i], sb)]))
+                if k == Q4_K:
+                    xs = builder.load(builder.bitcast(builder.gep(xbp, [xbo]), _v8i32.as_pointer()), align=4)
+                    mprod = builder.mul(mnv, xs)
+                    dm = _splat(builder, builder.fmul(dmin, dx), _v8f32)
+                    builder.store(_fma_t(builder, builder.sitofp(mprod, _v8f32), dm, builder.load(macc[i])), macc[i])
+                else:
+                    xs = builder.load(builder.bitcast(builder.gep(xbp, [xbo]), _v16i32.as_pointer()), align=4)
+                    isum = _vpdpwssd(builder, isum, xs, ns)
+                step = _splat(builder, builder.fmul(d, dx), _v16f32)
+                builder.store(_fma_t(builder, builder.sitofp(isum, _v16f32), step, builder.load(acc[i])), acc[i])
+        for i in range(nr):
+            y = _hsumf(builder, builder.load(acc[i]))
+            if k == Q4_K:
+                y = builder.fsub(y, _hsumf(builder, builder.load(macc[i])))
+            builder.store(y, builder.gep(resp, [_c(i)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
