@@ -1,9 +1,10 @@
 """K-quant (Q4_K, Q6_K) VNNI kernel: one W row against R activation rows.
 
 Each 256-weight super-block of the W row is decoded once into four 64-byte
-vectors of unsigned codes in natural weight order (so the activation rows are
-read as they are, no regrouped copy), plus its sub-block scales as int16 lane
-pairs.  Then, per activation row, four vpdpbusd give int32 lane sums that never
+vectors of unsigned codes, plus its sub-block scales as int16 lane pairs.  The
+codes come in the order a 64-byte load of Q4_K's nibbles yields them (32-code
+sub-blocks 0 2 1 3 4 6 5 7), which is how act_quant.quantize_q8_256_i8 stores
+the activation codes; Q6_K's codes are assembled in that order too.  Then, per activation row, four vpdpbusd give int32 lane sums that never
 mix two sub-blocks, and four vpdpwssd multiply them by their sub-block scales
 into one int32 vector: no horizontal reduction per super-block, only one float
 FMA per row.  The lanes are reduced once, at the end of the row.
@@ -34,6 +35,7 @@ from .vnni import (Q4_K, Q6_K, _c, _data, _f32, _fma_t, _fn, _hsumf, _i8, _i16, 
 _v32i16 = ir.VectorType(_i16, 32)
 _v16i16 = ir.VectorType(_i16, 16)
 _v8i16 = ir.VectorType(_i16, 8)
+_v16i8 = ir.VectorType(_i8, 16)
 
 # most activation rows one call handles (2 float accumulators a row in zmm registers)
 R_MAX = 8
@@ -64,6 +66,25 @@ def _pairs(builder, v16):
     """v16 int16 -> 16 int32 lanes (value, 0): a vpdpwssd operand that multiplies
     one signed int16 per lane."""
     return builder.zext(v16, _v16i32)
+
+
+def _q4k_scales_mins(builder, q):
+    """Q4_K's 12 packed bytes (q: 16 bytes from the block's byte 4) -> 16 bytes:
+    the 8 six-bit scales, then the 8 six-bit mins.
+        j < 4:  sc = q[j] & 63,                 mn = q[j+4] & 63
+        j >= 4: sc = q[j+4] & 15 | q[j-4] >> 6 << 4,  mn = q[j+4] >> 4 | q[j] >> 6 << 4"""
+    low = _shuf8(builder, q, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
+    low = builder.bitcast(builder.lshr(builder.bitcast(low, _v8i16),
+                                       ir.Constant(_v8i16, [0] * 6 + [4] * 2)), _v16i8)
+    low = builder.and_(low, ir.Constant(_v16i8, [63] * 4 + [15] * 4 + [63] * 4 + [15] * 4))
+    top = _shuf8(builder, q, [0] * 4 + [0, 1, 2, 3] + [0] * 4 + [4, 5, 6, 7])
+    top = builder.bitcast(builder.lshr(builder.bitcast(top, _v8i16), ir.Constant(_v8i16, [2] * 8)), _v16i8)
+    top = builder.and_(top, ir.Constant(_v16i8, ([0] * 4 + [0x30] * 4) * 2))
+    return builder.or_(low, top)
+
+
+def _shuf8(builder, v, idx):
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, len(idx)), idx))
 
 
 @intrinsic
@@ -105,44 +126,34 @@ def kq_rows(typingctx, kind, R, src, nsb, xq, xd, xb, r0, K, res):
             if k == Q4_K:
                 d = _load_half(builder, w, o)
                 dmin = _load_half(builder, w, builder.add(o, _c(2)))
-                u = [builder.load(builder.bitcast(builder.gep(w, [builder.add(o, _c(4 + 4 * t))]),
-                                                  _i32.as_pointer()), align=1) for t in range(3)]
-                k1, k2, k3 = _c(0x3F3F3F3F, _i32), _c(0x0F0F0F0F, _i32), _c(0x03030303, _i32)
-                sc_lo = builder.and_(u[0], k1)
-                sc_hi = builder.or_(builder.and_(u[2], k2),
-                                    builder.shl(builder.and_(builder.lshr(u[0], _c(6, _i32)), k3), _c(4, _i32)))
-                mn_lo = builder.and_(u[1], k1)
-                mn_hi = builder.or_(builder.and_(builder.lshr(u[2], _c(4, _i32)), k2),
-                                    builder.shl(builder.and_(builder.lshr(u[1], _c(6, _i32)), k3), _c(4, _i32)))
-
-                def bytes8(lo, hi):        # two little-endian words -> 8 int32 lanes
-                    two = builder.insert_element(ir.Constant(ir.VectorType(_i32, 2), None), lo, _c(0, _i32))
-                    two = builder.insert_element(two, hi, _c(1, _i32))
-                    return builder.zext(builder.bitcast(two, ir.VectorType(_i8, 8)), _v8i32)
-                scv = bytes8(sc_lo, sc_hi)
-                mnv = bytes8(mn_lo, mn_hi)
-                for g in range(4):
-                    # low nibbles: sub-block 2g; high nibbles: sub-block 2g+1
-                    q = _load_vec(builder, w, builder.add(o, _c(16 + 32 * g)), _v32i8)
-                    codes.append(_shr_halves(builder, _twice(builder, q), 0, 4, 15))
-                    scales.append(_shuf(builder, scv, [2 * g] * 8 + [2 * g + 1] * 8))
+                scm = _q4k_scales_mins(builder, _load_vec(builder, w, builder.add(o, _c(4)), _v16i8))
+                sm = builder.zext(scm, _v16i32)               # lanes 0-7 scales, 8-15 mins
+                mnv = _shuf(builder, sm, list(range(8, 16)))
+                for p in range(2):
+                    # 64 bytes = codes of sub-blocks 4p..4p+3: low nibbles 4p | 4p+2, high 4p+1 | 4p+3
+                    q = _load_vec(builder, w, builder.add(o, _c(16 + 64 * p)), _v64i8)
+                    for hi in range(2):
+                        codes.append(_shr_halves(builder, q, 4 * hi, 4 * hi, 15))
+                        a, b = 4 * p + hi, 4 * p + hi + 2
+                        scales.append(_shuf(builder, sm, [a] * 8 + [b] * 8))
             else:
                 d = _load_half(builder, w, builder.add(o, _c(208)))
-                s8 = _load_vec(builder, w, builder.add(o, _c(192)), ir.VectorType(_i8, 16))
+                s8 = _load_vec(builder, w, builder.add(o, _c(192)), _v16i8)
                 s16 = builder.sext(s8, _v16i16)
                 ns = _pairs(builder, builder.mul(s16, ir.Constant(_v16i16, [-32] * 16)))
                 for h in range(2):
-                    ql = _load_vec(builder, w, builder.add(o, _c(64 * h)), _v64i8)
                     qh = _twice(builder, _load_vec(builder, w, builder.add(o, _c(128 + 32 * h)), _v32i8))
-                    lo = builder.and_(ql, ir.Constant(_v64i8, [15] * 64))
-                    hi = _shr_halves(builder, ql, 4, 4, 15)
-                    for part, (low4, s0) in enumerate(((lo, 0), (hi, 4))):
-                        hb = _shr_halves(builder, qh, 4 * part, 4 * part + 2, 3)
+                    for part in range(2):
+                        # codes l | l+64 (part 0) and l+32 | l+96 (part 1) of this half, l < 32
+                        ql = _twice(builder, _load_vec(builder, w, builder.add(o, _c(64 * h + 32 * part)), _v32i8))
+                        low4 = _shr_halves(builder, ql, 0, 4, 15)
+                        hb = _shr_halves(builder, qh, 2 * part, 2 * part + 4, 3)
                         hb = builder.bitcast(builder.shl(builder.bitcast(hb, _v32i16),
                                                          ir.Constant(_v32i16, [4] * 32)), _v64i8)
                         codes.append(builder.or_(low4, hb))
-                        j0 = 8 * h + s0                 # first sub-block of 16 in these 64 codes
-                        scales.append(_pairs(builder, _shuf(builder, s16, [j0 + l // 4 for l in range(16)])))
+                        j = 8 * h + 2 * part              # sub-blocks of 16: j, j+1 | j+4, j+5
+                        lanes = [j] * 4 + [j + 1] * 4 + [j + 4] * 4 + [j + 5] * 4
+                        scales.append(_pairs(builder, _shuf(builder, s16, lanes)))
             for i in range(nr):
                 base = builder.add(xrow[i], builder.mul(sb, _c(256)))
                 isum = zero
