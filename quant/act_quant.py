@@ -90,13 +90,8 @@ def quantize_q8_32_i8(x, xq, xd, xsum, xs):
 
 @njit(cache=True)
 def quantize_q8_256_i8(x, xq, xd, xb, xb16):
-    """For the VNNI K-quant kernel (vnni_kq), all flat: x f32 [n, K] -> xq int8
-    [n*K], xd f32 [n*K/256], code sums xb int32 [n*K/32] and xb16 int32 [n*K/16].
-
-    Within each 256-block the 32-code sub-blocks of xq are stored in the order
-    0 2 1 3 4 6 5 7: the order in which a 64-byte load of Q4_K codes yields
-    them (low nibbles of bytes 0-63 are sub-blocks 0 and 2, high nibbles 1 and
-    3).  The sums stay in natural order."""
+    """For the VNNI kernels, all flat: x f32 [n, K] -> xq int8 [n*K], xd f32
+    [n*K/256], code sums xb int32 [n*K/32] and xb16 int32 [n*K/16]."""
     n, K = x.shape
     nsb = K // 256
     for r in range(n):
@@ -110,13 +105,6 @@ def quantize_q8_256_i8(x, xq, xd, xb, xb16):
             xb16[r * (K // 16) + j] = s
         for j in range(K // 32):
             xb[r * (K // 32) + j] = xb16[r * (K // 16) + 2 * j] + xb16[r * (K // 16) + 2 * j + 1]
-        for b in range(nsb):
-            for h in range(2):
-                o = r * K + b * 256 + 128 * h
-                for i in range(32):
-                    t = xq[o + 32 + i]
-                    xq[o + 32 + i] = xq[o + 64 + i]
-                    xq[o + 64 + i] = t
 
 
 @njit(inline="always")

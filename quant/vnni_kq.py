@@ -1,10 +1,9 @@
 """K-quant (Q4_K, Q6_K) VNNI kernel: one W row against R activation rows.
 
 Each 256-weight super-block of the W row is decoded once into four 64-byte
-vectors of unsigned codes, plus its sub-block scales as int16 lane pairs.  The
-codes come in the order a 64-byte load of Q4_K's nibbles yields them (32-code
-sub-blocks 0 2 1 3 4 6 5 7), which is how act_quant.quantize_q8_256_i8 stores
-the activation codes; Q6_K's codes are assembled in that order too.  Then, per activation row, four vpdpbusd give int32 lane sums that never
+vectors of unsigned codes in natural weight order (so the activation rows are
+read as they lie), plus its sub-block scales as int16 lane pairs.  Then, per
+activation row, four vpdpbusd give int32 lane sums that never
 mix two sub-blocks, and four vpdpwssd multiply them by their sub-block scales
 into one int32 vector: no horizontal reduction per super-block, only one float
 FMA per row.  The lanes are reduced once, at the end of the row.
@@ -20,6 +19,11 @@ vpdpwssd reads.
            y = hsum(acc) - hsum(macc)
     Q6_K:  acc += float(sum_j sc_j * dot_j - 32 * sc_j * xsum16_j) * (d * dx)
            y = hsum(acc)
+
+Tried and left out: activation codes stored in the order a 64-byte load of
+Q4_K nibbles yields them (sub-blocks 0 2 1 3 4 6 5 7) saves the lane
+duplication and is faster with the weights in cache, but streaming Qwen2.5-1.5B's
+gate+up from DRAM on 2 threads it was 7-11% slower (593-630 vs 555-566 us).
 """
 from __future__ import annotations
 
@@ -129,31 +133,28 @@ def kq_rows(typingctx, kind, R, src, nsb, xq, xd, xb, r0, K, res):
                 scm = _q4k_scales_mins(builder, _load_vec(builder, w, builder.add(o, _c(4)), _v16i8))
                 sm = builder.zext(scm, _v16i32)               # lanes 0-7 scales, 8-15 mins
                 mnv = _shuf(builder, sm, list(range(8, 16)))
-                for p in range(2):
-                    # 64 bytes = codes of sub-blocks 4p..4p+3: low nibbles 4p | 4p+2, high 4p+1 | 4p+3
-                    q = _load_vec(builder, w, builder.add(o, _c(16 + 64 * p)), _v64i8)
-                    for hi in range(2):
-                        codes.append(_shr_halves(builder, q, 4 * hi, 4 * hi, 15))
-                        a, b = 4 * p + hi, 4 * p + hi + 2
-                        scales.append(_shuf(builder, sm, [a] * 8 + [b] * 8))
+                for g in range(4):
+                    # 32 bytes: low nibbles are sub-block 2g, high nibbles 2g+1
+                    q = _load_vec(builder, w, builder.add(o, _c(16 + 32 * g)), _v32i8)
+                    codes.append(_shr_halves(builder, _twice(builder, q), 0, 4, 15))
+                    scales.append(_shuf(builder, sm, [2 * g] * 8 + [2 * g + 1] * 8))
             else:
                 d = _load_half(builder, w, builder.add(o, _c(208)))
                 s8 = _load_vec(builder, w, builder.add(o, _c(192)), _v16i8)
                 s16 = builder.sext(s8, _v16i16)
                 ns = _pairs(builder, builder.mul(s16, ir.Constant(_v16i16, [-32] * 16)))
                 for h in range(2):
+                    # 64 codes in natural order: l | l+32 (part 0), l+64 | l+96 (part 1), l < 32
+                    ql = _load_vec(builder, w, builder.add(o, _c(64 * h)), _v64i8)
                     qh = _twice(builder, _load_vec(builder, w, builder.add(o, _c(128 + 32 * h)), _v32i8))
                     for part in range(2):
-                        # codes l | l+64 (part 0) and l+32 | l+96 (part 1) of this half, l < 32
-                        ql = _twice(builder, _load_vec(builder, w, builder.add(o, _c(64 * h + 32 * part)), _v32i8))
-                        low4 = _shr_halves(builder, ql, 0, 4, 15)
-                        hb = _shr_halves(builder, qh, 2 * part, 2 * part + 4, 3)
+                        low4 = _shr_halves(builder, ql, 4 * part, 4 * part, 15)
+                        hb = _shr_halves(builder, qh, 4 * part, 4 * part + 2, 3)
                         hb = builder.bitcast(builder.shl(builder.bitcast(hb, _v32i16),
                                                          ir.Constant(_v32i16, [4] * 32)), _v64i8)
                         codes.append(builder.or_(low4, hb))
-                        j = 8 * h + 2 * part              # sub-blocks of 16: j, j+1 | j+4, j+5
-                        lanes = [j] * 4 + [j + 1] * 4 + [j + 4] * 4 + [j + 5] * 4
-                        scales.append(_pairs(builder, _shuf(builder, s16, lanes)))
+                        j0 = 8 * h + 4 * part             # first sub-block of 16 in these 64 codes
+                        scales.append(_pairs(builder, _shuf(builder, s16, [j0 + l // 4 for l in range(16)])))
             for i in range(nr):
                 base = builder.add(xrow[i], builder.mul(sb, _c(256)))
                 isum = zero
