@@ -53,6 +53,12 @@ def _vpdpwssd(builder, acc, a, b):
     return builder.call(fn, [acc, builder.bitcast(a, half), builder.bitcast(b, half)])
 
 
+def _packssdw(builder, a, b):
+    """Two int32 vectors -> one of int16, per 128-bit lane: a's 4 dwords, then b's."""
+    fn = _fn(builder, "llvm.x86.avx512.packssdw.512", _v32i16, [_v16i32, _v16i32])
+    return builder.call(fn, [a, b])
+
+
 def _twice(builder, v32):
     """32 bytes -> 64 bytes: the same 32 twice."""
     return builder.shuffle_vector(v32, v32, ir.Constant(ir.VectorType(_i32, 64), list(range(64))))
@@ -126,7 +132,7 @@ def kq_rows(typingctx, kind, R, src, nsb, xq, xd, xb, r0, K, res):
         with cgutils.for_range(builder, nsbv) as loop:
             sb = loop.index
             o = builder.mul(sb, _c(bb))
-            codes, scales = [], []                 # 4 x 64 codes, their sub-block scale pairs
+            codes, subs = [], []                   # 4 x 64 codes, the sub-block of each int32 lane
             if k == Q4_K:
                 d = _load_half(builder, w, o)
                 dmin = _load_half(builder, w, builder.add(o, _c(2)))
@@ -137,7 +143,8 @@ def kq_rows(typingctx, kind, R, src, nsb, xq, xd, xb, r0, K, res):
                     # 32 bytes: low nibbles are sub-block 2g, high nibbles 2g+1
                     q = _load_vec(builder, w, builder.add(o, _c(16 + 32 * g)), _v32i8)
                     codes.append(_shr_halves(builder, _twice(builder, q), 0, 4, 15))
-                    scales.append(_shuf(builder, sm, [2 * g] * 8 + [2 * g + 1] * 8))
+                    subs.append([2 * g] * 8 + [2 * g + 1] * 8)
+                sv = sm
             else:
                 d = _load_half(builder, w, builder.add(o, _c(208)))
                 s8 = _load_vec(builder, w, builder.add(o, _c(192)), _v16i8)
@@ -154,13 +161,25 @@ def kq_rows(typingctx, kind, R, src, nsb, xq, xd, xb, r0, K, res):
                                                          ir.Constant(_v32i16, [4] * 32)), _v64i8)
                         codes.append(builder.or_(low4, hb))
                         j0 = 8 * h + 4 * part             # first sub-block of 16 in these 64 codes
-                        scales.append(_pairs(builder, _shuf(builder, s16, [j0 + l // 4 for l in range(16)])))
+                        subs.append([j0 + l // 4 for l in range(16)])
+                sv = builder.zext(s16, _v16i32)
+            # The dot vectors of codes 2c and 2c+1 are packed into one of int16
+            # (vpackssdw, exact: |lane| < 2^15), lane pairs from one sub-block
+            # each, and scaled by one vpdpwssd with (s, s) pairs.
+            scales = []
+            for c in range(2):
+                a, b = subs[2 * c], subs[2 * c + 1]
+                order = [(a if t < 2 else b)[4 * L + 2 * (t % 2)] for L in range(4) for t in range(4)]
+                s32 = _shuf(builder, sv, order)
+                scales.append(builder.or_(builder.and_(s32, ir.Constant(_v16i32, [0xFFFF] * 16)),
+                                          builder.shl(s32, ir.Constant(_v16i32, [16] * 16))))
             for i in range(nr):
                 base = builder.add(xrow[i], builder.mul(sb, _c(256)))
                 isum = zero
-                for g in range(4):
-                    xv = _load_vec(builder, xqp, builder.add(base, _c(64 * g)), _v64i8)
-                    isum = _vpdpwssd(builder, isum, _vpdpbusd512(builder, zero, codes[g], xv), scales[g])
+                for c in range(2):
+                    dots = [_vpdpbusd512(builder, zero, codes[g], _load_vec(builder, xqp, builder.add(base, _c(64 * g)), _v64i8))
+                            for g in (2 * c, 2 * c + 1)]
+                    isum = _vpdpwssd(builder, isum, _packssdw(builder, *dots), scales[c])
                 xbo = builder.add(brow[i], builder.mul(sb, _c(per)))
                 dx = builder.load(builder.gep(xdp, [builder.add(drow[i], sb)]))
                 if k == Q4_K:
