@@ -297,8 +297,11 @@ class Drafter:
 
     # rounds in a row where plain decoding looks faster before giving up on drafting
     FALLBACK_AFTER = 4
-    # with speculation off, plain tokens before drafting is tried again
-    RETRY_AFTER = 64
+    # with speculation off, plain tokens before drafting is tried again; doubled
+    # after each fallback up to RETRY_MAX (a few unlucky early rounds must not
+    # switch drafting off for the rest of a short answer)
+    RETRY_AFTER = 16
+    RETRY_MAX = 256
     # one plain step every this many rounds keeps the plain-step time current
     PROBE_EVERY = 32
 
@@ -402,6 +405,7 @@ class Drafter:
         yield tok
         pending = tok
         off_until = -1          # speculation is off until history reaches this length
+        retry = self.RETRY_AFTER
         losing = 0              # consecutive decisions for plain decoding
         rounds = 0
         while True:
@@ -420,7 +424,8 @@ class Drafter:
                     # a retry re-feeds the draft everything it missed, so only retry
                     # when better acceptance alone could make drafting pay
                     hopeless = not ctl.could_pay()
-                    off_until = (1 << 62) if hopeless else len(history) + self.RETRY_AFTER
+                    off_until = (1 << 62) if hopeless else len(history) + retry
+                    retry = min(2 * retry, self.RETRY_MAX)
                     st.fallbacks += 1
                     st.fallback = (f"drafting stopped paying{' even at full acceptance' if hopeless else ''} "
                                    f"(acceptance {ctl.alpha:.0%}, draft step {1e3 * ctl.t_draft:.0f} ms, "
