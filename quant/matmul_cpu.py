@@ -39,6 +39,7 @@ import numba
 import numpy as np
 from numba.np.ufunc import parallel as _npar
 
+from . import gemm_bf16 as GB
 from . import kernels_float as KF
 from . import kernels_k as KK
 from . import kernels_legacy as KL
@@ -164,6 +165,11 @@ def _buffers(scratch, fam, n, K, nch):
         scratch._sets[key] = b
     return b
 
+
+# Prompt processing in bfloat16 (quant/gemm_bf16.py) where the CPU has AVX512_BF16:
+# read per call, so tests can compare it with the float32 path.
+BF16_PREFILL = GB.HAVE_BF16
+_BF16_TYPES = frozenset(_K) | frozenset(_LEGACY) | {GGMLType.F16, GGMLType.BF16, GGMLType.F32}
 
 # AVX512-VNNI kernels (quant/vnni.py) where the CPU has them: kind code per type.
 # USE_VNNI is read per call, so tests can run the int16 fallback too.
@@ -328,9 +334,18 @@ def _pool_sgemm():
     return sg
 
 
-def _matmul_large(x, W, out, scratch):
+def _matmul_large(x, W, out, scratch, bf16: bool = True):
     M, K = W.data.shape[0], W.shape[-1]
     n = x.shape[0]
+    if bf16 and bf16_path(n, W.qtype, K):
+        # bf16 products, fp32 sums (quant/gemm_bf16.py): twice the float32 peak
+        nt = numba.config.NUMBA_NUM_THREADS
+        xb = scratch.get("bf16x", (-(-n // GB.ROWS) * GB.ROWS, K // 2), np.uint32)
+        GB.pack_x(x, xb)
+        _run_parallel(GB.gemm_bf16_tiles, int(W.qtype), W.data, xb, n, out, scratch.get("bf16f", (nt, K)),
+                      scratch.get("bf16w", (nt, K // 2, GB.TILE), np.uint32),
+                      scratch.get("bf16c", (nt, GB.ROWS, GB.TILE)))
+        return out
     sg = pool_sgemm()
     if sg is not None:
         # dequantize + single-threaded sgemm per tile, in Numba's pool (quant/gemm_tiles.py)
@@ -383,6 +398,12 @@ def _sgemm_path(n: int, qtype) -> bool:
     return n >= LARGE_BATCH_MIN and not (INT8_PREFILL and USE_VNNI and qtype in _VNNI_KIND)
 
 
+def bf16_path(n: int, qtype, K: int) -> bool:
+    """Whether n rows of x against this weight type run the bfloat16 prompt
+    kernel (x and the dequantized weights rounded to bf16, sums in fp32)."""
+    return BF16_PREFILL and n >= LARGE_BATCH_MIN and qtype in _BF16_TYPES and K % 2 == 0
+
+
 def matmul_dequant(x: np.ndarray, W: QTensor, out: np.ndarray | None = None) -> np.ndarray:
     """y = x @ dequantize(W).T with x kept in float32 (dequantize a tile, sgemm)
     at any row count: the float reference path, for tests and comparisons."""
@@ -390,7 +411,7 @@ def matmul_dequant(x: np.ndarray, W: QTensor, out: np.ndarray | None = None) -> 
     x = np.ascontiguousarray(x)
     if out is None:
         out = np.empty((x.shape[0], W.shape[0]), np.float32)
-    return _matmul_large(x, W, out, default_scratch())
+    return _matmul_large(x, W, out, default_scratch(), bf16=False)
 
 
 def _check(x, W, out):

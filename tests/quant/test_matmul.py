@@ -4,6 +4,10 @@ Stated tolerance, per output element y[r, m] (a rigorous bound, not a fit):
 * float activations (F32/F16/BF16 weights, large batches, any path that keeps
   x in float32): |y - ref| <= 1e-5 * sum_k |x[r,k] * W[m,k]|, float32
   accumulation error with margin.
+* bfloat16 products (large batches where the CPU has AVX512_BF16,
+  quant.matmul_cpu.bf16_path): x and W each rounded to 8 significant bits
+  (unit roundoff u = 2^-8), sums in float32: |y - ref| <= (2u + u^2) *
+  sum_k |x[r,k] * W[m,k]| + the float term above.
 * 8-bit activations (quantized weights on the small-batch path; block size B
   from quant.matmul_cpu.activation_block: 32, or 256 for K-quants): x is
   rounded to int8 in blocks of B with step d_b = amax_b / 127, so each x
@@ -14,7 +18,7 @@ import numpy as np
 import pytest
 
 from quant import TYPE_INFO, GGMLType, QTensor, dequantize, matmul, matmul_into, matmul_multi
-from quant.matmul_cpu import activation_block, BATCH_INVARIANT_MAX_ROWS, Scratch
+from quant.matmul_cpu import activation_block, bf16_path, BATCH_INVARIANT_MAX_ROWS, Scratch
 from conftest import random_weight_bytes, real_tensors
 
 TYPES = list(TYPE_INFO)
@@ -35,6 +39,9 @@ def kernel_path(request, monkeypatch):
 def _bound(x, Wd, qtype):
     x64 = x.astype(np.float64)
     bound = 1e-5 * (np.abs(x64) @ np.abs(Wd).T) + 1e-30
+    if bf16_path(x.shape[0], qtype, x.shape[1]):
+        u = 2.0 ** -8
+        bound += (2 * u + u * u) * (np.abs(x64) @ np.abs(Wd).T)
     blk = activation_block(qtype, x.shape[0])
     if blk:
         n, K = x.shape

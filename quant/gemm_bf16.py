@@ -1,0 +1,149 @@
+"""Prompt-processing matmul in bfloat16 (AVX512_BF16 vdpbf16ps), where the CPU has it.
+
+The float32 path (gemm_tiles: dequantize a tile, sgemm) runs at the FMA units'
+peak, 32 flops a cycle a core; vdpbf16ps does two bf16 products per fp32 lane,
+twice that.  Activations and dequantized weights are rounded to bfloat16 (8
+significant bits, relative error <= 2^-9 per element, no shared block scale
+that an outlier could blow up, unlike 8-bit integer activations); the
+products and sums stay float32.
+
+Layout: x as bf16 pairs (x[i, 2p], x[i, 2p+1]) in one uint32; a tile of 32 W
+rows dequantized and packed as wp[p, j] = (w[j, 2p], w[j, 2p+1]).  The kernel
+keeps an 8 x 32 block of outputs in 16 zmm accumulators over the whole K:
+per pair of K, two loads of W, eight broadcasts of x, sixteen vdpbf16ps.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .dequant import deq_row
+from .vnni import _c, _data, _fn, _i32, _i64, _splat, _v16f32, _v16i32
+
+TILE = 32        # W rows per packed tile (two zmm of fp32 lanes)
+ROWS = 8         # x rows per kernel call
+
+
+def _cpu_has_bf16() -> bool:
+    import os
+    if os.environ.get("LLAMBA_BF16_PREFILL", "1") == "0":
+        return False
+    try:
+        from llvmlite import binding
+        f = binding.get_host_cpu_features()
+        return all(f.get(k, False) for k in ("avx512f", "avx512bw", "avx512vl", "avx512bf16"))
+    except Exception:
+        return False
+
+
+HAVE_BF16 = _cpu_has_bf16()
+
+
+class _BFloat(ir.types.Type):
+    """LLVM's bfloat (llvmlite has no builder type for it)."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+_v32bf16 = ir.VectorType(_BFloat(), 32)
+
+
+def _dpbf16(builder, acc, a, b):
+    fn = _fn(builder, "llvm.x86.avx512bf16.dpbf16ps.512", _v16f32, [_v16f32, _v32bf16, _v32bf16])
+    return builder.call(fn, [acc, builder.bitcast(a, _v32bf16), builder.bitcast(b, _v32bf16)])
+
+
+@intrinsic
+def bf16_block(typingctx, xb, i0, wp, kp, ct):
+    """ct[i, j] = sum_p x pair (i0+i, p) . w pair (p, j), i < 8, j < 32, in fp32.
+
+    xb uint32 [rows, kp] (rows >= i0 + 8), wp uint32 [kp, 32], ct f32 [8, 32]."""
+    sig = types.void(xb, i0, wp, kp, ct)
+
+    def codegen(context, builder, signature, args):
+        ta = signature.args
+        xbv, i0v, wpv, kpv, ctv = args
+        xp = _data(context, builder, ta[0], xbv)
+        wpp = _data(context, builder, ta[2], wpv)
+        cp = _data(context, builder, ta[4], ctv)
+        i0v, kpv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (i0v, kpv)]
+        rows = [builder.mul(builder.add(i0v, _c(i)), kpv) for i in range(ROWS)]
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(_v16f32, None)) for _ in range(2)]
+                for _ in range(ROWS)]
+        with cgutils.for_range(builder, kpv) as loop:
+            p = loop.index
+            wo = builder.mul(p, _c(TILE))
+            b = [builder.load(builder.bitcast(builder.gep(wpp, [builder.add(wo, _c(16 * h))]),
+                                              _v16i32.as_pointer()), align=4) for h in range(2)]
+            for i in range(ROWS):
+                a = _splat(builder, builder.load(builder.gep(xp, [builder.add(rows[i], p)])), _v16i32)
+                for h in range(2):
+                    builder.store(_dpbf16(builder, builder.load(accs[i][h]), a, b[h]), accs[i][h])
+        for i in range(ROWS):
+            for h in range(2):
+                ptr = builder.bitcast(builder.gep(cp, [_c(i * TILE + 16 * h)]), _v16f32.as_pointer())
+                builder.store(builder.load(accs[i][h]), ptr, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def _bf16_bits(v):
+    """float32 -> bfloat16 bits, round to nearest even (finite values)."""
+    u = np.uint32(np.float32(v).view(np.uint32))
+    return (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+
+
+@njit(parallel=True, cache=True)
+def pack_x(x, xb):
+    """x f32 [n, K] -> xb uint32 [n8, K/2] bf16 pairs; rows n..n8-1 zero."""
+    n, K = x.shape
+    for i in prange(xb.shape[0]):
+        if i < n:
+            for p in range(K // 2):
+                xb[i, p] = _bf16_bits(x[i, 2 * p]) | (_bf16_bits(x[i, 2 * p + 1]) << np.uint32(16))
+        else:
+            for p in range(K // 2):
+                xb[i, p] = 0
+
+
+@njit(parallel=True, cache=True)
+def gemm_bf16_tiles(qt, wdata, xb, n, out, frow, wpk, ct):
+    """out[:n] = x @ dequant(W).T in bf16: tiles of 32 W rows handed out to the
+    pool (chunk size 1, set by the caller); each worker dequantizes and packs
+    its tile into wpk[thread] and runs the 8 x 32 kernel down all x rows."""
+    M = wdata.shape[0]
+    kp = xb.shape[1]
+    ntiles = (M + TILE - 1) // TILE
+    for ti in prange(ntiles):
+        tid = numba.get_thread_id()
+        f = frow[tid]
+        wp = wpk[tid]
+        c = ct[tid]
+        m0 = ti * TILE
+        t = min(M, m0 + TILE) - m0
+        for j in range(TILE):
+            if j < t:
+                deq_row(qt, wdata[m0 + j], f, 32)
+                for p in range(kp):
+                    wp[p, j] = _bf16_bits(f[2 * p]) | (_bf16_bits(f[2 * p + 1]) << np.uint32(16))
+            else:
+                for p in range(kp):
+                    wp[p, j] = 0
+        for i0 in range(0, n, ROWS):
+            bf16_block(xb, i0, wp, kp, c)
+            for i in range(min(ROWS, n - i0)):
+                for j in range(t):
+                    out[i0 + i, m0 + j] = c[i, j]
