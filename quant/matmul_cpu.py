@@ -491,7 +491,9 @@ def _fused(x, Ws, outs, scratch) -> bool:
     instead of one per weight).  False when it does not apply."""
     qt = Ws[0].qtype
     fn = _MULTI.get(qt)
-    if fn is None or len(Ws) < 2 or any(W.qtype != qt for W in Ws):
+    kinds = [_VNNI_KIND.get(W.qtype, -1) for W in Ws] if USE_VNNI else []
+    mixed_kq = len(set(kinds)) > 1 and all(k >= 10 for k in kinds)      # Q4_K with Q6_K
+    if not mixed_kq and (fn is None or len(Ws) < 2 or any(W.qtype != qt for W in Ws)):
         return False
     n, K = x.shape
     total = sum(W.data.shape[0] for W in Ws)
@@ -513,6 +515,15 @@ def _fused(x, Ws, outs, scratch) -> bool:
         plan = scratch._sets[key] = (np.array(cw, np.int64), np.array(c0, np.int64), np.array(c1, np.int64))
     cw, c0, c1 = plan
     nch = cw.size
+    if mixed_kq:
+        bufs = _vnni_buffers(scratch, True, n, K, nch)
+        kinds_a = scratch._sets.get(("kinds", tuple(kinds)))
+        if kinds_a is None:
+            kinds_a = scratch._sets[("kinds", tuple(kinds))] = np.array(kinds, np.int64)
+        quantize_q8_256_i8(x, *bufs[:4])
+        _run_parallel(KV.multi_kq, kinds_a, tuple(W.data for W in Ws), *bufs[:4], tuple(outs), bufs[4], n, K,
+                      cw, c0, c1)
+        return True
     kind = _VNNI_KIND.get(qt) if USE_VNNI else None
     if kind is not None:
         kk = kind >= 10

@@ -318,6 +318,19 @@ def multi_any(kind, ws, xq, xd, xs1, xs2, outs, res, n, K, cw, cm0, cm1):
         _rows_any(kind, ws[cw[c]], xq, xd, xs1, xs2, outs[cw[c]], res[c], n, K, cm0[c], cm1[c])
 
 
+@njit(parallel=True, cache=True)
+def multi_kq(kinds, ws, xq, xd, xb, xb16, outs, res, n, K, cw, cm0, cm1):
+    """As multi_any for a mixture of Q4_K (kind 10) and Q6_K (kind 11) weights
+    (Q4_K_M files mix them in q/k/v): one parallel region, each chunk with its
+    own weight's kernel, on one activation quantization."""
+    for c in prange(cw.size):
+        i = cw[c]
+        if kinds[i] == 10:
+            rows_q4_k(ws[i], xq, xd, xb, xd, outs[i], res[c], n, K, cm0[c], cm1[c])
+        else:
+            rows_q6_k(ws[i], xq, xd, xb16, xd, outs[i], res[c], n, K, cm0[c], cm1[c])
+
+
 @njit(cache=True)
 def matvec_leg(kind, x, w, xq, xd, xsum, xs, out, res, fresh):
     """One serial call for a 32-element format: quantize x (when fresh) into

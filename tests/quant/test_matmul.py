@@ -145,6 +145,24 @@ def test_matmul_multi_fused_region_is_bit_identical(qtype, rng, monkeypatch):
         np.testing.assert_array_equal(o, matmul(x, W))
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_matmul_multi_mixed_k_quants_is_bit_identical(n, rng, monkeypatch):
+    """Q4_K and Q6_K weights together (q/k/v of Q4_K_M files) share one parallel
+    region and one activation quantization; each output equals the separate
+    matmul exactly."""
+    import quant.matmul_cpu as mc
+    monkeypatch.setattr(mc, "PARALLEL_MIN_ELEMS", 0)
+    K = 512
+    types_ = (GGMLType.Q4_K, GGMLType.Q4_K, GGMLType.Q6_K)
+    Ws = [QTensor(f"w{i}", t, (M, K), random_weight_bytes(rng, t, M, K))
+          for i, (t, M) in enumerate(zip(types_, (40, 9, 23)))]
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    outs = matmul_multi(x, Ws)
+    for W, o in zip(Ws, outs):
+        np.testing.assert_array_equal(o, matmul(x, W))
+        _check(x, W, o)
+
+
 @pytest.mark.parametrize("qtype", [t for t in TYPES if t not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16)],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("K", [256, 1024])
