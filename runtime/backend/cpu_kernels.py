@@ -675,8 +675,14 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
         acc = np.zeros((rp, dp), np.float32)
         m = np.full(rp, _NEG, np.float32)
         l = np.zeros(rp, np.float32)
-        kt = np.zeros((dp, ATTN_BK), np.float32)     # zeros: padding and unused keys stay finite
-        vf = np.zeros((ATTN_BK, dp), np.float32)
+        # K tile: zeros where the head dim is padded (those rows meet the zero
+        # columns of qs and must be finite); otherwise every score from a key
+        # column the gather did not write is replaced by the mask before use
+        if fast_k and dp == d:
+            kt = np.empty((dp, ATTN_BK), np.float32)
+        else:
+            kt = np.zeros((dp, ATTN_BK), np.float32)
+        vf = np.zeros((ATTN_BK if not fast_v else 1, dp), np.float32)   # zeros: unused keys stay finite
         sc = np.empty((_RB, ATTN_BK), np.float32)
         rc0 = np.empty(_RB, np.int64)
         rc1 = np.empty(_RB, np.int64)
@@ -791,29 +797,39 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
                     part_acc[t, kh, sp, gi, x] = acc[r, x]
     if n_splits == 1:
         return
-    # merge the context splits of each (token, query head)
-    for it in nb.prange(n * kvh):
-        t = it // kvh
-        kh = it % kvh
-        for gi in range(g):
-            mx = _NEG
-            for sp in range(n_splits):
-                if part_l[t, kh, sp, gi] > 0.0 and part_m[t, kh, sp, gi] > mx:
-                    mx = part_m[t, kh, sp, gi]
-            tot = np.float32(0.0)
-            o = out[t, kh * g + gi]
+    # merge the context splits of each (token, query head); a decode step's
+    # merge is a few thousand flops, less than waking the pool again
+    if n <= 16:
+        for it in range(n * kvh):
+            _merge_splits(it, kvh, g, d, n_splits, part_m, part_l, part_acc, out)
+    else:
+        for it in nb.prange(n * kvh):
+            _merge_splits(it, kvh, g, d, n_splits, part_m, part_l, part_acc, out)
+
+
+@nb.njit(inline="always")
+def _merge_splits(it, kvh, g, d, n_splits, part_m, part_l, part_acc, out):
+    t = it // kvh
+    kh = it % kvh
+    for gi in range(g):
+        mx = _NEG
+        for sp in range(n_splits):
+            if part_l[t, kh, sp, gi] > 0.0 and part_m[t, kh, sp, gi] > mx:
+                mx = part_m[t, kh, sp, gi]
+        tot = np.float32(0.0)
+        o = out[t, kh * g + gi]
+        for x in range(d):
+            o[x] = 0.0
+        for sp in range(n_splits):
+            if part_l[t, kh, sp, gi] == 0.0:
+                continue
+            w = np.exp(part_m[t, kh, sp, gi] - mx)
+            tot += part_l[t, kh, sp, gi] * w
             for x in range(d):
-                o[x] = 0.0
-            for sp in range(n_splits):
-                if part_l[t, kh, sp, gi] == 0.0:
-                    continue
-                w = np.exp(part_m[t, kh, sp, gi] - mx)
-                tot += part_l[t, kh, sp, gi] * w
-                for x in range(d):
-                    o[x] += part_acc[t, kh, sp, gi, x] * w
-            inv = np.float32(1.0) / tot
-            for x in range(d):
-                o[x] *= inv
+                o[x] += part_acc[t, kh, sp, gi, x] * w
+        inv = np.float32(1.0) / tot
+        for x in range(d):
+            o[x] *= inv
 
 
 @nb.njit(**_JIT)
