@@ -14,11 +14,12 @@ Paths, chosen per call from the row count n of x:
   operations that produce y[r, m] involve only x[r] and W[m] and do not depend
   on n or on how rows are split between threads: batch invariance.
 * large batches (prompt processing): W is dequantized one tile of rows at a
-  time into float32 scratch and multiplied with single-threaded OpenBLAS
-  sgemm inside Numba's pool (gemm_tiles.py); each weight block is decoded
-  once per call.  LLAMBA_INT8_PREFILL=1 uses the VNNI row groups instead
-  (faster, 8-bit activations: see _sgemm_path).  matmul_dequant keeps x in
-  float32 at any row count.
+  time inside Numba's pool, each weight block once per call, and multiplied
+  in bfloat16 with float32 sums where the CPU has AVX512_BF16 (gemm_bf16.py,
+  bf16_path; LLAMBA_BF16_PREFILL=0 turns it off), otherwise in float32 by
+  single-threaded OpenBLAS sgemm (gemm_tiles.py).  LLAMBA_INT8_PREFILL=1 uses
+  the VNNI kernels instead (8-bit activations: see _sgemm_path).
+  matmul_dequant keeps x in float32 at any row count.
 
 Small matrices (M*K < PARALLEL_MIN_ELEMS) run on the calling thread: waking
 the thread pool costs more than it saves, and on a busy machine a parallel
