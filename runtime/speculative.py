@@ -155,6 +155,7 @@ class KController:
     draft tokens with a weak prior.  k = 0 is plain decoding.
     """
     CANDIDATES = (1, 3, 7, 15)
+    EXPLORE = 0.8
     k_max: int = 8
     adaptive: bool = True
     k_fixed: int = 3
@@ -166,9 +167,11 @@ class KController:
     tested: float = 0.0
     accepted: float = 0.0
     t_plain: float | None = None
-    t_draft: float | None = None
+    t_draft: float | None = None      # one single-token draft forward
+    t_catch: float | None = None      # a round's first draft forward (also feeds the 1-2 tokens it missed)
     t_row: float | None = None
     t_verify: dict = field(default_factory=dict)     # k -> running average of its verify step
+    t_round: dict = field(default_factory=dict)      # k -> running average of a whole round
 
     @property
     def alpha(self) -> float:
@@ -178,9 +181,17 @@ class KController:
     def _avg(self, old, new):
         return new if old is None else (1 - self.ema) * old + self.ema * new
 
-    def observe_round(self, k: int, n_accepted: int, draft_s: float | None, verify_s: float) -> None:
-        """draft_s: seconds per draft forward this round (None: not representative)."""
+    def observe_round(self, k: int, n_accepted: int, draft_s: float | None, verify_s: float,
+                      catch_s: float | None = None, round_s: float | None = None) -> None:
+        """draft_s: seconds per single-token draft forward this round; catch_s: its
+        first forward, which also feeds the draft what it missed; round_s: the
+        whole round, drafting and verifying (None: not representative, e.g. the
+        catch-up after the prompt or after a stretch of plain decoding)."""
         self.rounds += 1
+        if catch_s is not None:
+            self.t_catch = self._avg(self.t_catch, catch_s)
+        if round_s is not None:
+            self.t_round[k] = self._avg(self.t_round.get(k), round_s)
         # acceptance is geometric: after the first rejection nothing more was tested
         self.accepted = self.accepted * 0.98 + n_accepted
         self.tested = self.tested * 0.98 + n_accepted + (1 if n_accepted < k else 0)
@@ -214,7 +225,12 @@ class KController:
         tp = self.t_plain or 1.0
         if k == 0:
             return 1.0 / tp
-        return self.expected_tokens(k, a) / (k * (self.t_draft or 0.0) + self.verify_cost(k))
+        t = self.t_round.get(k)
+        if t is None:       # not measured yet: from the parts
+            step = self.t_draft if self.t_draft is not None else (self.t_catch or 0.0)
+            first = self.t_catch if self.t_catch is not None else step
+            t = first + (k - 1) * step + self.verify_cost(k)
+        return self.expected_tokens(k, a) / t
 
     def candidates(self) -> list[int]:
         if self.k_max < self.CANDIDATES[1]:
@@ -230,12 +246,20 @@ class KController:
         if not self.adaptive:
             return self.k_fixed
         start = min(self.k_fixed, self.k_max)
-        if self.t_plain is None or self.t_draft is None or self.rounds < self.explore_rounds:
+        if self.t_plain is None or (self.t_draft is None and self.t_catch is None) \
+                or self.rounds < self.explore_rounds:
             return start
-        # an unmeasured k is estimated from the per-row cost of measured ones
-        # (optimistic for row counts that start a new group): if it wins, its
-        # first round measures it
-        return max([0] + self.candidates(), key=self.rate)
+        # an unmeasured k is estimated from the per-row cost of measured ones:
+        # if it wins, or comes within EXPLORE of the winner, its first round
+        # measures it (the per-row cost falls as rows share weight decodes, so
+        # the linear estimate is pessimistic and would never be corrected)
+        best = max([0] + self.candidates(), key=self.rate)
+        if best > 0 and best in self.t_verify:
+            close = [k for k in self.candidates()
+                     if k not in self.t_verify and self.rate(k) >= self.EXPLORE * self.rate(best)]
+            if close:
+                return max(close, key=self.rate)
+        return best
 
 
 # ---- stats -------------------------------------------------------------------------------
@@ -370,8 +394,9 @@ class Drafter:
         return j, (q_ids, q_pr)
 
     def _propose(self, history, k, sampler, rng):
-        """k draft tokens, their distributions, and the seconds per draft forward
-        (None when this round's catch-up fed the draft many tokens, e.g. the prompt)."""
+        """k draft tokens, their distributions, the seconds per single-token draft
+        forward (None for k = 1) and of the first forward (None when its catch-up
+        fed the draft many tokens, e.g. the prompt)."""
         t0 = time.perf_counter()
         behind = len(history) - (len(self.dseq) if self.dseq is not None else 0)
         logits = self._draft_logits(history)
@@ -384,11 +409,9 @@ class Drafter:
             if i + 1 < k:
                 logits = self.draft.step([self.dseq], [[t]])[0]
         t2 = time.perf_counter()
-        if behind <= 2:       # the usual catch-up: 1-2 tokens, about one draft step
-            per = (t2 - t0) / k
-        else:
-            per = (t2 - t1) / (k - 1) if k > 1 else None
-        return toks, qs, per
+        per = (t2 - t1) / (k - 1) if k > 1 else None      # single-token forwards (and picks)
+        first = t1 - t0 if behind <= 2 else None            # the usual catch-up: 1-2 tokens
+        return toks, qs, per, first
 
     # ---- the decode loop ------------------------------------------------------------------
     def tokens(self, seq: Sequence, logits: np.ndarray, history: list[int], sampler: Sampler):
@@ -428,7 +451,7 @@ class Drafter:
                     retry = min(2 * retry, self.RETRY_MAX)
                     st.fallbacks += 1
                     st.fallback = (f"drafting stopped paying{' even at full acceptance' if hopeless else ''} "
-                                   f"(acceptance {ctl.alpha:.0%}, draft step {1e3 * ctl.t_draft:.0f} ms, "
+                                   f"(acceptance {ctl.alpha:.0%}, draft step {1e3 * (ctl.t_draft or ctl.t_catch or 0):.0f} ms, "
                                    f"verify +{1e3 * (ctl.t_row or 0):.0f} ms per draft, plain target step "
                                    f"{1e3 * ctl.t_plain:.0f} ms)")
                     losing = 0
@@ -461,7 +484,7 @@ class Drafter:
         st = self.stats
         eng = self.target
         t0 = time.perf_counter()
-        drafts, qs, per_draft = self._propose(history, k, sampler, rng)
+        drafts, qs, per_draft, first = self._propose(history, k, sampler, rng)
         t1 = time.perf_counter()
         base = len(seq)
         logits = eng.step([seq], [[pending] + drafts], all_logits=True)
@@ -484,7 +507,8 @@ class Drafter:
         eng.cache.truncate(seq, base + 1 + n_acc)
         # the draft holds history + drafts[:k-1]; keep what the target accepted
         self.draft.cache.truncate(self.dseq, min(len(self.dseq), len(history) + n_acc))
-        ctl.observe_round(k, n_acc, per_draft, t2 - t1)
+        ctl.observe_round(k, n_acc, per_draft, t2 - t1, catch_s=first,
+                          round_s=t2 - t0 if first is not None else None)
         st.drafted += k; st.accepted += n_acc
         st.verify_forwards += 1; st.emitted += len(out)
         st.draft_seconds += t1 - t0; st.verify_seconds += t2 - t1

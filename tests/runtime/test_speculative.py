@@ -318,6 +318,21 @@ def test_controller_picks_k_from_acceptance_and_costs():
     c = _controller(0.85, 0.08, 0.005, 0.004)
     c.observe_round(7, 7, 0.005, 0.25)
     assert c.choose() == 3
+    # a measured k that wins does not hide a close unmeasured one: it is tried once
+    c = _controller(0.85, 0.08, 0.02, 0.004)
+    c.observe_round(3, 3, 0.02, 0.1)
+    assert c.choose() == 7                  # estimated within EXPLORE of k=3: measure it
+    c.observe_round(7, 2, 0.02, 0.3)        # 8 rows cost far more than estimated
+    assert c.choose() == 1                  # the other close, unmeasured one
+    c.observe_round(1, 1, None, 0.12)
+    assert c.choose() == 3                  # all measured: the best rate
+    # a whole round's measured time overrides the sum of its estimated parts
+    c.observe_round(3, 3, 0.02, 0.1, round_s=0.6)
+    assert c.choose() != 3
+    # the round's first draft forward (which catches the draft up) is costed once
+    c = _controller(0.85, 0.08, 0.01, 0.004)
+    c.t_catch = 0.05
+    assert abs(1 / c.rate(3) * c.expected_tokens(3) - (0.05 + 2 * 0.01 + c.verify_cost(3))) < 1e-12
     # until a few drafted rounds were measured, k stays at its start value
     c.rounds = 0
     assert c.choose() == min(c.k_fixed, c.k_max)
