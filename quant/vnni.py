@@ -240,6 +240,9 @@ def _kq_all(kind, w, xq, xd, xb, out, res, n, K, m0, m1):
     """W rows m0..m1-1 against all n activation rows, up to 8 rows per decode
     of a W row (vnni_kq.kq_rows)."""
     nsb = K // 256
+    if n == 1:       # decode: the loop over W rows inside the kernel
+        kq_span1(kind, w, m0, m1, nsb, xq, xd, xb, K, out)
+        return
     for m in range(m0, m1):
         src = w[m]
         r = 0
@@ -691,4 +694,4 @@ def matvec_grp_leg(kind, x, w, xq, xd, xsum, xs, xg, xdg, xsumg, xsg, out, res, 
     _grp_any(kind, w, xg, xdg, xsumg, xsg, out, res, n, K, 0, w.shape[0])
 
 
-from .vnni_kq import kq_rows  # noqa: E402  (it builds on the helpers above)
+from .vnni_kq import kq_rows, kq_span1  # noqa: E402  (it builds on the helpers above)

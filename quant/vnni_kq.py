@@ -97,6 +97,98 @@ def _shuf8(builder, v, idx):
     return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, len(idx)), idx))
 
 
+def _accumulators(builder, k, nr):
+    acc = [cgutils.alloca_once(builder, _v16f32) for _ in range(nr)]
+    macc = [cgutils.alloca_once(builder, _v8f32) for _ in range(nr)] if k == Q4_K else []
+    return acc, macc
+
+
+def _emit_rows(builder, k, nr, w, nsbv, xqp, xdp, xbp, r0v, Kv, acc, macc):
+    """IR for activation rows r0..r0+nr-1 against one W row at w: returns the nr
+    results (float).  nsbv, r0v, Kv: i64."""
+    bb = 144 if k == Q4_K else 210
+    per = 8 if k == Q4_K else 16               # xb entries per super-block
+    rows = [builder.add(r0v, _c(i)) for i in range(nr)]
+    xrow = [builder.mul(r, Kv) for r in rows]
+    drow = [builder.mul(r, nsbv) for r in rows]
+    brow = [builder.mul(r, builder.mul(nsbv, _c(per))) for r in rows]
+    for a in acc:
+        builder.store(ir.Constant(_v16f32, None), a)
+    for a in macc:
+        builder.store(ir.Constant(_v8f32, None), a)
+    zero = ir.Constant(_v16i32, None)
+    with cgutils.for_range(builder, nsbv) as loop:
+        sb = loop.index
+        o = builder.mul(sb, _c(bb))
+        codes, subs = [], []                   # 4 x 64 codes, the sub-block of each int32 lane
+        if k == Q4_K:
+            d = _load_half(builder, w, o)
+            dmin = _load_half(builder, w, builder.add(o, _c(2)))
+            scm = _q4k_scales_mins(builder, _load_vec(builder, w, builder.add(o, _c(4)), _v16i8))
+            sm = builder.zext(scm, _v16i32)               # lanes 0-7 scales, 8-15 mins
+            mnv = _shuf(builder, sm, list(range(8, 16)))
+            for g in range(4):
+                # 32 bytes: low nibbles are sub-block 2g, high nibbles 2g+1
+                q = _load_vec(builder, w, builder.add(o, _c(16 + 32 * g)), _v32i8)
+                codes.append(_shr_halves(builder, _twice(builder, q), 0, 4, 15))
+                subs.append([2 * g] * 8 + [2 * g + 1] * 8)
+            sv = sm
+        else:
+            d = _load_half(builder, w, builder.add(o, _c(208)))
+            s8 = _load_vec(builder, w, builder.add(o, _c(192)), _v16i8)
+            s16 = builder.sext(s8, _v16i16)
+            ns = _pairs(builder, builder.mul(s16, ir.Constant(_v16i16, [-32] * 16)))
+            for h in range(2):
+                # 64 codes in natural order: l | l+32 (part 0), l+64 | l+96 (part 1), l < 32
+                ql = _load_vec(builder, w, builder.add(o, _c(64 * h)), _v64i8)
+                qh = _twice(builder, _load_vec(builder, w, builder.add(o, _c(128 + 32 * h)), _v32i8))
+                for part in range(2):
+                    low4 = _shr_halves(builder, ql, 4 * part, 4 * part, 15)
+                    hb = _shr_halves(builder, qh, 4 * part, 4 * part + 2, 3)
+                    hb = builder.bitcast(builder.shl(builder.bitcast(hb, _v32i16),
+                                                     ir.Constant(_v32i16, [4] * 32)), _v64i8)
+                    codes.append(builder.or_(low4, hb))
+                    j0 = 8 * h + 4 * part             # first sub-block of 16 in these 64 codes
+                    subs.append([j0 + l // 4 for l in range(16)])
+            sv = builder.zext(s16, _v16i32)
+        # The dot vectors of codes 2c and 2c+1 are packed into one of int16
+        # (vpackssdw, exact: |lane| < 2^15), lane pairs from one sub-block
+        # each, and scaled by one vpdpwssd with (s, s) pairs.
+        scales = []
+        for c in range(2):
+            a, b = subs[2 * c], subs[2 * c + 1]
+            order = [(a if t < 2 else b)[4 * L + 2 * (t % 2)] for L in range(4) for t in range(4)]
+            s32 = _shuf(builder, sv, order)
+            scales.append(builder.or_(builder.and_(s32, ir.Constant(_v16i32, [0xFFFF] * 16)),
+                                      builder.shl(s32, ir.Constant(_v16i32, [16] * 16))))
+        for i in range(nr):
+            base = builder.add(xrow[i], builder.mul(sb, _c(256)))
+            isum = zero
+            for c in range(2):
+                dots = [_vpdpbusd512(builder, zero, codes[g], _load_vec(builder, xqp, builder.add(base, _c(64 * g)), _v64i8))
+                        for g in (2 * c, 2 * c + 1)]
+                isum = _vpdpwssd(builder, isum, _packssdw(builder, *dots), scales[c])
+            xbo = builder.add(brow[i], builder.mul(sb, _c(per)))
+            dx = builder.load(builder.gep(xdp, [builder.add(drow[i], sb)]))
+            if k == Q4_K:
+                xs = builder.load(builder.bitcast(builder.gep(xbp, [xbo]), _v8i32.as_pointer()), align=4)
+                mprod = builder.mul(mnv, xs)
+                dm = _splat(builder, builder.fmul(dmin, dx), _v8f32)
+                builder.store(_fma_t(builder, builder.sitofp(mprod, _v8f32), dm, builder.load(macc[i])), macc[i])
+            else:
+                xs = builder.load(builder.bitcast(builder.gep(xbp, [xbo]), _v16i32.as_pointer()), align=4)
+                isum = _vpdpwssd(builder, isum, xs, ns)
+            step = _splat(builder, builder.fmul(d, dx), _v16f32)
+            builder.store(_fma_t(builder, builder.sitofp(isum, _v16f32), step, builder.load(acc[i])), acc[i])
+    ys = []
+    for i in range(nr):
+        y = _hsumf(builder, builder.load(acc[i]))
+        if k == Q4_K:
+            y = builder.fsub(y, _hsumf(builder, builder.load(macc[i])))
+        ys.append(y)
+    return ys
+
+
 @intrinsic
 def kq_rows(typingctx, kind, R, src, nsb, xq, xd, xb, r0, K, res):
     """res[i] = activation row r0+i . the W row src, i < R (1..R_MAX), Q4_K / Q6_K.
@@ -119,84 +211,41 @@ def kq_rows(typingctx, kind, R, src, nsb, xq, xd, xb, r0, K, res):
         xbp = _data(context, builder, ta[6], xbv)
         resp = _data(context, builder, ta[9], resv)
         nsbv, r0v, Kv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (nsbv, r0v, Kv)]
-        bb = 144 if k == Q4_K else 210
-        per = 8 if k == Q4_K else 16               # xb entries per super-block
-        rows = [builder.add(r0v, _c(i)) for i in range(nr)]
-        xrow = [builder.mul(r, Kv) for r in rows]
-        drow = [builder.mul(r, nsbv) for r in rows]
-        brow = [builder.mul(r, builder.mul(nsbv, _c(per))) for r in rows]
-        acc = [cgutils.alloca_once_value(builder, ir.Constant(_v16f32, None)) for _ in range(nr)]
-        macc = [cgutils.alloca_once_value(builder, ir.Constant(_v8f32, None)) for _ in range(nr)] \
-            if k == Q4_K else []
-        zero = ir.Constant(_v16i32, None)
-        with cgutils.for_range(builder, nsbv) as loop:
-            sb = loop.index
-            o = builder.mul(sb, _c(bb))
-            codes, subs = [], []                   # 4 x 64 codes, the sub-block of each int32 lane
-            if k == Q4_K:
-                d = _load_half(builder, w, o)
-                dmin = _load_half(builder, w, builder.add(o, _c(2)))
-                scm = _q4k_scales_mins(builder, _load_vec(builder, w, builder.add(o, _c(4)), _v16i8))
-                sm = builder.zext(scm, _v16i32)               # lanes 0-7 scales, 8-15 mins
-                mnv = _shuf(builder, sm, list(range(8, 16)))
-                for g in range(4):
-                    # 32 bytes: low nibbles are sub-block 2g, high nibbles 2g+1
-                    q = _load_vec(builder, w, builder.add(o, _c(16 + 32 * g)), _v32i8)
-                    codes.append(_shr_halves(builder, _twice(builder, q), 0, 4, 15))
-                    subs.append([2 * g] * 8 + [2 * g + 1] * 8)
-                sv = sm
-            else:
-                d = _load_half(builder, w, builder.add(o, _c(208)))
-                s8 = _load_vec(builder, w, builder.add(o, _c(192)), _v16i8)
-                s16 = builder.sext(s8, _v16i16)
-                ns = _pairs(builder, builder.mul(s16, ir.Constant(_v16i16, [-32] * 16)))
-                for h in range(2):
-                    # 64 codes in natural order: l | l+32 (part 0), l+64 | l+96 (part 1), l < 32
-                    ql = _load_vec(builder, w, builder.add(o, _c(64 * h)), _v64i8)
-                    qh = _twice(builder, _load_vec(builder, w, builder.add(o, _c(128 + 32 * h)), _v32i8))
-                    for part in range(2):
-                        low4 = _shr_halves(builder, ql, 4 * part, 4 * part, 15)
-                        hb = _shr_halves(builder, qh, 4 * part, 4 * part + 2, 3)
-                        hb = builder.bitcast(builder.shl(builder.bitcast(hb, _v32i16),
-                                                         ir.Constant(_v32i16, [4] * 32)), _v64i8)
-                        codes.append(builder.or_(low4, hb))
-                        j0 = 8 * h + 4 * part             # first sub-block of 16 in these 64 codes
-                        subs.append([j0 + l // 4 for l in range(16)])
-                sv = builder.zext(s16, _v16i32)
-            # The dot vectors of codes 2c and 2c+1 are packed into one of int16
-            # (vpackssdw, exact: |lane| < 2^15), lane pairs from one sub-block
-            # each, and scaled by one vpdpwssd with (s, s) pairs.
-            scales = []
-            for c in range(2):
-                a, b = subs[2 * c], subs[2 * c + 1]
-                order = [(a if t < 2 else b)[4 * L + 2 * (t % 2)] for L in range(4) for t in range(4)]
-                s32 = _shuf(builder, sv, order)
-                scales.append(builder.or_(builder.and_(s32, ir.Constant(_v16i32, [0xFFFF] * 16)),
-                                          builder.shl(s32, ir.Constant(_v16i32, [16] * 16))))
-            for i in range(nr):
-                base = builder.add(xrow[i], builder.mul(sb, _c(256)))
-                isum = zero
-                for c in range(2):
-                    dots = [_vpdpbusd512(builder, zero, codes[g], _load_vec(builder, xqp, builder.add(base, _c(64 * g)), _v64i8))
-                            for g in (2 * c, 2 * c + 1)]
-                    isum = _vpdpwssd(builder, isum, _packssdw(builder, *dots), scales[c])
-                xbo = builder.add(brow[i], builder.mul(sb, _c(per)))
-                dx = builder.load(builder.gep(xdp, [builder.add(drow[i], sb)]))
-                if k == Q4_K:
-                    xs = builder.load(builder.bitcast(builder.gep(xbp, [xbo]), _v8i32.as_pointer()), align=4)
-                    mprod = builder.mul(mnv, xs)
-                    dm = _splat(builder, builder.fmul(dmin, dx), _v8f32)
-                    builder.store(_fma_t(builder, builder.sitofp(mprod, _v8f32), dm, builder.load(macc[i])), macc[i])
-                else:
-                    xs = builder.load(builder.bitcast(builder.gep(xbp, [xbo]), _v16i32.as_pointer()), align=4)
-                    isum = _vpdpwssd(builder, isum, xs, ns)
-                step = _splat(builder, builder.fmul(d, dx), _v16f32)
-                builder.store(_fma_t(builder, builder.sitofp(isum, _v16f32), step, builder.load(acc[i])), acc[i])
-        for i in range(nr):
-            y = _hsumf(builder, builder.load(acc[i]))
-            if k == Q4_K:
-                y = builder.fsub(y, _hsumf(builder, builder.load(macc[i])))
+        acc, macc = _accumulators(builder, k, nr)
+        for i, y in enumerate(_emit_rows(builder, k, nr, w, nsbv, xqp, xdp, xbp, r0v, Kv, acc, macc)):
             builder.store(y, builder.gep(resp, [_c(i)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def kq_span1(typingctx, kind, w2, m0, m1, nsb, xq, xd, xb, K, out):
+    """out[0, m] = activation row 0 . W row m for m0 <= m < m1 (decode): the loop
+    over W rows inside one kernel, the same per-row IR as kq_rows (R = 1)."""
+    if not _literal(kind):
+        return None
+    k = kind.literal_value
+    assert k in (Q4_K, Q6_K)
+    sig = types.void(kind, w2, m0, m1, nsb, xq, xd, xb, K, out)
+
+    def codegen(context, builder, signature, args):
+        ta = signature.args
+        _, wv, m0v, m1v, nsbv, xqv, xdv, xbv, Kv, outv = args
+        wa = context.make_array(ta[1])(context, builder, wv)
+        w0 = wa.data
+        wstride = builder.extract_value(wa.strides, 0)
+        xqp = _data(context, builder, ta[5], xqv)
+        xdp = _data(context, builder, ta[6], xdv)
+        xbp = _data(context, builder, ta[7], xbv)
+        outp = _data(context, builder, ta[9], outv)
+        m0v, m1v, nsbv, Kv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (m0v, m1v, nsbv, Kv)]
+        acc, macc = _accumulators(builder, k, 1)
+        with cgutils.for_range(builder, builder.sub(m1v, m0v)) as loop:
+            m = builder.add(m0v, loop.index)
+            w = builder.gep(w0, [builder.mul(m, wstride)])
+            y, = _emit_rows(builder, k, 1, w, nsbv, xqp, xdp, xbp, _c(0), Kv, acc, macc)
+            builder.store(y, builder.gep(outp, [m]))
         return context.get_dummy_value()
 
     return sig, codegen
