@@ -22,7 +22,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .dequant import deq_row
-from .vnni import _c, _data, _fn, _i32, _i64, _splat, _v16f32, _v16i32
+from .vnni import _c, _data, _fn, _i32, _i64, _splat, _v16f32, _v16i32, llvm_ok
 
 TILE = 32        # W rows per packed tile (two zmm of fp32 lanes)
 ROWS = 8         # x rows per kernel call
@@ -30,7 +30,7 @@ ROWS = 8         # x rows per kernel call
 
 def _cpu_has_bf16() -> bool:
     import os
-    if os.environ.get("LLAMBA_BF16_PREFILL", "1") == "0":
+    if os.environ.get("LLAMBA_BF16_PREFILL", "1") == "0" or not llvm_ok():
         return False
     try:
         from llvmlite import binding

@@ -39,8 +39,22 @@ from .act_quant import _grp_r as _grp_r_nb, group_q8_32, quantize_q8_256_i8, qua
 
 
 
+# The kernels declare LLVM's x86 intrinsics with the operand types of recent
+# LLVM (vpdpwssd on <32 x i16>, vdpbf16ps on <32 x bfloat>); older LLVMs declared
+# them on i32 vectors and would reject the IR.  Tested with LLVM 22 (llvmlite 0.50).
+MIN_LLVM = (20,)
+
+
+def llvm_ok() -> bool:
+    try:
+        from llvmlite import binding
+        return tuple(binding.llvm_version_info) >= MIN_LLVM
+    except Exception:
+        return False
+
+
 def _cpu_has_vnni() -> bool:
-    if os.environ.get("LLAMBA_QUANT_VNNI", "1") == "0":
+    if os.environ.get("LLAMBA_QUANT_VNNI", "1") == "0" or not llvm_ok():
         return False
     try:
         from llvmlite import binding
