@@ -22,25 +22,13 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .dequant import deq_row
-from .vnni import _c, _data, _fn, _i32, _i64, _splat, _v16f32, _v16i32, llvm_ok
+from .vnni import _c, _data, _fn, _i64, _splat, _v16f32, _v16i32, cpu_has
 
 TILE = 32        # W rows per packed tile (two zmm of fp32 lanes)
 ROWS = 8         # x rows per kernel call
 
 
-def _cpu_has_bf16() -> bool:
-    import os
-    if os.environ.get("LLAMBA_BF16_PREFILL", "1") == "0" or not llvm_ok():
-        return False
-    try:
-        from llvmlite import binding
-        f = binding.get_host_cpu_features()
-        return all(f.get(k, False) for k in ("avx512f", "avx512bw", "avx512vl", "avx512bf16"))
-    except Exception:
-        return False
-
-
-HAVE_BF16 = _cpu_has_bf16()
+HAVE_BF16 = cpu_has("LLAMBA_BF16_PREFILL", "avx512bf16")
 
 
 class _BFloat(ir.types.Type):

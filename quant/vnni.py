@@ -53,18 +53,21 @@ def llvm_ok() -> bool:
         return False
 
 
-def _cpu_has_vnni() -> bool:
-    if os.environ.get("LLAMBA_QUANT_VNNI", "1") == "0" or not llvm_ok():
+def cpu_has(env: str, *features: str) -> bool:
+    """Whether this CPU, and the LLVM Numba compiles with, can run kernels that
+    need AVX-512 (F, BW, VL) plus `features`; the environment variable env=0
+    turns them off."""
+    if os.environ.get(env, "1") == "0" or not llvm_ok():
         return False
     try:
         from llvmlite import binding
         f = binding.get_host_cpu_features()
-        return all(f.get(k, False) for k in ("avx512f", "avx512bw", "avx512vl", "avx512vnni"))
+        return all(f.get(k, False) for k in ("avx512f", "avx512bw", "avx512vl") + features)
     except Exception:
         return False
 
 
-HAVE_VNNI = _cpu_has_vnni()
+HAVE_VNNI = cpu_has("LLAMBA_QUANT_VNNI", "avx512vnni")
 F32 = np.float32
 _i1 = ir.IntType(1)
 _i8 = ir.IntType(8)

@@ -25,7 +25,6 @@ beats plain decoding the Drafter falls back to it and says so in its stats.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -35,7 +34,7 @@ from quant import QTensor
 
 from .engine import ContextOverflow, Engine
 from .kv_cache import Sequence
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler
 
 # llama.cpp's tolerance for vocabularies that differ only in padding at the end
 VOCAB_SIZE_SLACK = 128
