@@ -337,18 +337,30 @@ def _pool_sgemm():
     return sg
 
 
+def _pack_bf16(x, scratch):
+    """x as the bf16 pairs gemm_bf16 reads (rows padded to a multiple of ROWS)."""
+    n, K = x.shape
+    xb = scratch.get("bf16x", (-(-n // GB.ROWS) * GB.ROWS, K // 2), np.uint32)
+    GB.pack_x(x, xb)
+    return xb
+
+
+def _gemm_bf16(xb, n, W, out, scratch):
+    """out = x @ W.T in bf16 products and fp32 sums (quant/gemm_bf16.py), x packed
+    by _pack_bf16: twice the float32 peak."""
+    nt = numba.config.NUMBA_NUM_THREADS
+    K = W.shape[-1]
+    _run_parallel(GB.gemm_bf16_tiles, int(W.qtype), W.data, xb, n, out, scratch.get("bf16f", (nt, K)),
+                  scratch.get("bf16w", (nt, K // 2, GB.TILE), np.uint32),
+                  scratch.get("bf16c", (nt, GB.ROWS, GB.TILE)))
+    return out
+
+
 def _matmul_large(x, W, out, scratch, bf16: bool = True):
     M, K = W.data.shape[0], W.shape[-1]
     n = x.shape[0]
     if bf16 and bf16_path(n, W.qtype, K):
-        # bf16 products, fp32 sums (quant/gemm_bf16.py): twice the float32 peak
-        nt = numba.config.NUMBA_NUM_THREADS
-        xb = scratch.get("bf16x", (-(-n // GB.ROWS) * GB.ROWS, K // 2), np.uint32)
-        GB.pack_x(x, xb)
-        _run_parallel(GB.gemm_bf16_tiles, int(W.qtype), W.data, xb, n, out, scratch.get("bf16f", (nt, K)),
-                      scratch.get("bf16w", (nt, K // 2, GB.TILE), np.uint32),
-                      scratch.get("bf16c", (nt, GB.ROWS, GB.TILE)))
-        return out
+        return _gemm_bf16(_pack_bf16(x, scratch), n, W, out, scratch)
     sg = pool_sgemm()
     if sg is not None:
         # dequantize + single-threaded sgemm per tile, in Numba's pool (quant/gemm_tiles.py)
@@ -480,8 +492,14 @@ def matmul_multi_into(x: np.ndarray, Ws, outs, scratch: Scratch):
     [n, K] C-contiguous, outs float32 [n, M_i] C-contiguous."""
     n = x.shape[0]
     if n >= LARGE_BATCH_MIN and any(_sgemm_path(n, W.qtype) for W in Ws):
+        xb = None       # x packed to bf16 once for all the weights that take that path
         for W, o in zip(Ws, outs):
-            matmul_into(x, W, o, scratch)
+            if bf16_path(n, W.qtype, x.shape[1]):
+                if xb is None:
+                    xb = _pack_bf16(x, scratch)
+                _gemm_bf16(xb, n, W, o, scratch)
+            else:
+                matmul_into(x, W, o, scratch)
     elif not _fused(x, Ws, outs, scratch):
         acts = {}
         for W, o in zip(Ws, outs):
@@ -494,9 +512,10 @@ def _fused(x, Ws, outs, scratch) -> bool:
     instead of one per weight).  False when it does not apply."""
     qt = Ws[0].qtype
     fn = _MULTI.get(qt)
-    kinds = [_VNNI_KIND.get(W.qtype, -1) for W in Ws] if USE_VNNI else []
-    mixed_kq = len(set(kinds)) > 1 and all(k >= 10 for k in kinds)      # Q4_K with Q6_K
-    if not mixed_kq and (fn is None or len(Ws) < 2 or any(W.qtype != qt for W in Ws)):
+    same = all(W.qtype == qt for W in Ws)
+    # Q4_K with Q6_K (q/k/v of Q4_K_M files): one region too, on one quantization
+    mixed_kq = not same and USE_VNNI and all(_VNNI_KIND.get(W.qtype, -1) >= 10 for W in Ws)
+    if not mixed_kq and (fn is None or len(Ws) < 2 or not same):
         return False
     n, K = x.shape
     total = sum(W.data.shape[0] for W in Ws)
@@ -520,9 +539,10 @@ def _fused(x, Ws, outs, scratch) -> bool:
     nch = cw.size
     if mixed_kq:
         bufs = _vnni_buffers(scratch, True, n, K, nch)
-        kinds_a = scratch._sets.get(("kinds", tuple(kinds)))
+        key = ("kinds",) + tuple(W.qtype for W in Ws)
+        kinds_a = scratch._sets.get(key)
         if kinds_a is None:
-            kinds_a = scratch._sets[("kinds", tuple(kinds))] = np.array(kinds, np.int64)
+            kinds_a = scratch._sets[key] = np.array([_VNNI_KIND[W.qtype] for W in Ws], np.int64)
         quantize_q8_256_i8(x, *bufs[:4])
         _run_parallel(KV.multi_kq, kinds_a, tuple(W.data for W in Ws), *bufs[:4], tuple(outs), bufs[4], n, K,
                       cw, c0, c1)

@@ -233,15 +233,20 @@ def _ptr(a):
     return 0 if a is None else a.data.ptr
 
 
+def _prologue_args(prologue):
+    """(kernel prologue code, RMSNorm weight, GLU up operand, eps) for a prologue
+    ("rmsnorm", w, eps) / ("silu" | "gelu", up) or None."""
+    if prologue is None:
+        return 0, None, None, 0.0
+    pro = PROLOGUES[prologue[0]]
+    if pro == 1:
+        return pro, prologue[1], None, float(prologue[2])
+    return pro, None, prologue[1], 0.0
+
+
 def _matvec(x, Ws, outs, biases, accumulate, prologue=None):
     n, K = x.shape
-    pro, pw, pu, eps = 0, None, None, 0.0
-    if prologue is not None:
-        pro = PROLOGUES[prologue[0]]
-        if pro == 1:
-            pw, eps = prologue[1], float(prologue[2])
-        else:
-            pu = prologue[1]
+    pro, pw, pu, eps = _prologue_args(prologue)
     # one launch per group of up to three weights of one type
     i = 0
     while i < len(Ws):
@@ -277,14 +282,8 @@ def quantize_act(x, block: int, ws: Workspace, prologue=None):
     xq = ws.get(f"xq{block}", n * K, cp.int8, keep=True)
     xd = ws.get(f"xd{block}", n * K // block, cp.float32, keep=True)
     xs = ws.get(f"xs{block}", n * K // 16, cp.float32, keep=True)
-    pro, pw, pu, eps = 0, None, None, 0.0
-    if prologue is not None:
-        pro = PROLOGUES[prologue[0]]
-        if pro == 1:
-            pw, eps = prologue[1], float(prologue[2])
-        else:
-            pu = prologue[1]
-            assert pu.strides[0] == x.strides[0]
+    pro, pw, pu, eps = _prologue_args(prologue)
+    assert pu is None or pu.strides[0] == x.strides[0]
     f = _mods.fn(f"q8_act<{block},{pro}>")
     f(((K + 2047) // 2048, n), (256,),
       (x, np.int32(x.strides[0] // 4), pw if pw is not None else np.uint64(0),
