@@ -5,7 +5,7 @@ Numba compiles each kernel for *this* CPU on first use and caches it on disk
 ever loaded, so no "illegal instruction" on an older CPU.  The first start
 therefore spends tens of seconds compiling: we tell the user, and warm the
 kernels with a few throwaway forwards before the real prompt.  A marker per (Llamba
-version, Numba version, CPU model) remembers that this machine has done it.
+version, Numba version, CPU model, kernel cache location) remembers that it was done.
 """
 from __future__ import annotations
 
@@ -20,8 +20,15 @@ from . import __version__
 def _marker() -> Path:
     import llvmlite.binding as llvm
     import numba
+    import hashlib
+    import os
     cpu = llvm.get_host_cpu_name().replace("/", "_")
-    return Path(platformdirs.user_cache_dir("llamba")) / f"kernels-ok-{__version__}-{numba.__version__}-{cpu}"
+    # the compiled kernels live where Numba caches them: beside this install's
+    # sources unless NUMBA_CACHE_DIR says otherwise, so a second install (or
+    # another cache dir) on the same machine starts cold and needs its own marker
+    where = os.environ.get("NUMBA_CACHE_DIR") or str(Path(__file__).resolve().parent.parent)
+    tag = hashlib.sha1(where.encode()).hexdigest()[:10]
+    return Path(platformdirs.user_cache_dir("llamba")) / f"kernels-ok-{__version__}-{numba.__version__}-{cpu}-{tag}"
 
 
 def first_run() -> bool:
