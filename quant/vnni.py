@@ -273,6 +273,12 @@ def _kq_all(kind, w, xq, xd, xb, out, res, n, K, m0, m1):
             for i in range(4):
                 out[r + i, m] = res[i]
             r += 4
+        # the rest in one call (3: a speculative verify of 2 drafts) or two
+        if r + 3 == n:
+            kq_rows(kind, 3, src, nsb, xq, xd, xb, r, K, res)
+            for i in range(3):
+                out[r + i, m] = res[i]
+            r += 3
         if r + 2 <= n:
             kq_rows(kind, 2, src, nsb, xq, xd, xb, r, K, res)
             out[r, m] = res[0]
