@@ -41,14 +41,14 @@ _v16i16 = ir.VectorType(_i16, 16)
 _v8i16 = ir.VectorType(_i16, 8)
 _v16i8 = ir.VectorType(_i8, 16)
 
-# Software prefetch of the weight stream for R >= 2 rows: (bytes ahead, llvm
-# locality).  With several rows a super-block takes longer to compute than to
-# load, and without it the loads stop overlapping the arithmetic: Qwen2.5-1.5B's
-# Q6_K ffn_down (8960 wide) streamed from DRAM at 2 rows took 1.8x its 1-row
-# time, with this 1.2x (4 rows: 2.8x -> 1.8x).  Q6_K's long rows want the next
-# row in L2 (8 KB ahead); Q4_K gains a little from 2 KB ahead into L1 and loses
-# with the Q6_K setting.  One row (kq_span1) gains nothing measurable: the
-# hardware prefetcher keeps up there.
+# Software prefetch of the weight stream: (bytes ahead, llvm locality).  With
+# several rows a super-block takes longer to compute than to load, and without
+# it the loads stop overlapping the arithmetic: Qwen2.5-1.5B's Q6_K ffn_down
+# (8960 wide) streamed from DRAM at 2 rows took 1.8x its 1-row time, with this
+# 1.2x (4 rows: 2.8x -> 1.8x).  Q6_K's long rows want the next row in L2 (8 KB
+# ahead); Q4_K gains a little from 2 KB ahead into L1 and loses with the Q6_K
+# setting.  One row gains too: the whole 1.5B decode step 4-8% (interleaved
+# runs), where the hardware prefetcher alone leaves gaps.
 _PREFETCH = {Q4_K: (2048, 3), Q6_K: (8192, 2)}
 
 
@@ -138,9 +138,8 @@ def _emit_rows(builder, k, nr, w, nsbv, xqp, xdp, xbp, r0v, Kv, acc, macc):
         sb = loop.index
         o = builder.mul(sb, _c(bb))
         dist, loc = _PREFETCH[k]
-        if nr >= 2:
-            for j in range(0, bb + 63, 64):
-                _prefetch(builder, builder.gep(w, [builder.add(o, _c(dist + j))]), loc)
+        for j in range(0, bb, 64):     # consecutive super-blocks cover every line
+            _prefetch(builder, builder.gep(w, [builder.add(o, _c(dist + j))]), loc)
         codes, subs = [], []                   # 4 x 64 codes, the sub-block of each int32 lane
         if k == Q4_K:
             d = _load_half(builder, w, o)
