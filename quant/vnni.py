@@ -116,6 +116,14 @@ def _load_half(builder, base_i8, off):
     return builder.fpext(builder.bitcast(h, ir.HalfType()), _f32)
 
 
+def prefetch(builder, ptr, locality):
+    """llvm.prefetch for reading (locality 3: into L1 ... 1: far)."""
+    i8p = _i8.as_pointer()
+    fn = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p, _i32, _i32, _i32])
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(_i32, 0), ir.Constant(_i32, locality),
+                      ir.Constant(_i32, 1)])
+
+
 def _splat(builder, v, vt):
     one = builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(_i32, 0))
     return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_i32, vt.count), [0] * vt.count))

@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 
 from .vnni import (Q4_K, Q6_K, _c, _data, _fma_t, _fn, _hsumf, _i8, _i16, _i32, _i64, _literal,
                    _load_half, _load_vec, _shuf, _splat, _v8f32, _v8i32, _v16f32, _v16i32, _v32i8, _v64i8,
-                   _vpdpbusd512)
+                   _vpdpbusd512, prefetch)
 
 _v32i16 = ir.VectorType(_i16, 32)
 _v16i16 = ir.VectorType(_i16, 16)
@@ -50,12 +50,6 @@ _v16i8 = ir.VectorType(_i8, 16)
 # setting.  One row gains too: the whole 1.5B decode step 4-8% (interleaved
 # runs), where the hardware prefetcher alone leaves gaps.
 _PREFETCH = {Q4_K: (2048, 3), Q6_K: (8192, 2)}
-
-
-def _prefetch(builder, ptr, loc):
-    i8p = ir.IntType(8).as_pointer()
-    fn = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p, _i32, _i32, _i32])
-    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(_i32, 0), ir.Constant(_i32, loc), ir.Constant(_i32, 1)])
 
 
 # most activation rows one call handles (2 float accumulators a row in zmm registers)
@@ -139,7 +133,7 @@ def _emit_rows(builder, k, nr, w, nsbv, xqp, xdp, xbp, r0v, Kv, acc, macc):
         o = builder.mul(sb, _c(bb))
         dist, loc = _PREFETCH[k]
         for j in range(0, bb, 64):     # consecutive super-blocks cover every line
-            _prefetch(builder, builder.gep(w, [builder.add(o, _c(dist + j))]), loc)
+            prefetch(builder, builder.gep(w, [builder.add(o, _c(dist + j))]), loc)
         codes, subs = [], []                   # 4 x 64 codes, the sub-block of each int32 lane
         if k == Q4_K:
             d = _load_half(builder, w, o)
