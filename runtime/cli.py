@@ -124,8 +124,12 @@ def _drafter(args, eng):
         return None
     from .speculative import DEFAULT_DRAFT_VOCAB, Drafter
     vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
-    return Drafter.load(args.draft_model, eng, k=args.draft_n, adaptive=not args.draft_fixed,
-                        draft_vocab=vocab, announce=lambda m: print(m, file=sys.stderr))
+    from .warmup import warm_up
+    say = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    d = Drafter.load(args.draft_model, eng, k=args.draft_n, adaptive=not args.draft_fixed,
+                     draft_vocab=vocab, announce=say)
+    warm_up(d.draft, notice=say)
+    return d
 
 
 def _params(args):

@@ -5,7 +5,10 @@ Numba compiles each kernel for *this* CPU on first use and caches it on disk
 ever loaded, so no "illegal instruction" on an older CPU.  The first start
 therefore spends tens of seconds compiling: we tell the user, and warm the
 kernels with a few throwaway forwards before the real prompt.  A marker per (Llamba
-version, Numba version, CPU model, kernel cache location) remembers that it was done.
+version, Numba version, CPU model, kernel cache location, backend and the weight
+types of the model) remembers that it was done: each weight type has kernels of its
+own, so a second model of other types (a speculative draft in Q5_0 after a Q4_K_M
+target) warms up on its first run too.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import platformdirs
 from . import __version__
 
 
-def _marker() -> Path:
+def _marker(engine=None) -> Path:
     import llvmlite.binding as llvm
     import numba
     import hashlib
@@ -28,11 +31,15 @@ def _marker() -> Path:
     # another cache dir) on the same machine starts cold and needs its own marker
     where = os.environ.get("NUMBA_CACHE_DIR") or str(Path(__file__).resolve().parent.parent)
     tag = hashlib.sha1(where.encode()).hexdigest()[:10]
-    return Path(platformdirs.user_cache_dir("llamba")) / f"kernels-ok-{__version__}-{numba.__version__}-{cpu}-{tag}"
+    name = f"kernels-ok-{__version__}-{numba.__version__}-{cpu}-{tag}"
+    if engine is not None:
+        types = sorted({str(getattr(t, "qtype", "")) for t in engine.loaded.tensors.values()})
+        name += f"-{engine.backend.name}-" + hashlib.sha1(",".join(types).encode()).hexdigest()[:8]
+    return Path(platformdirs.user_cache_dir("llamba")) / name
 
 
-def first_run() -> bool:
-    return not _marker().exists()
+def first_run(engine=None) -> bool:
+    return not _marker(engine).exists()
 
 
 # Row counts that reach every kernel path: a prompt (many rows: dequantize-tile +
@@ -47,7 +54,7 @@ def warm_up(engine, notice=None, force: bool = False) -> float:
     """On a machine that has not compiled the kernels yet (or when forced), run a
     throwaway forward at each row count in WARMUP_ROWS so compilation happens now,
     with a notice.  Returns the seconds it took (0.0 when skipped)."""
-    if not (force or first_run()):
+    if not (force or first_run(engine)):
         return 0.0
     if notice:
         notice("Compiling kernels for this CPU (first run only, about a minute)…")
@@ -65,7 +72,7 @@ def warm_up(engine, notice=None, force: bool = False) -> float:
     finally:
         # throwaway tokens: their blocks must not linger as a reusable cached prefix
         engine.release(seq, keep_cached=False)
-    m = _marker()
+    m = _marker(engine)
     m.parent.mkdir(parents=True, exist_ok=True)
     m.touch()
     return time.perf_counter() - t

@@ -43,3 +43,18 @@ def test_no_compilation_after_warm_up(model_path):
     assert res["late"] == [], f"compiled or loaded after warm-up: {res['late']}"
     # the throwaway tokens left nothing behind in the cache
     assert res["cached"] == 0 and res["used"] == 0
+
+
+def test_marker_per_weight_types(model_path, tmp_path, monkeypatch):
+    """A model whose weight types were never warmed (e.g. a Q5_0 draft after a
+    Q4_K_M target) gets a warm-up of its own; the same model does not twice."""
+    from runtime.engine import Engine
+    from runtime import warmup
+    monkeypatch.setattr(warmup.platformdirs, "user_cache_dir", lambda *a, **k: str(tmp_path))
+    a = Engine(str(model_path("smollm2-135m")), n_ctx=64)      # Q4_1
+    b = Engine(str(model_path("gemma3-270m")), n_ctx=64)       # Q4_K / Q6_K / Q8_0 ...
+    assert warmup._marker(a) != warmup._marker(b)
+    assert warmup.first_run(a) and warmup.first_run(b)
+    assert warmup.warm_up(a) > 0
+    assert not warmup.first_run(a) and warmup.first_run(b)
+    assert warmup.warm_up(a) == 0.0                            # done once
