@@ -176,7 +176,9 @@ def main(argv=None):
     ap.add_argument("--rpw", default="", help="float matvec rows-per-block values to compare (e.g. 2,4,8)")
     ap.add_argument("--rpw-int8", default="", help="integer matvec rows-per-warp values to compare (e.g. 1,2,4)")
     ap.add_argument("--ncu-kernel", action="store_true", help="run one Q4_K matvec eagerly (for ncu) and exit")
-    ap.add_argument("--variants", default="int8", help="decode matvec paths to measure: int8 (default), float")
+    ap.add_argument("--variants", default="int8",
+                    help="decode matvec paths to measure: int8 (default), mvp (int8 with the cp.async-"
+                         "pipelined kernel, sm_80+), float")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import cupy as cp
@@ -206,7 +208,12 @@ def main(argv=None):
             log(f"rows/block {rpw}: matvec {qt.name} {M}x{K}: {g:.0f} GB/s")
     if args.rpw:
         qc.set_rows_per_block(4)
-    int8_default = qc.INT8_MATVEC
+    int8_default, kernel_default = qc.INT8_MATVEC, qc.INT8_KERNEL
+
+    def use(variant):
+        qc.INT8_MATVEC = variant in ("int8", "mvp")
+        qc.set_int8_kernel("mvp" if variant == "mvp" else ("mvs" if variant == "int8" else kernel_default))
+
     for rpw in ([int(v) for v in args.rpw_int8.split(",")] if args.rpw_int8 else []):
         qc.set_int8_rows_per_warp(rpw)
         for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q6_K, 4096, 14336), (GGMLType.Q4_0, 14336, 4096),
@@ -217,7 +224,7 @@ def main(argv=None):
         qc.set_int8_rows_per_warp(4)
     if args.micro:
         for variant in args.variants.split(","):
-            qc.INT8_MATVEC = variant == "int8"
+            use(variant)
             for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q4_K, 4096, 14336),
                              (GGMLType.Q6_K, 4096, 14336), (GGMLType.Q4_0, 14336, 4096),
                              (GGMLType.Q8_0, 14336, 4096), (GGMLType.Q4_K, 8960, 1536),
@@ -227,6 +234,7 @@ def main(argv=None):
                                         "of_copy": g / (bw / 1e9)})
                 log(f"{variant} matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)")
         qc.INT8_MATVEC = int8_default
+        qc.set_int8_kernel(kernel_default)
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes.split(","):
@@ -237,15 +245,16 @@ def main(argv=None):
             write_random_gguf(path, mix=mix, **spec)
             log(f"{path.name}: written in {time.perf_counter() - t:.1f}s, {path.stat().st_size / 2**30:.2f} GiB")
             for variant in args.variants.split(","):
-                qc.INT8_MATVEC = variant == "int8"
+                use(variant)
                 try:
                     row = bench_ours(path, args.repetitions, args.n_prompt, args.n_gen)
                 except Exception as e:     # report and go on to the next model
                     row = {"error": f"{type(e).__name__}: {e}"}
-                row.update(shape=shape, mix=mix, engine="llamba-cuda" + ("-float" if variant == "float" else ""))
+                row.update(shape=shape, mix=mix, engine="llamba-cuda" + ("" if variant == "int8" else "-" + variant))
                 result["runs"].append(row)
                 log(json.dumps(row, default=str))
             qc.INT8_MATVEC = int8_default
+            qc.set_int8_kernel(kernel_default)
             path.unlink()
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1, default=str))

@@ -281,6 +281,68 @@ DEV void mvs_load_x(MvsX<T, NR>& X, const signed char* __restrict__ xq, const fl
     }
 }
 
+// one chunk of R rows from shared memory (sm: the chunk's R row pieces as laid out by
+// the loads; c: chunk index) into acc; shared by mvs and mvp so both sum in one order
+template <class T, int NR, int R>
+DEV void mvs_chunk(const uint4* sm, const MvsX<T, NR>& xc, float (&acc)[R][NR], long long base,
+                   long long row_bytes, int c, int nrows, int nparts, int lane) {
+    constexpr int CB = MVS_CW / T::QK * T::BB;
+    constexpr int NV = (CB + 30) / 16;
+    constexpr int WPR = T::RLEN / 4;
+    const int gp = c * 32 + lane;
+    if (gp >= nparts) return;
+    const int blk = gp / T::PPB, part = gp % T::PPB;
+    const int boff = (blk - c * (MVS_CW / T::QK)) * T::BB;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (r < nrows) {
+            const long long s = base + r * row_bytes + (long long)c * CB;
+            const u8* b = (const u8*)(sm + r * NV) + (int)(s & 15) + boff;
+            int w[T::PE / 4];
+            float sc[T::NRUN], mn[T::NRUN];
+            T::decode_i8(b, part, w, sc, mn);
+#pragma unroll
+            for (int n = 0; n < NR; n++) {
+                float t = 0.f;
+#pragma unroll
+                for (int u = 0; u < T::NRUN; u++) {
+                    int si = 0;
+#pragma unroll
+                    for (int k = 0; k < WPR; k++) si = __dp4a(w[u * WPR + k], xc.w[n][u * WPR + k], si);
+                    t = fmaf(sc[u], (float)si, t);
+                }
+                acc[r][n] = fmaf(t, xc.d[n], acc[r][n]);
+                if constexpr (T::HAS_MIN) {
+#pragma unroll
+                    for (int u = 0; u < T::NRUN; u++) acc[r][n] = fmaf(mn[u], xc.s[n][u], acc[r][n]);
+                }
+            }
+        }
+    }
+}
+
+// the warp's R x NR sums over its lanes; lane r*NR+n stores output (r, n)
+template <int NR, int R>
+DEV void mvs_store(float (&acc)[R][NR], float* y, const float* bias, int ldy, int m0, int nrows, int lane,
+                   int mode) {
+    float mine = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int n = 0; n < NR; n++) {
+            float v = acc[r][n];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == r * NR + n) mine = v;
+        }
+    const int r = lane / NR, n = lane % NR;
+    if (lane < R * NR && r < nrows) {
+        float* dst = y + (long long)n * ldy + m0 + r;
+        if (mode == 1) *dst += mine;
+        else *dst = bias ? mine + bias[m0 + r] : mine;
+    }
+}
+
 template <class T, int NR, int R>
 __global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
         const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,
@@ -292,7 +354,6 @@ __global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
     constexpr int CB = MVS_CW / T::QK * T::BB;        // bytes of a row's full chunk
     constexpr int NV = (CB + 30) / 16;                // 16-byte words covering them at any alignment
     constexpr int LPL = (R * NV + 31) / 32;           // loads a lane
-    constexpr int WPR = T::RLEN / 4;
     static_assert(T::PE == 32 && MVS_CW / T::PE == 32, "one part a lane a row");
     static_assert(R * NR <= 32, "a lane per output");
     __shared__ uint4 smem[MVS_WARPS][R * NV + 1];     // +1: lda2 reads a word past a block
@@ -346,53 +407,119 @@ __global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
         __syncwarp();
         const MvsX<T, NR> xc = xa;
         if (c + 1 < nch) issue(c + 1);
-        const int gp = c * 32 + lane;
-        if (gp < nparts) {
-            const int blk = gp / T::PPB, part = gp % T::PPB;
-            const int boff = (blk - c * (MVS_CW / T::QK)) * T::BB;
+        mvs_chunk<T, NR, R>(sm, xc, acc, base, row_bytes, c, nrows, nparts, lane);
+    }
+    mvs_store<NR, R>(acc, y, bias, ldy, m0, nrows, lane, mode);
+}
+
+// ---------------------------------------------------------------- pipelined matvec
+// mvp: mvs with up to MVP_STAGES chunks of each warp's rows in flight at once, copied
+// from global to shared memory by cp.async (sm_80 and newer: Ampere, Ada, Hopper,
+// Blackwell; the Python side picks mvs below sm_80), so the loads hold no registers
+// while in flight.  A warp issues its first S-1 chunks together (for K <= 3072 at
+// S = 4: all of its rows' bytes), then keeps S-1 ahead while decoding, against mvs's one.
+// The sums are mvs's, in the same order (mvs_chunk): results equal mvs's bit for bit.
+// S: as many stages (2..4) as fit MVP_SMEM bytes of static shared memory a block.
+constexpr int MVP_SMEM = 40 * 1024;
+constexpr int MVP_STAGES = 4;
+
+DEV void cp_async16(void* dst, const void* src, bool ok) {
+#if __CUDA_ARCH__ >= 800
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0)
+                 : "memory");
+#else
+    *(uint4*)dst = ok ? *(const uint4*)src : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+DEV void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+DEV void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+template <class T, int R>
+struct MvpShape {
+    static constexpr int CB = MVS_CW / T::QK * T::BB;
+    static constexpr int NV = (CB + 30) / 16;
+    static constexpr int WORDS = R * NV + 1;          // +1: lda2 reads a word past a block
+    static constexpr int FIT = MVP_SMEM / (MVS_WARPS * WORDS * 16);
+    static constexpr int S = FIT < 2 ? 2 : (FIT > MVP_STAGES ? MVP_STAGES : FIT);
+};
+
+template <class T, int NR, int R>
+__global__ void __launch_bounds__(32 * MVS_WARPS) mvp(
+        const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,
+        float* y0, float* y1, float* y2,
+        const float* b0, const float* b1, const float* b2,
+        int M0, int M1, int M2,
+        int K, long long row_bytes, const signed char* __restrict__ xq, const float* __restrict__ xd,
+        const float* __restrict__ xs, int ldy0, int ldy1, int ldy2, int mode) {
+    using Sh = MvpShape<T, R>;
+    constexpr int CB = Sh::CB, NV = Sh::NV, S = Sh::S, WORDS = Sh::WORDS;
+    constexpr int LPL = (R * NV + 31) / 32;
+    static_assert(T::PE == 32 && MVS_CW / T::PE == 32, "one part a lane a row");
+    static_assert(R * NR <= 32, "a lane per output");
+    __shared__ __align__(16) uint4 smem[MVS_WARPS][S][WORDS];
+
+    const int wsel = blockIdx.y;
+    const u8* W = wsel == 0 ? W0 : (wsel == 1 ? W1 : W2);
+    float* y = wsel == 0 ? y0 : (wsel == 1 ? y1 : y2);
+    const float* bias = wsel == 0 ? b0 : (wsel == 1 ? b1 : b2);
+    const int M = wsel == 0 ? M0 : (wsel == 1 ? M1 : M2);
+    const int ldy = wsel == 0 ? ldy0 : (wsel == 1 ? ldy1 : ldy2);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int m0 = (blockIdx.x * MVS_WARPS + warp) * R;
+    if (m0 >= M) return;                              // the whole warp
+    const int nrows = min(R, M - m0);
+    const int nparts = K / T::QK * T::PPB;
+    const int nch = (K + MVS_CW - 1) / MVS_CW;
+    const long long base = (long long)m0 * row_bytes;
+
+    // chunk c's R row pieces as 16-byte words into stage c % S (one commit group; an
+    // empty group past the last chunk keeps the group count per iteration fixed)
+    auto issue = [&](int c) {
+        if (c < nch) {
+            uint4* st = smem[warp][c % S];
+            const int cb = min(MVS_CW, K - c * MVS_CW) / T::QK * T::BB;
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                if (r < nrows) {
-                    const long long s = base + r * row_bytes + (long long)c * CB;
-                    const u8* b = (const u8*)(sm + r * NV) + (int)(s & 15) + boff;
-                    int w[T::PE / 4];
-                    float sc[T::NRUN], mn[T::NRUN];
-                    T::decode_i8(b, part, w, sc, mn);
-#pragma unroll
-                    for (int n = 0; n < NR; n++) {
-                        float t = 0.f;
-#pragma unroll
-                        for (int u = 0; u < T::NRUN; u++) {
-                            int si = 0;
-#pragma unroll
-                            for (int k = 0; k < WPR; k++) si = __dp4a(w[u * WPR + k], xc.w[n][u * WPR + k], si);
-                            t = fmaf(sc[u], (float)si, t);
-                        }
-                        acc[r][n] = fmaf(t, xc.d[n], acc[r][n]);
-                        if constexpr (T::HAS_MIN) {
-#pragma unroll
-                            for (int u = 0; u < T::NRUN; u++) acc[r][n] = fmaf(mn[u], xc.s[n][u], acc[r][n]);
-                        }
-                    }
+            for (int i = 0; i < LPL; i++) {
+                const int j = lane + 32 * i, r = j / NV, v = j - r * NV;
+                if (j < R * NV) {
+                    const long long s = base + r * row_bytes + (long long)c * CB, a = s & ~15LL;
+                    const bool ok = r < nrows && a + 16 * v < s + cb;
+                    cp_async16(st + j, ok ? (const void*)(W + a + 16 * v) : (const void*)W, ok);
                 }
             }
         }
-    }
-    // lane r*NR+n ends up with output (r, n) summed over the lanes
-    float mine = 0.f;
+        cp_async_commit();
+    };
+
+    float acc[R][NR];
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
-        for (int n = 0; n < NR; n++) {
-            float v = acc[r][n];
+        for (int n = 0; n < NR; n++) acc[r][n] = 0.f;
+
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == r * NR + n) mine = v;
-        }
-    const int r = lane / NR, n = lane % NR;
-    if (lane < R * NR && r < nrows) {
-        float* dst = y + (long long)n * ldy + m0 + r;
-        if (mode == 1) *dst += mine;
-        else *dst = bias ? mine + bias[m0 + r] : mine;
+    for (int c = 0; c < S - 1; c++) issue(c);
+    MvsX<T, NR> xa;
+    if (lane < nparts) mvs_load_x<T, NR>(xa, xq, xd, xs, K, lane / T::PPB, lane % T::PPB);
+    for (int c = 0; c < nch; c++) {
+        __syncwarp();                                 // stage (c - 1) % S is read: refill it
+        issue(c + S - 1);
+        cp_async_wait<S - 1>();                       // chunk c's group is complete
+        __syncwarp();                                 // ... for every lane's copies
+        const MvsX<T, NR> xc = xa;
+        const int gq = (c + 1) * 32 + lane;
+        if (c + 1 < nch && gq < nparts) mvs_load_x<T, NR>(xa, xq, xd, xs, K, gq / T::PPB, gq % T::PPB);
+        mvs_chunk<T, NR, R>(smem[warp][c % S], xc, acc, base, row_bytes, c, nrows, nparts, lane);
     }
+    mvs_store<NR, R>(acc, y, bias, ldy, m0, nrows, lane, mode);
 }
