@@ -111,6 +111,20 @@ def upload(qt: QTensor) -> DeviceWeight:
     return DeviceWeight(qt.name, qt.qtype, tuple(qt.shape), data, qt.row_nbytes)
 
 
+def source(path: Path, *headers: Path) -> str:
+    """A kernel file's text for cupy.RawModule, headed by a hash of the headers it
+    includes: CuPy keys its compiled-kernel cache on the text alone, so an edited
+    header would otherwise load the old binary."""
+    import hashlib
+    h = hashlib.sha1(b"".join(Path(f).read_bytes() for f in headers)).hexdigest()[:16]
+    return f"// headers {h}\n" + Path(path).read_text()
+
+
+def kernel_source() -> str:
+    """qkernels.cu with its headers' hash."""
+    return source(_DIR / "qkernels.cu", _DIR / "qblocks.cuh", _DIR / "qint8.cuh")
+
+
 class _Modules:
     """One compiled module per weight type, built on first use."""
 
@@ -129,14 +143,14 @@ class _Modules:
                         if qtype in INT8_STRUCT else [])
                      + [f"mv<{s},{r},{_rpw(r)},{p}>" for r in range(1, PROLOGUE_MAX_ROWS + 1) for p in (1, 2, 3)]
                      + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
-            src = (_DIR / "qkernels.cu").read_text()
+            src = kernel_source()
             mod = cp.RawModule(code=src, options=_OPTIONS, name_expressions=names)
             m = self.by_type[key] = {n: mod.get_function(n) for n in names}
         return m
 
     def fn(self, name):
         if self.misc is None:
-            src = (_DIR / "qkernels.cu").read_text()
+            src = kernel_source()
             names = [f"q8_act<{bs},{p}>" for bs in (32, 256) for p in range(4)]
             self.misc = cp.RawModule(code=src, options=_OPTIONS, name_expressions=names)
         return self.misc.get_function(name)

@@ -167,48 +167,48 @@ struct IQ6_K : TQ6_K {
 // Out: xq int8 [n, K], xd float [n, K/BS], xs float [n, K/16] = xd * sum of 16 codes.
 // A warp per 256 values (8 a lane), 8 warps a block; grid (ceil(K / 2048), n).
 // K % 32 == 0 (and K % 256 == 0 when BS == 256).
-template <int BS, int PRO>
-__global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int ldx, const float* __restrict__ pw,
-                                              const float* __restrict__ pu, float eps, int K,
-                                              signed char* __restrict__ xq, float* __restrict__ xd,
-                                              float* __restrict__ xs) {
-    const int n = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const float* xr = x + (long long)n * ldx;
-    float rn = 1.f;
-    if constexpr (PRO == 1) {
-        __shared__ float red[8];
-        float ss = 0.f;
-        for (int k = threadIdx.x; k < K; k += blockDim.x) ss = fmaf(xr[k], xr[k], ss);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) red[warp] = ss;
-        __syncthreads();
-        float tot = 0.f;
-#pragma unroll
-        for (int w = 0; w < 8; w++) tot += red[w];
-        rn = 1.0f / sqrtf(tot / K + eps);
-    }
-    const int e = (blockIdx.x * 8 + warp) * 256 + lane * 8;
-    const bool ok = e < K;                    // whole groups of 4 lanes (K % 32 == 0)
-    float v[8];
-    if (ok) {
+DEV float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// RMSNorm's sum of squares of a row, in one order wherever it is computed: per 256-value
+// group (8 consecutive values a lane: a chain of fmaf, then the warp's butterfly), then
+// the groups' sums in order
+constexpr int Q8_MAXG = 128;                  // rows of up to 32768 values
+DEV void q8_load8(const float* xr, int e, int K, float (&v)[8]) {
+    if (e < K) {
         const float4 a = *(const float4*)(xr + e), b = *(const float4*)(xr + e + 4);
         v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            if constexpr (PRO == 1) {
-                v[i] = v[i] * rn * pw[e + i];
-            } else if constexpr (PRO == 2) {
-                v[i] = v[i] / (1.0f + expf(-v[i])) * pu[(long long)n * ldx + e + i];
-            } else if constexpr (PRO == 3) {
-                const float c = 0.7978845608028654f, g = v[i];
-                v[i] = 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * pu[(long long)n * ldx + e + i];
-            }
-        }
     } else {
 #pragma unroll
         for (int i = 0; i < 8; i++) v[i] = 0.f;
     }
+}
+DEV float q8_ss8(const float (&v)[8]) {
+    float p = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) p = fmaf(v[i], v[i], p);
+    return p;
+}
+DEV float q8_bfly(float p) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
+    return p;
+}
+DEV float q8_rn(const float* gs, int ng, int K, float eps) {
+    float tot = 0.f;
+    for (int g = 0; g < ng; g++) tot += gs[g];
+    return 1.0f / sqrtf(tot / K + eps);
+}
+DEV float gelu_mul(float g, float u) {
+    const float c = 0.7978845608028654f;
+    return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * u;
+}
+
+// One warp's 256 values (8 a lane, element e = lane's first) rounded to int8 blocks of
+// BS: codes to xq[e..e+8), steps to xd[e / BS], xd * sum of 16 codes to xs[e / 16]
+// (row pointers).  All 32 lanes take part (lanes past K with v = 0 and ok = false).
+template <int BS>
+DEV void q8_store(const float (&v)[8], bool ok, int lane, int e, signed char* __restrict__ xq,
+                  float* __restrict__ xd, float* __restrict__ xs) {
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(v[i]));
@@ -226,9 +226,53 @@ __global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int l
     const int s16 = sum + __shfl_xor_sync(0xffffffffu, sum, 1);
     if (!ok) return;
     const float d = amax / 127.0f;
-    *(uint2*)(xq + (long long)n * K + e) = make_uint2(word[0], word[1]);
-    if ((lane & 1) == 0) xs[(long long)n * (K / 16) + e / 16] = d * (float)s16;
-    if ((lane & (BS / 8 - 1)) == 0) xd[(long long)n * (K / BS) + e / BS] = d;
+    *(uint2*)(xq + e) = make_uint2(word[0], word[1]);
+    if ((lane & 1) == 0) xs[e / 16] = d * (float)s16;
+    if ((lane & (BS / 8 - 1)) == 0) xd[e / BS] = d;
+}
+
+template <int BS, int PRO>
+__global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int ldx, const float* __restrict__ pw,
+                                              const float* __restrict__ pu, float eps, int K,
+                                              signed char* __restrict__ xq, float* __restrict__ xd,
+                                              float* __restrict__ xs) {
+    const int n = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float* xr = x + (long long)n * ldx;
+    float rn = 1.f;
+    if constexpr (PRO == 1) {                 // every block sums the whole row's squares
+        __shared__ float gs[Q8_MAXG];
+        const int ng = (K + 255) / 256;
+        for (int g = warp; g < ng; g += 8) {
+            const int e = g * 256 + lane * 8;
+            float v[8];
+            q8_load8(xr, e, K, v);
+            const float t = q8_bfly(q8_ss8(v));
+            if (lane == 0) gs[g] = t;
+        }
+        __syncthreads();
+        rn = q8_rn(gs, ng, K, eps);
+    }
+    const int e = (blockIdx.x * 8 + warp) * 256 + lane * 8;
+    const bool ok = e < K;                    // whole groups of 4 lanes (K % 32 == 0)
+    float v[8];
+    if (ok) {
+        const float4 a = *(const float4*)(xr + e), b = *(const float4*)(xr + e + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            if constexpr (PRO == 1) {
+                v[i] = v[i] * rn * pw[e + i];
+            } else if constexpr (PRO == 2) {
+                v[i] = silu_mul(v[i], pu[(long long)n * ldx + e + i]);
+            } else if constexpr (PRO == 3) {
+                v[i] = gelu_mul(v[i], pu[(long long)n * ldx + e + i]);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = 0.f;
+    }
+    q8_store<BS>(v, ok, lane, e, xq + (long long)n * K, xd + (long long)n * (K / BS), xs + (long long)n * (K / 16));
 }
 
 // ---------------------------------------------------------------- the matvec
@@ -281,6 +325,32 @@ DEV void mvs_load_x(MvsX<T, NR>& X, const signed char* __restrict__ xq, const fl
     }
 }
 
+// one part (b: its block in shared memory) dotted with the part's activations of NR
+// rows of x, added to acc[n]; the sums every integer matvec makes, in one order
+template <class T, int NR>
+DEV void mvs_dot(const u8* b, int part, const MvsX<T, NR>& xc, float (&acc)[NR]) {
+    constexpr int WPR = T::RLEN / 4;
+    int w[T::PE / 4];
+    float sc[T::NRUN], mn[T::NRUN];
+    T::decode_i8(b, part, w, sc, mn);
+#pragma unroll
+    for (int n = 0; n < NR; n++) {
+        float t = 0.f;
+#pragma unroll
+        for (int u = 0; u < T::NRUN; u++) {
+            int si = 0;
+#pragma unroll
+            for (int k = 0; k < WPR; k++) si = __dp4a(w[u * WPR + k], xc.w[n][u * WPR + k], si);
+            t = fmaf(sc[u], (float)si, t);
+        }
+        acc[n] = fmaf(t, xc.d[n], acc[n]);
+        if constexpr (T::HAS_MIN) {
+#pragma unroll
+            for (int u = 0; u < T::NRUN; u++) acc[n] = fmaf(mn[u], xc.s[n][u], acc[n]);
+        }
+    }
+}
+
 // one chunk of R rows from shared memory (sm: the chunk's R row pieces as laid out by
 // the loads; c: chunk index) into acc; shared by mvs and mvp so both sum in one order
 template <class T, int NR, int R>
@@ -288,7 +358,6 @@ DEV void mvs_chunk(const uint4* sm, const MvsX<T, NR>& xc, float (&acc)[R][NR], 
                    long long row_bytes, int c, int nrows, int nparts, int lane) {
     constexpr int CB = MVS_CW / T::QK * T::BB;
     constexpr int NV = (CB + 30) / 16;
-    constexpr int WPR = T::RLEN / 4;
     const int gp = c * 32 + lane;
     if (gp >= nparts) return;
     const int blk = gp / T::PPB, part = gp % T::PPB;
@@ -297,26 +366,7 @@ DEV void mvs_chunk(const uint4* sm, const MvsX<T, NR>& xc, float (&acc)[R][NR], 
     for (int r = 0; r < R; r++) {
         if (r < nrows) {
             const long long s = base + r * row_bytes + (long long)c * CB;
-            const u8* b = (const u8*)(sm + r * NV) + (int)(s & 15) + boff;
-            int w[T::PE / 4];
-            float sc[T::NRUN], mn[T::NRUN];
-            T::decode_i8(b, part, w, sc, mn);
-#pragma unroll
-            for (int n = 0; n < NR; n++) {
-                float t = 0.f;
-#pragma unroll
-                for (int u = 0; u < T::NRUN; u++) {
-                    int si = 0;
-#pragma unroll
-                    for (int k = 0; k < WPR; k++) si = __dp4a(w[u * WPR + k], xc.w[n][u * WPR + k], si);
-                    t = fmaf(sc[u], (float)si, t);
-                }
-                acc[r][n] = fmaf(t, xc.d[n], acc[r][n]);
-                if constexpr (T::HAS_MIN) {
-#pragma unroll
-                    for (int u = 0; u < T::NRUN; u++) acc[r][n] = fmaf(mn[u], xc.s[n][u], acc[r][n]);
-                }
-            }
+            mvs_dot<T, NR>((const u8*)(sm + r * NV) + (int)(s & 15) + boff, part, xc, acc[r]);
         }
     }
 }

@@ -420,9 +420,14 @@ class CUDABackend:
         return sorted(tot.items(), key=lambda kv: -kv[1])
 
     # ---- kernels -------------------------------------------------------------
+    @staticmethod
+    def _src():
+        from quant.cuda import source
+        return source(_SRC, _SRC.parent / "cuda_attn.cuh")
+
     def _fn(self, name):
         if self._mod is None:
-            self._mod = self.cp.RawModule(code=_SRC.read_text(), options=("-std=c++17",))
+            self._mod = self.cp.RawModule(code=self._src(), options=("-std=c++17", f"-I{_SRC.parent}"))
         return self._mod.get_function(name)
 
     def _attn_fn(self, hd, g, name):
@@ -430,7 +435,7 @@ class CUDABackend:
         mod = self._attn_mods.get(key)
         if mod is None:
             mod = self._attn_mods[key] = self.cp.RawModule(
-                code=_SRC.read_text(), options=("-std=c++17", f"-DATT_HD={hd}", f"-DATT_G={g}"))
+                code=self._src(), options=("-std=c++17", f"-I{_SRC.parent}", f"-DATT_HD={hd}", f"-DATT_G={g}"))
         return mod.get_function(name)
 
     def _launch(self, name, n, args, block=256):
