@@ -77,7 +77,57 @@ def matvec_bandwidth(cp, qc, qtype, M, K, reps=50) -> float:
     return Ws[0].nbytes / t
 
 
-def bench_ours(path, reps, n_prompt, n_gen):
+def mega_sweep(eng, configs, n_gen=16):
+    """Graph replay of one decode step with the megakernel built for each (chunks a slot,
+    ring slots cap, L2-prefetch slots before attention / before a barrier) in configs
+    (0: the default), on the engine as it is."""
+    from runtime.backend.cuda_mega import MegaDecode
+    from runtime.bench import time_tg
+    be = eng.backend
+    out = []
+    for sub, st, pfa, pfb in configs:
+        be._megas.clear()
+        be._graphs.clear()
+        try:
+            mega = MegaDecode(be, eng.model, sub=sub or None, max_stages=st or None, pfa=pfa, pfb=pfb)
+            be._megas[id(eng.model)] = (eng.model, mega)
+            tg = time_tg(eng, n_gen, np.random.default_rng(1))
+            ms = be.replay_ms()
+            row = dict(mega.config(), tg=tg, replay_ms=ms, failed=mega.failed())
+        except Exception as e:
+            row = {"config": (sub, st, pfa, pfb), "error": f"{type(e).__name__}: {e}"}
+        log(f"  mega sweep: {row}")
+        out.append(row)
+    be._megas.clear()
+    be._graphs.clear()
+    return out
+
+
+def mega_profile(eng):
+    """Where a megakernel decode step's time goes: a build with clock stamps, a few steps."""
+    from runtime.backend.cuda_mega import MegaDecode
+    from runtime.bench import time_tg
+    be = eng.backend
+    try:
+        be._megas.clear()
+        be._graphs.clear()
+        mega = MegaDecode(be, eng.model, prof=True)
+        be._megas[id(eng.model)] = (eng.model, mega)
+        time_tg(eng, 4, np.random.default_rng(1))
+        prof = mega.profile()
+        log("  mega profile (us a step: per op kind, mean over layers): " + "; ".join(
+            f"{k} n={v['n']} max {v['max_us']:.2f} mean {v['mean_us']:.2f} quant {v['quant_us']:.2f} "
+            f"barrier {v['barrier_us']:.2f}" for k, v in prof.items() if isinstance(v, dict))
+            + f"; block total {prof['block_total_us']:.1f}")
+    except Exception as e:
+        prof = {"error": f"{type(e).__name__}: {e}"}
+        log(f"  mega profile failed: {prof['error']}")
+    be._megas.clear()
+    be._graphs.clear()
+    return prof
+
+
+def bench_ours(path, reps, n_prompt, n_gen, sweep=None, profile=False):
     import cupy as cp
     from runtime.backend.cuda_synth import load_weights_only
     from runtime.bench import measure, time_pp, time_tg
@@ -106,8 +156,14 @@ def bench_ours(path, reps, n_prompt, n_gen):
            "graph_replay_ms": replay, "graph_tg": 1e3 / replay, "graph_GBps": per_tok / replay / 1e6,
            "host_ms_per_token": 1e3 / tg[0] - replay,
            "profile_ms": prof, "profile_total_ms": sum(t for _, t in prof)}
-    log(f"  decode step: graph replay {replay:.3f} ms ({1e3 / replay:.0f} t/s); eager op sum "
-        f"{row['profile_total_ms']:.3f} ms; top ops: " + "; ".join(f"{k} {v:.3f}" for k, v in prof[:8]))
+    mega = eng.backend._megas.get(id(eng.model))
+    row["mega"] = (mega[1].config() if mega and not isinstance(mega[1], str) else (mega[1] if mega else None))
+    log(f"  decode step: graph replay {replay:.3f} ms ({1e3 / replay:.0f} t/s); megakernel {row['mega']}; "
+        f"eager op sum {row['profile_total_ms']:.3f} ms; top ops: " + "; ".join(f"{k} {v:.3f}" for k, v in prof[:8]))
+    if sweep:
+        row["mega_sweep"] = mega_sweep(eng, sweep)
+    if profile:
+        row["mega_profile"] = mega_profile(eng)
     del eng, lm
     gc.collect()
     cp.get_default_memory_pool().free_all_blocks()
@@ -176,7 +232,14 @@ def main(argv=None):
     ap.add_argument("--rpw", default="", help="float matvec rows-per-block values to compare (e.g. 2,4,8)")
     ap.add_argument("--rpw-int8", default="", help="integer matvec rows-per-warp values to compare (e.g. 1,2,4)")
     ap.add_argument("--ncu-kernel", action="store_true", help="run one Q4_K matvec eagerly (for ncu) and exit")
-    ap.add_argument("--variants", default="int8", help="decode matvec paths to measure: int8 (default), float")
+    ap.add_argument("--variants", default="int8",
+                    help="decode paths to measure: int8 (default: a kernel an op, integer matvec mvs), mega "
+                         "(the decode megakernel, LLAMBA_CUDA_MEGA=1), mvp (int8 with the cp.async-pipelined "
+                         "matvec, sm_80+), float")
+    ap.add_argument("--mega-sweep", default="",
+                    help="megakernel configs to time on L8 Q4_K_M after its run: sub:stages:pfa:pfb,... "
+                         "(0 for sub/stages: the default), e.g. 4:0:4:1,2:0:4:1")
+    ap.add_argument("--mega-profile", action="store_true", help="time each op of a megakernel step (clock stamps)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import cupy as cp
@@ -206,7 +269,14 @@ def main(argv=None):
             log(f"rows/block {rpw}: matvec {qt.name} {M}x{K}: {g:.0f} GB/s")
     if args.rpw:
         qc.set_rows_per_block(4)
-    int8_default = qc.INT8_MATVEC
+    import runtime.backend.cuda_mega as cm
+    int8_default, kernel_default, mega_default = qc.INT8_MATVEC, qc.INT8_KERNEL, cm.ENABLED
+
+    def use(variant):
+        qc.INT8_MATVEC = variant in ("int8", "mvp", "mega")
+        qc.set_int8_kernel("mvp" if variant == "mvp" else ("mvs" if variant in ("int8", "mega") else kernel_default))
+        cm.ENABLED = variant == "mega"
+
     for rpw in ([int(v) for v in args.rpw_int8.split(",")] if args.rpw_int8 else []):
         qc.set_int8_rows_per_warp(rpw)
         for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q6_K, 4096, 14336), (GGMLType.Q4_0, 14336, 4096),
@@ -216,8 +286,9 @@ def main(argv=None):
     if args.rpw_int8:
         qc.set_int8_rows_per_warp(4)
     if args.micro:
-        for variant in args.variants.split(","):
-            qc.INT8_MATVEC = variant == "int8"
+        # single matvecs: the megakernel's are mvs's (variant int8)
+        for variant in dict.fromkeys("int8" if v == "mega" else v for v in args.variants.split(",")):
+            use(variant)
             for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q4_K, 4096, 14336),
                              (GGMLType.Q6_K, 4096, 14336), (GGMLType.Q4_0, 14336, 4096),
                              (GGMLType.Q8_0, 14336, 4096), (GGMLType.Q4_K, 8960, 1536),
@@ -227,6 +298,9 @@ def main(argv=None):
                                         "of_copy": g / (bw / 1e9)})
                 log(f"{variant} matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)")
         qc.INT8_MATVEC = int8_default
+        qc.set_int8_kernel(kernel_default)
+        cm.ENABLED = mega_default
+    sweep = [tuple(int(v) for v in c.split(":")) for c in args.mega_sweep.split(",") if c]
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes.split(","):
@@ -237,15 +311,19 @@ def main(argv=None):
             write_random_gguf(path, mix=mix, **spec)
             log(f"{path.name}: written in {time.perf_counter() - t:.1f}s, {path.stat().st_size / 2**30:.2f} GiB")
             for variant in args.variants.split(","):
-                qc.INT8_MATVEC = variant == "int8"
+                use(variant)
                 try:
-                    row = bench_ours(path, args.repetitions, args.n_prompt, args.n_gen)
+                    row = bench_ours(path, args.repetitions, args.n_prompt, args.n_gen,
+                                     sweep=sweep if (variant == "mega" and shape == "L8" and mix == "Q4_K_M") else None,
+                                     profile=args.mega_profile and variant == "mega")
                 except Exception as e:     # report and go on to the next model
                     row = {"error": f"{type(e).__name__}: {e}"}
-                row.update(shape=shape, mix=mix, engine="llamba-cuda" + ("-float" if variant == "float" else ""))
+                row.update(shape=shape, mix=mix, engine="llamba-cuda" + ("" if variant == "int8" else "-" + variant))
                 result["runs"].append(row)
                 log(json.dumps(row, default=str))
             qc.INT8_MATVEC = int8_default
+            qc.set_int8_kernel(kernel_default)
+            cm.ENABLED = mega_default
             path.unlink()
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1, default=str))

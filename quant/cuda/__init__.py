@@ -8,7 +8,7 @@ matmul(x, [W..], [y..]) y = x @ W.T for each W (same input x, float32 [n, K]):
                         the integer path (INT8_MATVEC, the default): x rounded to int8
                         per block of W's family as the CPU backend does (32 values for
                         the legacy formats, 256 for the K-quants), dp4a dot products
-                        (qint8.cuh: q8_act, mvs); float W, or LLAMBA_CUDA_INT8=0: a
+                        (qint8.cuh: q8_act, mvs / mvp); float W, or LLAMBA_CUDA_INT8=0: a
                         float32 matvec that decodes each row's blocks once in registers
                         for all n rows of x (qkernels.cu: mv);
                         larger n: W is dequantized to fp16 one tile of rows at a time into
@@ -71,6 +71,12 @@ INT8_MATVEC = __import__("os").environ.get("LLAMBA_CUDA_INT8", "1") != "0"
 INT8_ROWS_PER_WARP = 4
 INT8_SMALL_M = 4096
 MVS_WARPS = 4               # warps a block of the integer matvec (qint8.cuh)
+# which integer matvec kernel: "mvs" (chunk bytes staged through registers, one chunk of
+# each warp's rows in flight) or "mvp" (cp.async into shared memory, up to 3 chunks ahead;
+# sm_80 and newer only: mvs is used below that whatever this says).  Both give the same
+# sums bit for bit.  LLAMBA_CUDA_MV=mvp selects mvp until it is measured on the device.
+INT8_KERNEL = __import__("os").environ.get("LLAMBA_CUDA_MV", "mvs")
+MVP_MIN_CC = 80
 
 
 class DeviceWeight:
@@ -105,6 +111,20 @@ def upload(qt: QTensor) -> DeviceWeight:
     return DeviceWeight(qt.name, qt.qtype, tuple(qt.shape), data, qt.row_nbytes)
 
 
+def source(path: Path, *headers: Path) -> str:
+    """A kernel file's text for cupy.RawModule, headed by a hash of the headers it
+    includes: CuPy keys its compiled-kernel cache on the text alone, so an edited
+    header would otherwise load the old binary."""
+    import hashlib
+    h = hashlib.sha1(b"".join(Path(f).read_bytes() for f in headers)).hexdigest()[:16]
+    return f"// headers {h}\n" + Path(path).read_text()
+
+
+def kernel_source() -> str:
+    """qkernels.cu with its headers' hash."""
+    return source(_DIR / "qkernels.cu", _DIR / "qblocks.cuh", _DIR / "qint8.cuh")
+
+
 class _Modules:
     """One compiled module per weight type, built on first use."""
 
@@ -113,23 +133,24 @@ class _Modules:
         self.misc = None
 
     def get(self, qtype):
-        m = self.by_type.get(qtype)
+        key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP)
+        m = self.by_type.get(key)
         if m is None:
             s = STRUCT[qtype]
             names = ([f"mv<{s},{r},{_rpw(r)},0>" for r in range(1, MV_MAX_ROWS + 1)]
-                     + ([f"mvs<{INT8_STRUCT[qtype]},{r},{rpw}>" for r in range(1, INT8_MAX_ROWS + 1)
+                     + ([f"{_int8_kernel()}<{INT8_STRUCT[qtype]},{r},{rpw}>" for r in range(1, INT8_MAX_ROWS + 1)
                          for rpw in sorted({_rpw_int8(r, 1), _rpw_int8(r, 1 << 30)})]
                         if qtype in INT8_STRUCT else [])
                      + [f"mv<{s},{r},{_rpw(r)},{p}>" for r in range(1, PROLOGUE_MAX_ROWS + 1) for p in (1, 2, 3)]
                      + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
-            src = (_DIR / "qkernels.cu").read_text()
+            src = kernel_source()
             mod = cp.RawModule(code=src, options=_OPTIONS, name_expressions=names)
-            m = self.by_type[qtype] = {n: mod.get_function(n) for n in names}
+            m = self.by_type[key] = {n: mod.get_function(n) for n in names}
         return m
 
     def fn(self, name):
         if self.misc is None:
-            src = (_DIR / "qkernels.cu").read_text()
+            src = kernel_source()
             names = [f"q8_act<{bs},{p}>" for bs in (32, 256) for p in range(4)]
             self.misc = cp.RawModule(code=src, options=_OPTIONS, name_expressions=names)
         return self.misc.get_function(name)
@@ -153,6 +174,29 @@ def set_rows_per_block(n: int) -> None:
     global ROWS_PER_BLOCK
     ROWS_PER_BLOCK = n
     _mods.by_type.clear()
+
+
+_cc = None
+
+
+def _int8_kernel() -> str:
+    """The integer matvec kernel in use: INT8_KERNEL where the device has what it needs."""
+    global _cc
+    if INT8_KERNEL == "mvs":
+        return "mvs"
+    assert INT8_KERNEL == "mvp", INT8_KERNEL
+    if _cc is None:
+        _cc = int(cp.cuda.Device().compute_capability)
+    return "mvp" if _cc >= MVP_MIN_CC else "mvs"
+
+
+def set_int8_kernel(name: str) -> None:
+    """Select the integer matvec kernel ("mvs" or "mvp"); recompiled on next use."""
+    global INT8_KERNEL
+    assert name in ("mvs", "mvp"), name
+    if name != INT8_KERNEL:
+        INT8_KERNEL = name
+        _mods.by_type.clear()
 
 
 def set_int8_rows_per_warp(n: int) -> None:
@@ -312,7 +356,7 @@ def matvec_int8(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
         xq, xd, xs = acts[block]
         Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
         rpw = _rpw_int8(n, max(Ms))
-        f = _mods.get(W0.qtype)[f"mvs<{INT8_STRUCT[W0.qtype]},{n},{rpw}>"]
+        f = _mods.get(W0.qtype)[f"{_int8_kernel()}<{INT8_STRUCT[W0.qtype]},{n},{rpw}>"]
         grid = ((max(Ms) + rpw * MVS_WARPS - 1) // (rpw * MVS_WARPS), len(grp))
         args = ([Ws[k].data for k in pad] + [outs[k] for k in pad]
                 + [biases[k] if biases[k] is not None else np.uint64(0) for k in pad]

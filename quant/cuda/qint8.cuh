@@ -167,48 +167,48 @@ struct IQ6_K : TQ6_K {
 // Out: xq int8 [n, K], xd float [n, K/BS], xs float [n, K/16] = xd * sum of 16 codes.
 // A warp per 256 values (8 a lane), 8 warps a block; grid (ceil(K / 2048), n).
 // K % 32 == 0 (and K % 256 == 0 when BS == 256).
-template <int BS, int PRO>
-__global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int ldx, const float* __restrict__ pw,
-                                              const float* __restrict__ pu, float eps, int K,
-                                              signed char* __restrict__ xq, float* __restrict__ xd,
-                                              float* __restrict__ xs) {
-    const int n = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const float* xr = x + (long long)n * ldx;
-    float rn = 1.f;
-    if constexpr (PRO == 1) {
-        __shared__ float red[8];
-        float ss = 0.f;
-        for (int k = threadIdx.x; k < K; k += blockDim.x) ss = fmaf(xr[k], xr[k], ss);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) red[warp] = ss;
-        __syncthreads();
-        float tot = 0.f;
-#pragma unroll
-        for (int w = 0; w < 8; w++) tot += red[w];
-        rn = 1.0f / sqrtf(tot / K + eps);
-    }
-    const int e = (blockIdx.x * 8 + warp) * 256 + lane * 8;
-    const bool ok = e < K;                    // whole groups of 4 lanes (K % 32 == 0)
-    float v[8];
-    if (ok) {
+DEV float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// RMSNorm's sum of squares of a row, in one order wherever it is computed: per 256-value
+// group (8 consecutive values a lane: a chain of fmaf, then the warp's butterfly), then
+// the groups' sums in order
+constexpr int Q8_MAXG = 128;                  // rows of up to 32768 values
+DEV void q8_load8(const float* xr, int e, int K, float (&v)[8]) {
+    if (e < K) {
         const float4 a = *(const float4*)(xr + e), b = *(const float4*)(xr + e + 4);
         v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            if constexpr (PRO == 1) {
-                v[i] = v[i] * rn * pw[e + i];
-            } else if constexpr (PRO == 2) {
-                v[i] = v[i] / (1.0f + expf(-v[i])) * pu[(long long)n * ldx + e + i];
-            } else if constexpr (PRO == 3) {
-                const float c = 0.7978845608028654f, g = v[i];
-                v[i] = 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * pu[(long long)n * ldx + e + i];
-            }
-        }
     } else {
 #pragma unroll
         for (int i = 0; i < 8; i++) v[i] = 0.f;
     }
+}
+DEV float q8_ss8(const float (&v)[8]) {
+    float p = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) p = fmaf(v[i], v[i], p);
+    return p;
+}
+DEV float q8_bfly(float p) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
+    return p;
+}
+DEV float q8_rn(const float* gs, int ng, int K, float eps) {
+    float tot = 0.f;
+    for (int g = 0; g < ng; g++) tot += gs[g];
+    return 1.0f / sqrtf(tot / K + eps);
+}
+DEV float gelu_mul(float g, float u) {
+    const float c = 0.7978845608028654f;
+    return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * u;
+}
+
+// One warp's 256 values (8 a lane, element e = lane's first) rounded to int8 blocks of
+// BS: codes to xq[e..e+8), steps to xd[e / BS], xd * sum of 16 codes to xs[e / 16]
+// (row pointers).  All 32 lanes take part (lanes past K with v = 0 and ok = false).
+template <int BS>
+DEV void q8_store(const float (&v)[8], bool ok, int lane, int e, signed char* __restrict__ xq,
+                  float* __restrict__ xd, float* __restrict__ xs) {
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(v[i]));
@@ -226,9 +226,53 @@ __global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int l
     const int s16 = sum + __shfl_xor_sync(0xffffffffu, sum, 1);
     if (!ok) return;
     const float d = amax / 127.0f;
-    *(uint2*)(xq + (long long)n * K + e) = make_uint2(word[0], word[1]);
-    if ((lane & 1) == 0) xs[(long long)n * (K / 16) + e / 16] = d * (float)s16;
-    if ((lane & (BS / 8 - 1)) == 0) xd[(long long)n * (K / BS) + e / BS] = d;
+    *(uint2*)(xq + e) = make_uint2(word[0], word[1]);
+    if ((lane & 1) == 0) xs[e / 16] = d * (float)s16;
+    if ((lane & (BS / 8 - 1)) == 0) xd[e / BS] = d;
+}
+
+template <int BS, int PRO>
+__global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int ldx, const float* __restrict__ pw,
+                                              const float* __restrict__ pu, float eps, int K,
+                                              signed char* __restrict__ xq, float* __restrict__ xd,
+                                              float* __restrict__ xs) {
+    const int n = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float* xr = x + (long long)n * ldx;
+    float rn = 1.f;
+    if constexpr (PRO == 1) {                 // every block sums the whole row's squares
+        __shared__ float gs[Q8_MAXG];
+        const int ng = (K + 255) / 256;
+        for (int g = warp; g < ng; g += 8) {
+            const int e = g * 256 + lane * 8;
+            float v[8];
+            q8_load8(xr, e, K, v);
+            const float t = q8_bfly(q8_ss8(v));
+            if (lane == 0) gs[g] = t;
+        }
+        __syncthreads();
+        rn = q8_rn(gs, ng, K, eps);
+    }
+    const int e = (blockIdx.x * 8 + warp) * 256 + lane * 8;
+    const bool ok = e < K;                    // whole groups of 4 lanes (K % 32 == 0)
+    float v[8];
+    if (ok) {
+        const float4 a = *(const float4*)(xr + e), b = *(const float4*)(xr + e + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            if constexpr (PRO == 1) {
+                v[i] = v[i] * rn * pw[e + i];
+            } else if constexpr (PRO == 2) {
+                v[i] = silu_mul(v[i], pu[(long long)n * ldx + e + i]);
+            } else if constexpr (PRO == 3) {
+                v[i] = gelu_mul(v[i], pu[(long long)n * ldx + e + i]);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = 0.f;
+    }
+    q8_store<BS>(v, ok, lane, e, xq + (long long)n * K, xd + (long long)n * (K / BS), xs + (long long)n * (K / 16));
 }
 
 // ---------------------------------------------------------------- the matvec
@@ -281,6 +325,74 @@ DEV void mvs_load_x(MvsX<T, NR>& X, const signed char* __restrict__ xq, const fl
     }
 }
 
+// one part (b: its block in shared memory) dotted with the part's activations of NR
+// rows of x, added to acc[n]; the sums every integer matvec makes, in one order
+template <class T, int NR>
+DEV void mvs_dot(const u8* b, int part, const MvsX<T, NR>& xc, float (&acc)[NR]) {
+    constexpr int WPR = T::RLEN / 4;
+    int w[T::PE / 4];
+    float sc[T::NRUN], mn[T::NRUN];
+    T::decode_i8(b, part, w, sc, mn);
+#pragma unroll
+    for (int n = 0; n < NR; n++) {
+        float t = 0.f;
+#pragma unroll
+        for (int u = 0; u < T::NRUN; u++) {
+            int si = 0;
+#pragma unroll
+            for (int k = 0; k < WPR; k++) si = __dp4a(w[u * WPR + k], xc.w[n][u * WPR + k], si);
+            t = fmaf(sc[u], (float)si, t);
+        }
+        acc[n] = fmaf(t, xc.d[n], acc[n]);
+        if constexpr (T::HAS_MIN) {
+#pragma unroll
+            for (int u = 0; u < T::NRUN; u++) acc[n] = fmaf(mn[u], xc.s[n][u], acc[n]);
+        }
+    }
+}
+
+// one chunk of R rows from shared memory (sm: the chunk's R row pieces as laid out by
+// the loads; c: chunk index) into acc; shared by mvs and mvp so both sum in one order
+template <class T, int NR, int R>
+DEV void mvs_chunk(const uint4* sm, const MvsX<T, NR>& xc, float (&acc)[R][NR], long long base,
+                   long long row_bytes, int c, int nrows, int nparts, int lane) {
+    constexpr int CB = MVS_CW / T::QK * T::BB;
+    constexpr int NV = (CB + 30) / 16;
+    const int gp = c * 32 + lane;
+    if (gp >= nparts) return;
+    const int blk = gp / T::PPB, part = gp % T::PPB;
+    const int boff = (blk - c * (MVS_CW / T::QK)) * T::BB;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (r < nrows) {
+            const long long s = base + r * row_bytes + (long long)c * CB;
+            mvs_dot<T, NR>((const u8*)(sm + r * NV) + (int)(s & 15) + boff, part, xc, acc[r]);
+        }
+    }
+}
+
+// the warp's R x NR sums over its lanes; lane r*NR+n stores output (r, n)
+template <int NR, int R>
+DEV void mvs_store(float (&acc)[R][NR], float* y, const float* bias, int ldy, int m0, int nrows, int lane,
+                   int mode) {
+    float mine = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int n = 0; n < NR; n++) {
+            float v = acc[r][n];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == r * NR + n) mine = v;
+        }
+    const int r = lane / NR, n = lane % NR;
+    if (lane < R * NR && r < nrows) {
+        float* dst = y + (long long)n * ldy + m0 + r;
+        if (mode == 1) *dst += mine;
+        else *dst = bias ? mine + bias[m0 + r] : mine;
+    }
+}
+
 template <class T, int NR, int R>
 __global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
         const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,
@@ -292,7 +404,6 @@ __global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
     constexpr int CB = MVS_CW / T::QK * T::BB;        // bytes of a row's full chunk
     constexpr int NV = (CB + 30) / 16;                // 16-byte words covering them at any alignment
     constexpr int LPL = (R * NV + 31) / 32;           // loads a lane
-    constexpr int WPR = T::RLEN / 4;
     static_assert(T::PE == 32 && MVS_CW / T::PE == 32, "one part a lane a row");
     static_assert(R * NR <= 32, "a lane per output");
     __shared__ uint4 smem[MVS_WARPS][R * NV + 1];     // +1: lda2 reads a word past a block
@@ -346,53 +457,119 @@ __global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
         __syncwarp();
         const MvsX<T, NR> xc = xa;
         if (c + 1 < nch) issue(c + 1);
-        const int gp = c * 32 + lane;
-        if (gp < nparts) {
-            const int blk = gp / T::PPB, part = gp % T::PPB;
-            const int boff = (blk - c * (MVS_CW / T::QK)) * T::BB;
+        mvs_chunk<T, NR, R>(sm, xc, acc, base, row_bytes, c, nrows, nparts, lane);
+    }
+    mvs_store<NR, R>(acc, y, bias, ldy, m0, nrows, lane, mode);
+}
+
+// ---------------------------------------------------------------- pipelined matvec
+// mvp: mvs with up to MVP_STAGES chunks of each warp's rows in flight at once, copied
+// from global to shared memory by cp.async (sm_80 and newer: Ampere, Ada, Hopper,
+// Blackwell; the Python side picks mvs below sm_80), so the loads hold no registers
+// while in flight.  A warp issues its first S-1 chunks together (for K <= 3072 at
+// S = 4: all of its rows' bytes), then keeps S-1 ahead while decoding, against mvs's one.
+// The sums are mvs's, in the same order (mvs_chunk): results equal mvs's bit for bit.
+// S: as many stages (2..4) as fit MVP_SMEM bytes of static shared memory a block.
+constexpr int MVP_SMEM = 40 * 1024;
+constexpr int MVP_STAGES = 4;
+
+DEV void cp_async16(void* dst, const void* src, bool ok) {
+#if __CUDA_ARCH__ >= 800
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0)
+                 : "memory");
+#else
+    *(uint4*)dst = ok ? *(const uint4*)src : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+DEV void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+DEV void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+template <class T, int R>
+struct MvpShape {
+    static constexpr int CB = MVS_CW / T::QK * T::BB;
+    static constexpr int NV = (CB + 30) / 16;
+    static constexpr int WORDS = R * NV + 1;          // +1: lda2 reads a word past a block
+    static constexpr int FIT = MVP_SMEM / (MVS_WARPS * WORDS * 16);
+    static constexpr int S = FIT < 2 ? 2 : (FIT > MVP_STAGES ? MVP_STAGES : FIT);
+};
+
+template <class T, int NR, int R>
+__global__ void __launch_bounds__(32 * MVS_WARPS) mvp(
+        const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,
+        float* y0, float* y1, float* y2,
+        const float* b0, const float* b1, const float* b2,
+        int M0, int M1, int M2,
+        int K, long long row_bytes, const signed char* __restrict__ xq, const float* __restrict__ xd,
+        const float* __restrict__ xs, int ldy0, int ldy1, int ldy2, int mode) {
+    using Sh = MvpShape<T, R>;
+    constexpr int CB = Sh::CB, NV = Sh::NV, S = Sh::S, WORDS = Sh::WORDS;
+    constexpr int LPL = (R * NV + 31) / 32;
+    static_assert(T::PE == 32 && MVS_CW / T::PE == 32, "one part a lane a row");
+    static_assert(R * NR <= 32, "a lane per output");
+    __shared__ __align__(16) uint4 smem[MVS_WARPS][S][WORDS];
+
+    const int wsel = blockIdx.y;
+    const u8* W = wsel == 0 ? W0 : (wsel == 1 ? W1 : W2);
+    float* y = wsel == 0 ? y0 : (wsel == 1 ? y1 : y2);
+    const float* bias = wsel == 0 ? b0 : (wsel == 1 ? b1 : b2);
+    const int M = wsel == 0 ? M0 : (wsel == 1 ? M1 : M2);
+    const int ldy = wsel == 0 ? ldy0 : (wsel == 1 ? ldy1 : ldy2);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int m0 = (blockIdx.x * MVS_WARPS + warp) * R;
+    if (m0 >= M) return;                              // the whole warp
+    const int nrows = min(R, M - m0);
+    const int nparts = K / T::QK * T::PPB;
+    const int nch = (K + MVS_CW - 1) / MVS_CW;
+    const long long base = (long long)m0 * row_bytes;
+
+    // chunk c's R row pieces as 16-byte words into stage c % S (one commit group; an
+    // empty group past the last chunk keeps the group count per iteration fixed)
+    auto issue = [&](int c) {
+        if (c < nch) {
+            uint4* st = smem[warp][c % S];
+            const int cb = min(MVS_CW, K - c * MVS_CW) / T::QK * T::BB;
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                if (r < nrows) {
-                    const long long s = base + r * row_bytes + (long long)c * CB;
-                    const u8* b = (const u8*)(sm + r * NV) + (int)(s & 15) + boff;
-                    int w[T::PE / 4];
-                    float sc[T::NRUN], mn[T::NRUN];
-                    T::decode_i8(b, part, w, sc, mn);
-#pragma unroll
-                    for (int n = 0; n < NR; n++) {
-                        float t = 0.f;
-#pragma unroll
-                        for (int u = 0; u < T::NRUN; u++) {
-                            int si = 0;
-#pragma unroll
-                            for (int k = 0; k < WPR; k++) si = __dp4a(w[u * WPR + k], xc.w[n][u * WPR + k], si);
-                            t = fmaf(sc[u], (float)si, t);
-                        }
-                        acc[r][n] = fmaf(t, xc.d[n], acc[r][n]);
-                        if constexpr (T::HAS_MIN) {
-#pragma unroll
-                            for (int u = 0; u < T::NRUN; u++) acc[r][n] = fmaf(mn[u], xc.s[n][u], acc[r][n]);
-                        }
-                    }
+            for (int i = 0; i < LPL; i++) {
+                const int j = lane + 32 * i, r = j / NV, v = j - r * NV;
+                if (j < R * NV) {
+                    const long long s = base + r * row_bytes + (long long)c * CB, a = s & ~15LL;
+                    const bool ok = r < nrows && a + 16 * v < s + cb;
+                    cp_async16(st + j, ok ? (const void*)(W + a + 16 * v) : (const void*)W, ok);
                 }
             }
         }
-    }
-    // lane r*NR+n ends up with output (r, n) summed over the lanes
-    float mine = 0.f;
+        cp_async_commit();
+    };
+
+    float acc[R][NR];
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
-        for (int n = 0; n < NR; n++) {
-            float v = acc[r][n];
+        for (int n = 0; n < NR; n++) acc[r][n] = 0.f;
+
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == r * NR + n) mine = v;
-        }
-    const int r = lane / NR, n = lane % NR;
-    if (lane < R * NR && r < nrows) {
-        float* dst = y + (long long)n * ldy + m0 + r;
-        if (mode == 1) *dst += mine;
-        else *dst = bias ? mine + bias[m0 + r] : mine;
+    for (int c = 0; c < S - 1; c++) issue(c);
+    MvsX<T, NR> xa;
+    if (lane < nparts) mvs_load_x<T, NR>(xa, xq, xd, xs, K, lane / T::PPB, lane % T::PPB);
+    for (int c = 0; c < nch; c++) {
+        __syncwarp();                                 // stage (c - 1) % S is read: refill it
+        issue(c + S - 1);
+        cp_async_wait<S - 1>();                       // chunk c's group is complete
+        __syncwarp();                                 // ... for every lane's copies
+        const MvsX<T, NR> xc = xa;
+        const int gq = (c + 1) * 32 + lane;
+        if (c + 1 < nch && gq < nparts) mvs_load_x<T, NR>(xa, xq, xd, xs, K, gq / T::PPB, gq % T::PPB);
+        mvs_chunk<T, NR, R>(smem[warp][c % S], xc, acc, base, row_bytes, c, nrows, nparts, lane);
     }
+    mvs_store<NR, R>(acc, y, bias, ldy, m0, nrows, lane, mode);
 }

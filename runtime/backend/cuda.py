@@ -11,6 +11,8 @@
   host-to-device copy, one graph launch and one logits copy per token.
 * Prefill and other multi-token steps run eagerly (a few hundred launches per
   forward, negligible beside the GEMMs).
+* LLAMBA_CUDA_MEGA=1: llama-family decode steps as one persistent kernel
+  (cuda_mega.py), bit-identical; off by default (slower on the H200 so far).
 """
 from __future__ import annotations
 
@@ -256,6 +258,8 @@ class CUDABackend:
         self.fold = os.environ.get("LLAMBA_CUDA_FOLD", "0") == "1"
         self.profile_next = False
         self.last_profile = None
+        self._megas: dict = {}      # id(model) -> (model, MegaDecode | reason it cannot run)
+        self.use_mega = True        # decode steps by the megakernel where it applies (cuda_mega.py)
 
     # ---- memory ------------------------------------------------------------------
     def check_fits(self, lm, n_ctx: int, block_size: int = 16, cache_blocks: int = 0, cache_type="f16"):
@@ -372,11 +376,17 @@ class CUDABackend:
         g["dev"].set(g["host"], stream=self.stream)
         if g["graph"] is None:
             # eager once (compiles kernels, sizes the arena), then capture for the next tokens
-            out = self._run(model, g["dstep"])
-            res = out.get()
+            mega = self.mega_for(model, g["dstep"])
+            if mega is not None:
+                res = mega.run(g["dstep"]).get()
+                if mega.failed():       # not all blocks resident: never again on this backend
+                    self._megas[id(model)] = (model, "a grid barrier timed out")
+                    mega = None
+            if mega is None:
+                res = self._run(model, g["dstep"]).get()
             self.stream.begin_capture()
             try:
-                g["out"] = self._run(model, g["dstep"])
+                g["out"] = mega.run(g["dstep"]) if mega is not None else self._run(model, g["dstep"])
             finally:
                 g["graph"] = self.stream.end_capture()
             return res
@@ -387,6 +397,31 @@ class CUDABackend:
             g["pinned"] = np.frombuffer(mem, np.float32, g["out"].size).reshape(g["out"].shape)
         g["out"].get(stream=self.stream, out=g["pinned"])
         return g["pinned"].copy()
+
+    def mega_for(self, model, dstep):
+        """The decode megakernel for this model and step (cuda_mega.py), or None."""
+        from . import cuda_mega
+        if not self.use_mega:
+            return None
+        hit = self._megas.get(id(model))
+        if hit is None or hit[0] is not model:
+            why = cuda_mega.why_not(self, model)
+            if why is None:
+                try:
+                    why = cuda_mega.MegaDecode(self, model)
+                except Exception as e:      # compile error, too little shared memory: the kernels an op
+                    why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            hit = self._megas[id(model)] = (model, why)
+        m = hit[1]
+        return m if not isinstance(m, str) and m.step_ok(dstep) else None
+
+    def mega_reason(self, model) -> str | None:
+        """Why decode steps of `model` do not use the megakernel (None: they do, or will)."""
+        hit = self._megas.get(id(model))
+        if hit is None:
+            from . import cuda_mega
+            return cuda_mega.why_not(self, model)
+        return hit[1] if isinstance(hit[1], str) else None
 
     # ---- measuring -------------------------------------------------------------
     def replay_ms(self, reps: int = 50) -> float:
@@ -420,9 +455,14 @@ class CUDABackend:
         return sorted(tot.items(), key=lambda kv: -kv[1])
 
     # ---- kernels -------------------------------------------------------------
+    @staticmethod
+    def _src():
+        from quant.cuda import source
+        return source(_SRC, _SRC.parent / "cuda_attn.cuh")
+
     def _fn(self, name):
         if self._mod is None:
-            self._mod = self.cp.RawModule(code=_SRC.read_text(), options=("-std=c++17",))
+            self._mod = self.cp.RawModule(code=self._src(), options=("-std=c++17", f"-I{_SRC.parent}"))
         return self._mod.get_function(name)
 
     def _attn_fn(self, hd, g, name):
@@ -430,7 +470,7 @@ class CUDABackend:
         mod = self._attn_mods.get(key)
         if mod is None:
             mod = self._attn_mods[key] = self.cp.RawModule(
-                code=_SRC.read_text(), options=("-std=c++17", f"-DATT_HD={hd}", f"-DATT_G={g}"))
+                code=self._src(), options=("-std=c++17", f"-I{_SRC.parent}", f"-DATT_HD={hd}", f"-DATT_G={g}"))
         return mod.get_function(name)
 
     def _launch(self, name, n, args, block=256):

@@ -1,13 +1,6 @@
 // The non-matmul ops of a transformer step on the GPU (the matmuls are in quant/cuda).
 // Plain CUDA C for sm_75 and newer; float32 activations, fp16 KV cache.
-#include <cuda_fp16.h>
-#define NEG_INF __int_as_float(0xff800000)
-
-static __device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
+#include "cuda_attn.cuh"
 
 // out[r] = x[r] / rms(x[r]) * w; one block per row (rows may be heads)
 extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __restrict__ w, float eps,
@@ -38,14 +31,13 @@ extern "C" __global__ void rope(float* x, const int* __restrict__ positions, con
     const int k = (int)(i % half);
     const int hh = (int)((i / half) % H);
     const int t = (int)(i / ((long long)half * H));
-    const double p = (double)positions[t] / (double)pos_scale;
-    const double ang = p * (double)inv_freq[k];
-    const float c = (float)cos(ang), s = (float)sin(ang);
+    float c, s;
+    rope_cs(positions[t], pos_scale, inv_freq[k], c, s);
     float* xr = x + ((long long)t * H + hh) * D;
     const int ia = neox ? k : 2 * k, ib = neox ? k + half : 2 * k + 1;
     const float a = xr[ia], b = xr[ib];
-    xr[ia] = a * c - b * s;
-    xr[ib] = a * s + b * c;
+    xr[ia] = rope_lo(a, b, c, s);
+    xr[ib] = rope_hi(a, b, c, s);
 }
 
 extern "C" __global__ void silu_mul(float* g, const float* __restrict__ u, long long n) {
@@ -95,158 +87,45 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
 #endif
 #define ATT_WARPS 4
 
-template <int DPL>
-static __device__ __forceinline__ void load_h(const __half* p, float* f) {
-    if constexpr (DPL == 1) {
-        f[0] = __half2float(*p);
-    } else if constexpr (DPL == 2) {
-        float2 a = __half22float2(*(const __half2*)p);
-        f[0] = a.x; f[1] = a.y;
-    } else if constexpr (DPL == 4) {
-        uint2 u = *(const uint2*)p;
-        float2 a = __half22float2(*(const __half2*)&u.x), b = __half22float2(*(const __half2*)&u.y);
-        f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
-    } else {
-#pragma unroll
-        for (int c = 0; c < DPL; c += 8) {
-            uint4 u = *(const uint4*)(p + c);
-            unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float2 a = __half22float2(*(const __half2*)&w[e]);
-                f[c + 2 * e] = a.x; f[c + 2 * e + 1] = a.y;
-            }
-        }
-    }
-}
+// Paged attention (see attn_split in cuda_attn.cuh): block (split sp, kv head kh,
+// token t), ATT_WARPS warps.  Token t at position pos attends to cache positions
+// max(0, pos-window+1)..pos, split into n_splits equal ranges.
+struct BlockSync {
+    __device__ void operator()() const { __syncthreads(); }
+};
+struct QMem {                                 // q as stored (already rotated)
+    const float* q;
+    __device__ float operator()(int g, int d) const { return q[g * ATT_HD + d]; }
+};
 
-// Paged attention with an online softmax, flash-decoding style.
-// Block (split sp, kv head kh, token t): the G query heads that share kv head kh
-// walk the keys of split sp (4 warps, key j to warp j%4); each lane holds HD/32
-// dims.  Each K/V row is read once for the whole GQA group.  The warps' states
-// merge in shared memory; with one split the block writes the output, else its
-// (max, sum, weighted V) go to part_* and attn_merge combines the splits.
-// Token t at position pos attends to cache positions max(0, pos-window+1)..pos.
 extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
         const float* __restrict__ q, const __half* __restrict__ kp, const __half* __restrict__ vp,
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,
         const int* __restrict__ positions, int block_size, int window, float scale, int n_splits, int kvh,
         float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc,
         float* __restrict__ out) {
-    constexpr int HD = ATT_HD, G = ATT_G, DPL = HD / 32;
-    __shared__ float sm_m[ATT_WARPS][G], sm_l[ATT_WARPS][G];
-    __shared__ float sm_acc[ATT_WARPS][G][HD];
+    __shared__ float sm_m[ATT_WARPS * ATT_G], sm_l[ATT_WARPS * ATT_G];
+    __shared__ float sm_acc[ATT_WARPS * ATT_G * ATT_HD];
     const int sp = blockIdx.x, kh = blockIdx.y, t = blockIdx.z;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int pos = positions[t];
     const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
     const int chunk = (pos + 1 - lo + n_splits - 1) / n_splits;
     const int j0 = lo + sp * chunk;
     const int j1 = min(pos + 1, j0 + chunk);
     const int* table = tables + (long long)seq_of_token[t] * max_blocks;
-    const int H = kvh * G;
-    const long long rowstride = (long long)kvh * HD;
-
-    float qr[G][DPL], m[G], l[G], acc[G][DPL];
-#pragma unroll
-    for (int g = 0; g < G; g++) {
-        const float* qp = q + ((long long)t * H + kh * G + g) * HD + lane * DPL;
-#pragma unroll
-        for (int i = 0; i < DPL; i++) { qr[g][i] = qp[i] * scale; acc[g][i] = 0.f; }
-        m[g] = NEG_INF; l[g] = 0.f;
-    }
-    // the next key's K/V rows are loaded while this key is computed (the walk is a
-    // chain of dependent loads: table entry, then the rows)
-    float kn[DPL], vn[DPL];
-    int j = j0 + warp;
-    if (j < j1) {
-        const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-        load_h<DPL>(kp + slot * rowstride + kh * HD + lane * DPL, kn);
-        load_h<DPL>(vp + slot * rowstride + kh * HD + lane * DPL, vn);
-    }
-    for (; j < j1; j += ATT_WARPS) {
-        float kf[DPL], vf[DPL];
-#pragma unroll
-        for (int i = 0; i < DPL; i++) { kf[i] = kn[i]; vf[i] = vn[i]; }
-        if (j + ATT_WARPS < j1) {
-            const int jn = j + ATT_WARPS;
-            const long long slot = (long long)table[jn / block_size] * block_size + jn % block_size;
-            load_h<DPL>(kp + slot * rowstride + kh * HD + lane * DPL, kn);
-            load_h<DPL>(vp + slot * rowstride + kh * HD + lane * DPL, vn);
-        }
-#pragma unroll
-        for (int g = 0; g < G; g++) {
-            float s = 0.f;
-#pragma unroll
-            for (int i = 0; i < DPL; i++) s = fmaf(qr[g][i], kf[i], s);
-            s = warp_sum(s);
-            // branch-free online softmax: the G heads' updates are independent chains
-            const float mn = fmaxf(m[g], s);
-            const float corr = expf(m[g] - mn), p = expf(s - mn);
-            l[g] = fmaf(l[g], corr, p);
-#pragma unroll
-            for (int i = 0; i < DPL; i++) acc[g][i] = fmaf(acc[g][i], corr, p * vf[i]);
-            m[g] = mn;
-        }
-    }
-#pragma unroll
-    for (int g = 0; g < G; g++) {
-        if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
-#pragma unroll
-        for (int i = 0; i < DPL; i++) sm_acc[warp][g][lane * DPL + i] = acc[g][i];
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < G * HD; e += blockDim.x) {
-        const int g = e / HD, d = e % HD;
-        float mx = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; w++) if (sm_l[w][g] > 0.f) mx = fmaxf(mx, sm_m[w][g]);
-        float L = 0.f, A = 0.f;
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; w++) {
-            if (sm_l[w][g] > 0.f) {
-                const float c = expf(sm_m[w][g] - mx);
-                L = fmaf(sm_l[w][g], c, L);
-                A = fmaf(sm_acc[w][g][d], c, A);
-            }
-        }
-        if (n_splits == 1) {
-            out[((long long)t * H + kh * G + g) * HD + d] = L > 0.f ? A / L : 0.f;
-        } else {
-            const long long pi = ((long long)(t * kvh + kh) * n_splits + sp) * G + g;
-            part_acc[pi * HD + d] = A;
-            if (d == 0) { part_m[pi] = mx; part_l[pi] = L; }
-        }
-    }
+    const QMem qf{q + ((long long)t * kvh * ATT_G + kh * ATT_G) * ATT_HD};
+    attn_split<ATT_HD, ATT_G, ATT_WARPS>(qf, BlockSync{}, kp, vp, table, j0, j1, block_size, kvh, kh, t, sp,
+                                         n_splits, scale, sm_m, sm_l, sm_acc, threadIdx.x, part_m, part_l,
+                                         part_acc, out);
 }
 
 // combine the context splits: one block per (token, query head), one thread per dim
 extern "C" __global__ void attn_merge(const float* __restrict__ part_m, const float* __restrict__ part_l,
                                       const float* __restrict__ part_acc, int n_splits, int kvh,
                                       float* __restrict__ out) {
-    constexpr int HD = ATT_HD, G = ATT_G;
-    const int H = kvh * G;
-    const int t = blockIdx.x / H, h = blockIdx.x % H;
-    const int kh = h / G, g = h % G;
-    const long long base = (long long)(t * kvh + kh) * n_splits;
-    float mx = NEG_INF;
-    for (int s = 0; s < n_splits; s++) {
-        const long long pi = (base + s) * G + g;
-        if (part_l[pi] > 0.f) mx = fmaxf(mx, part_m[pi]);
-    }
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-        float L = 0.f, A = 0.f;
-        for (int s = 0; s < n_splits; s++) {
-            const long long pi = (base + s) * G + g;
-            const float l = part_l[pi];
-            if (l > 0.f) {
-                const float c = expf(part_m[pi] - mx);
-                L = fmaf(l, c, L);
-                A = fmaf(part_acc[pi * HD + d], c, A);
-            }
-        }
-        out[((long long)t * H + h) * HD + d] = L > 0.f ? A / L : 0.f;
-    }
+    const int H = kvh * ATT_G;
+    attn_merge_head<ATT_HD, ATT_G, false>(part_m, part_l, part_acc, n_splits, kvh, blockIdx.x / H, blockIdx.x % H,
+                                          out, threadIdx.x, blockDim.x);
 }
 
 // RoPE on q and k, then k and v into the fp16 cache at the tokens' slots: the three
@@ -263,20 +142,19 @@ extern "C" __global__ void rope_qk_kv_write(float* q, float* k, const float* __r
     const int p = (int)(i % half);
     const int hh = (int)((i / half) % (H + KVH));
     const int t = (int)(i / ((long long)half * (H + KVH)));
-    const double ps = (double)positions[t] / (double)pos_scale;
-    const double ang = ps * (double)inv_freq[p];
-    const float c = (float)cos(ang), s = (float)sin(ang);
+    float c, s;
+    rope_cs(positions[t], pos_scale, inv_freq[p], c, s);
     const int ia = neox ? p : 2 * p, ib = neox ? p + half : 2 * p + 1;
     if (hh < H) {
         float* xr = q + ((long long)t * H + hh) * D;
         const float a = xr[ia], b = xr[ib];
-        xr[ia] = a * c - b * s;
-        xr[ib] = a * s + b * c;
+        xr[ia] = rope_lo(a, b, c, s);
+        xr[ib] = rope_hi(a, b, c, s);
     } else {
         const int kh = hh - H;
         float* xr = k + ((long long)t * KVH + kh) * D;
         const float a = xr[ia], b = xr[ib];
-        const float ra = a * c - b * s, rb = a * s + b * c;
+        const float ra = rope_lo(a, b, c, s), rb = rope_hi(a, b, c, s);
         xr[ia] = ra;
         xr[ib] = rb;
         const long long dst = ((long long)slots[t] * KVH + kh) * D;

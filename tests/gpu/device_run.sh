@@ -1,6 +1,7 @@
 #!/bin/bash
 # What we run on the lent GPU machine (no network; wheels and trimmed models carried):
 #   tests/gpu/device_run.sh [tests|bench|all] [bench args...]
+# TESTS: pytest's selection (default tests/gpu), KEXPR: its -k expression; TAG: bench file suffix
 # Wheels in .whl/ (gguf, platformdirs), trimmed real models in .devmodels/ (made with
 # runtime/backend/cuda_synth.trim_gguf).  Output goes to $OUT when set.
 set -o pipefail
@@ -11,11 +12,12 @@ if [ -d .whl ]; then
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
 fi
 export PYTHONUNBUFFERED=1 LLAMBA_GPU_TEST_MODELS=$PWD/.devmodels NUMBA_CACHE_DIR=/tmp/numba-cache
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-cache}
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/nvidia-smi.txt"
 python3 -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__)"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/gpu --maxfail=8 -rs --durations=5 -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt"
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu ${TESTS:-tests/gpu} ${KEXPR:+-k "$KEXPR"} --maxfail=8 -rs --durations=8 -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout ${BENCH_TIMEOUT:-400} python3 -m runtime.bench_gpu --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.txt"
+  timeout ${BENCH_TIMEOUT:-400} python3 -m runtime.bench_gpu --out "$OUT/bench${TAG}.json" "$@" 2>&1 | tee "$OUT/bench${TAG}.txt"
 fi

@@ -259,3 +259,39 @@ def test_int8_matvec_prologues(qtype, pro):
     qc.matmul(cp.asarray(x), [W], [y], prologue=prologue)
     assert _rel(y.get(), hr @ wd.T) < 1e-3
     assert _rel(y.get(), h @ wd.T) < 2e-2
+
+
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_int8_mvp_equals_mvs(qtype, n):
+    """The cp.async-pipelined integer matvec (mvp, sm_80+) gives mvs's sums bit for bit:
+    K of 1 to 5 chunks (all stages, partial last chunks, unaligned Q6_K rows), matrices
+    above INT8_SMALL_M rows (4 rows a warp) with a partial last warp, q/k/v-style
+    launches of three weights with biases, and the residual accumulate."""
+    import cupy as cp
+    import quant.cuda as qc
+    if int(cp.cuda.Device().compute_capability) < qc.MVP_MIN_CC:
+        pytest.skip("mvp needs sm_80")
+    old = qc.INT8_KERNEL
+    try:
+        for K in _int8_K(qtype):
+            Ms = (qc.INT8_SMALL_M + 37, 77, 32) if K == _int8_K(qtype)[-1] else (77, 45, 32)
+            qts = [_weight(qtype, M, K, 40 + i) for i, M in enumerate(Ms)]
+            Ws = [qc.upload(q) for q in qts]
+            rng = np.random.default_rng(n + K)
+            x = cp.asarray(rng.standard_normal((n, K)).astype(np.float32))
+            biases = [cp.asarray(rng.standard_normal(M).astype(np.float32)) for M in Ms]
+            got = {}
+            for kern in ("mvs", "mvp"):
+                qc.set_int8_kernel(kern)
+                assert qc._int8_kernel() == kern
+                outs = [cp.full((n, M), np.nan, cp.float32) for M in Ms]
+                qc.matmul(x, Ws, outs, biases)
+                acc = cp.ones((n, Ms[1]), cp.float32)
+                qc.matmul(x, Ws[1:2], [acc], accumulate=True)
+                got[kern] = [o.get() for o in outs] + [acc.get()]
+            for a, b in zip(got["mvs"], got["mvp"]):
+                assert np.all(np.isfinite(a))
+                assert np.array_equal(a, b), (qtype.name, n, K, float(np.abs(a - b).max()))
+    finally:
+        qc.set_int8_kernel(old)

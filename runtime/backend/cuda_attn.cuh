@@ -1,0 +1,193 @@
+// Attention pieces shared by the eager kernels (cuda_kernels.cu) and the decode
+// megakernel (cuda_mega.cu), so both compute the same float operations in the same
+// order: a decode step replayed by the megakernel equals the same token's row of an
+// eager (speculative verify) step bit for bit.
+#pragma once
+#include <cuda_fp16.h>
+#define NEG_INF __int_as_float(0xff800000)
+#define ADEV static __device__ __forceinline__
+
+ADEV float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// RoPE: the angle in double, as the CPU computes it; the rotation with its rounding
+// fixed (no FMA contraction), so every kernel that rotates gets the same bits
+ADEV void rope_cs(int pos, float pos_scale, float inv_freq, float& c, float& s) {
+    const double ps = (double)pos / (double)pos_scale;
+    const double ang = ps * (double)inv_freq;
+    c = (float)cos(ang);
+    s = (float)sin(ang);
+}
+ADEV float rope_lo(float a, float b, float c, float s) { return __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)); }
+ADEV float rope_hi(float a, float b, float c, float s) { return __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c)); }
+
+template <int DPL>
+ADEV void load_h(const __half* p, float* f) {
+    if constexpr (DPL == 1) {
+        f[0] = __half2float(*p);
+    } else if constexpr (DPL == 2) {
+        float2 a = __half22float2(*(const __half2*)p);
+        f[0] = a.x; f[1] = a.y;
+    } else if constexpr (DPL == 4) {
+        uint2 u = *(const uint2*)p;
+        float2 a = __half22float2(*(const __half2*)&u.x), b = __half22float2(*(const __half2*)&u.y);
+        f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+    } else {
+#pragma unroll
+        for (int c = 0; c < DPL; c += 8) {
+            uint4 u = *(const uint4*)(p + c);
+            unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float2 a = __half22float2(*(const __half2*)&w[e]);
+                f[c + 2 * e] = a.x; f[c + 2 * e + 1] = a.y;
+            }
+        }
+    }
+}
+
+template <bool CG>
+ADEV float ldf(const float* p) {
+    if constexpr (CG) return __ldcg(p);
+    else return *p;
+}
+
+// One (context split, kv head, token) of paged attention with an online softmax,
+// flash-decoding style, by NW warps (tid 0 .. 32*NW-1): the G query heads that share
+// kv head kh walk keys j0..j1-1 (key j to warp (j-j0) % NW); each lane holds HD/32
+// dims; each K/V row is read once for the whole GQA group.  The warps' states merge
+// in shared memory (sm_m, sm_l [NW][G], sm_acc [NW][G][HD]); with one split the
+// result goes to out, else (max, sum, weighted V) to part_* for attn_merge_head.
+// qf(g, d): query head kh*G+g, dim d (rotated); sync(): barrier of the NW warps.
+template <int HD, int G, int NW, class QF, class SYNC>
+ADEV void attn_split(const QF& qf, const SYNC& sync, const __half* kp, const __half* vp, const int* table,
+                     int j0, int j1, int block_size, int kvh, int kh, int t, int sp, int n_splits, float scale,
+                     float* sm_m, float* sm_l, float* sm_acc, int tid, float* part_m, float* part_l,
+                     float* part_acc, float* out) {
+    constexpr int DPL = HD / 32;
+    const int warp = tid >> 5, lane = tid & 31;
+    const int H = kvh * G;
+    const long long rowstride = (long long)kvh * HD;
+    float qr[G][DPL], m[G], l[G], acc[G][DPL];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+#pragma unroll
+        for (int i = 0; i < DPL; i++) { qr[g][i] = qf(g, lane * DPL + i) * scale; acc[g][i] = 0.f; }
+        m[g] = NEG_INF; l[g] = 0.f;
+    }
+    // the next key's K/V rows are loaded while this key is computed (the walk is a
+    // chain of dependent loads: table entry, then the rows)
+    float kn[DPL], vn[DPL];
+    int j = j0 + warp;
+    if (j < j1) {
+        const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+        load_h<DPL>(kp + slot * rowstride + kh * HD + lane * DPL, kn);
+        load_h<DPL>(vp + slot * rowstride + kh * HD + lane * DPL, vn);
+    }
+    for (; j < j1; j += NW) {
+        float kf[DPL], vf[DPL];
+#pragma unroll
+        for (int i = 0; i < DPL; i++) { kf[i] = kn[i]; vf[i] = vn[i]; }
+        if (j + NW < j1) {
+            const int jn = j + NW;
+            const long long slot = (long long)table[jn / block_size] * block_size + jn % block_size;
+            load_h<DPL>(kp + slot * rowstride + kh * HD + lane * DPL, kn);
+            load_h<DPL>(vp + slot * rowstride + kh * HD + lane * DPL, vn);
+        }
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < DPL; i++) s = fmaf(qr[g][i], kf[i], s);
+            s = warp_sum(s);
+            // branch-free online softmax: the G heads' updates are independent chains
+            const float mn = fmaxf(m[g], s);
+            const float corr = expf(m[g] - mn), p = expf(s - mn);
+            l[g] = fmaf(l[g], corr, p);
+#pragma unroll
+            for (int i = 0; i < DPL; i++) acc[g][i] = fmaf(acc[g][i], corr, p * vf[i]);
+            m[g] = mn;
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        if (lane == 0) { sm_m[warp * G + g] = m[g]; sm_l[warp * G + g] = l[g]; }
+#pragma unroll
+        for (int i = 0; i < DPL; i++) sm_acc[(warp * G + g) * HD + lane * DPL + i] = acc[g][i];
+    }
+    sync();
+    for (int e = tid; e < G * HD; e += 32 * NW) {
+        const int g = e / HD, d = e % HD;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NW; w++) if (sm_l[w * G + g] > 0.f) mx = fmaxf(mx, sm_m[w * G + g]);
+        float L = 0.f, A = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            if (sm_l[w * G + g] > 0.f) {
+                const float c = expf(sm_m[w * G + g] - mx);
+                L = fmaf(sm_l[w * G + g], c, L);
+                A = fmaf(sm_acc[(w * G + g) * HD + d], c, A);
+            }
+        }
+        if (n_splits == 1) {
+            out[((long long)t * H + kh * G + g) * HD + d] = L > 0.f ? A / L : 0.f;
+        } else {
+            const long long pi = ((long long)(t * kvh + kh) * n_splits + sp) * G + g;
+            part_acc[pi * HD + d] = A;
+            if (d == 0) { part_m[pi] = mx; part_l[pi] = L; }
+        }
+    }
+}
+
+// the context splits of (token t, query head h) combined, dims d = tid, tid + nt, ...:
+// max over splits, then sum(l * exp(m - max)) and sum(acc * exp(m - max)) in split order.
+// The loads of a batch of NB splits go out together (the split loop is short and its
+// loads independent): one trip to the L2 per NB splits, not one per split; NB does
+// not change a sum.
+template <int HD, int G, bool CG, int NB = 16>
+ADEV void attn_merge_head(const float* part_m, const float* part_l, const float* part_acc, int n_splits, int kvh,
+                          int t, int h, float* out, int tid, int nt) {
+    const int H = kvh * G;
+    const int kh = h / G, g = h % G;
+    const long long base = (long long)(t * kvh + kh) * n_splits;
+    float mx = NEG_INF;
+    for (int s0 = 0; s0 < n_splits; s0 += NB) {
+        float lv[NB], mv[NB];
+#pragma unroll
+        for (int j = 0; j < NB; j++) {
+            const long long pi = (base + s0 + j) * G + g;
+            lv[j] = s0 + j < n_splits ? ldf<CG>(part_l + pi) : 0.f;
+            mv[j] = s0 + j < n_splits ? ldf<CG>(part_m + pi) : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < NB; j++)
+            if (lv[j] > 0.f) mx = fmaxf(mx, mv[j]);
+    }
+    for (int d = tid; d < HD; d += nt) {
+        float L = 0.f, A = 0.f;
+        for (int s0 = 0; s0 < n_splits; s0 += NB) {
+            float lv[NB], mv[NB], av[NB];
+#pragma unroll
+            for (int j = 0; j < NB; j++) {
+                const long long pi = (base + s0 + j) * G + g;
+                const bool in = s0 + j < n_splits;
+                lv[j] = in ? ldf<CG>(part_l + pi) : 0.f;
+                mv[j] = in ? ldf<CG>(part_m + pi) : 0.f;
+                av[j] = in ? ldf<CG>(part_acc + pi * HD + d) : 0.f;
+            }
+#pragma unroll
+            for (int j = 0; j < NB; j++) {
+                if (lv[j] > 0.f) {
+                    const float c = expf(mv[j] - mx);
+                    L = fmaf(lv[j], c, L);
+                    A = fmaf(av[j], c, A);
+                }
+            }
+        }
+        out[((long long)t * H + h) * HD + d] = L > 0.f ? A / L : 0.f;
+    }
+}

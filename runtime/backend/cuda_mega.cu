@@ -1,0 +1,564 @@
+// The decode step of a llama-family model (n = 1 token) as one persistent kernel.
+//
+// Why: a decode step is ~11 dependent kernels a layer; each launch on the H200 costs
+// its ramp-up and tail with the DRAM idle, so the step read weights at ~35% of the
+// copy bandwidth although the large matvecs alone reach ~50-70%.  Here one block per
+// SM runs every op of every layer, blocks meeting at a grid barrier where an op needs
+// the whole result of the one before (6 a layer).  Weights do not depend on the
+// activations, so each warp keeps streaming the next weights it will use into a ring
+// of shared-memory slots (cp.async, MG_S - 1 slots ahead, across op boundaries and
+// barriers), and before a barrier or the attention it asks the L2 for the slots after
+// those (prefetch): the DRAM keeps working while blocks wait, round activations, or
+// walk the KV cache.
+//
+// Same sums as the eager kernels, bit for bit (a decode row must not depend on the
+// batch: speculative decoding compares them):
+//   * matvec rows by mvs_dot (qint8.cuh), one row a warp task, a lane's parts in the
+//     order mvs gives them (rows a warp never change a sum), the same butterfly;
+//   * activations rounded by q8_store, RMSNorm's sum of squares by q8_ss8 / q8_bfly /
+//     q8_rn in q8_act's order;
+//   * attention by attn_split (cuda_attn.cuh), the merge in attn_merge_head's order,
+//     RoPE by rope_cs / rope_lo / rope_hi.
+//
+// Per layer: [QKV] RMSNorm + int8 rounding of x (each block, into its shared memory),
+// q/k/v rows | [ATT] RoPE of q on the fly, the new token's K/V into the cache by the
+// split that holds it, splits | [MERGE] the splits combined, an output a thread |
+// [O] rounding of the attention output, o rows added to x | [GU] RMSNorm + rounding,
+// gate and up rows of one index by one warp, h = silu(g) * u | [DN] rounding of h,
+// down rows added to x.  Then the output norm and the logits.
+//
+// Data one block wrote and another reads is read with ld.global.cg (L2; the L1 is not
+// coherent across SMs).  All blocks must be resident at once (grid = #SMs, one block
+// an SM by its registers): a barrier that waits over ~2 s sets *err and stops waiting.
+#include "qint8.cuh"
+#include "cuda_attn.cuh"
+
+#ifndef MG_WARPS
+#define MG_WARPS 16
+#endif
+#ifndef MG_S
+#define MG_S 4                  // ring slots a warp
+#endif
+#ifndef MG_SUB
+#define MG_SUB 4                // 1024-weight chunks a slot
+#endif
+#ifndef MG_RW
+#define MG_RW 146               // 16-byte words of a row's piece of a slot (+1: lda2 reads past a block)
+#endif
+#define MG_SLOT (2 * MG_RW)     // a slot: the task's two rows
+#ifndef MG_PFA
+#define MG_PFA 0                // slots a warp asks the L2 for, ahead of the ring, before attention
+#endif
+#ifndef MG_PFB
+#define MG_PFB 0                // ... before a barrier
+#endif
+#ifndef MG_KMAX
+#define MG_KMAX 14336           // widest matvec input
+#endif
+#ifndef MG_NPH
+#define MG_NPH 129              // matvec ops
+#endif
+#ifndef MG_HD
+#define MG_HD 128
+#endif
+#ifndef MG_G
+#define MG_G 4
+#endif
+constexpr int ATT_GROUPS = MG_WARPS / 4;
+constexpr int MG_OPS = 6;                        // ops a layer (grid barriers between)         // 4-warp groups, one attention split each
+constexpr int QB = (MG_KMAX / 256 + MG_WARPS - 1) / MG_WARPS;   // 256-value groups a warp rounds
+static_assert(MG_WARPS % 4 == 0, "whole 4-warp groups");
+static_assert((MG_KMAX + 255) / 256 <= Q8_MAXG, "row too long");
+
+// ---------------------------------------------------------------- descriptors
+// in global memory (all 8-byte fields), as the host writes them
+struct MSeg { long long W, row_bytes, y, bias, type, M; };
+struct MPhase {
+    MSeg seg[3];
+    long long nseg, K, ntasks, kind, act, bs, src, pw;
+    double eps;
+};
+// kind 0: y = xW^T (+ bias); 1: y += xW^T; 2: gate (seg 0) / up (seg 1) rows of task t,
+// y of seg 1 = silu(gate) * up.  act 0: rounds src; 1: rounds RMSNorm(src) * pw.
+// The step's other arguments are kernel parameters (constant bank: no registers held).
+// the copy each block keeps in shared memory (read at every row)
+struct SPh {
+    const u8* W[3];
+    float* y[3];
+    const float* bias[3];
+    const float* src;
+    const float* pw;
+    int rb[3], M[3], type[3], T[3];             // row bytes, rows, type, tasks (row pairs)
+    int K, ntasks, kind, nseg, act, bs, nsl;
+    float eps;
+    int cps;                                    // chunks a slot: 2 * MG_SUB of one row, MG_SUB of two
+    int pad;
+};
+static_assert(sizeof(SPh) == 176, "SPh");
+
+// shared memory: [head 1024: group sums 128 floats] [SPh x MG_NPH]
+// [union: activations | attention] [ring MG_WARPS x MG_S x MG_SLOT words]
+constexpr int MG_XQ_BYTES = (MG_KMAX + 15) / 16 * 16;
+constexpr int MG_ACT_BYTES = MG_XQ_BYTES + (MG_KMAX / 32) * 4 + (MG_KMAX / 16) * 4;
+constexpr int MG_ATT_FLOATS = 4 * MG_G * 2 + 4 * MG_G * MG_HD;     // per group
+constexpr int MG_ATT_BYTES = ATT_GROUPS * MG_ATT_FLOATS * 4;
+constexpr int MG_UNION = ((MG_ACT_BYTES > MG_ATT_BYTES ? MG_ACT_BYTES : MG_ATT_BYTES) + 15) / 16 * 16;
+constexpr int MG_HEAD = 1024;
+constexpr int MG_TAB_OFF = MG_HEAD;
+constexpr int MG_UNI_OFF = MG_TAB_OFF + MG_NPH * (int)sizeof(SPh);
+constexpr int MG_RING_OFF = MG_UNI_OFF + MG_UNION;
+
+// ---------------------------------------------------------------- weight types present
+template <class F>
+DEV void by_type(int ty, F&& f) {
+#if MG_T2
+    if (ty == 2) { f(IQ4_0{}); return; }
+#endif
+#if MG_T3
+    if (ty == 3) { f(IQ4_1{}); return; }
+#endif
+#if MG_T6
+    if (ty == 6) { f(IQ5_0{}); return; }
+#endif
+#if MG_T7
+    if (ty == 7) { f(IQ5_1{}); return; }
+#endif
+#if MG_T8
+    if (ty == 8) { f(IQ8_0{}); return; }
+#endif
+#if MG_T12
+    if (ty == 12) { f(IQ4_K{}); return; }
+#endif
+#if MG_T13
+    if (ty == 13) { f(IQ5_K{}); return; }
+#endif
+#if MG_T14
+    if (ty == 14) { f(IQ6_K{}); return; }
+#endif
+}
+
+DEV int type_bb(int ty) {                        // bytes a block
+    switch (ty) {
+        case 2: return 18;
+        case 3: return 20;
+        case 6: return 22;
+        case 7: return 24;
+        case 8: return 34;
+        case 12: return 144;
+        case 13: return 176;
+        default: return 210;
+    }
+}
+DEV int type_qk(int ty) { return ty >= 12 ? 256 : 32; }
+
+// ---------------------------------------------------------------- a warp's slot stream
+// The weight bytes a warp reads in one step, in order: for each matvec op, its tasks
+// t = gw, gw + nw, ...: row t of the op's weights (in slots of 2 * MG_SUB chunks), or
+// for gate/up row t of both (slots of MG_SUB chunks of each: one activation load, two rows).
+struct MIt {
+    int ph, t, j, type, nr;
+    const u8* row0;
+    const u8* row1;
+};
+
+DEV void it_row(MIt& it, const SPh* P) {
+    const SPh& p = P[it.ph];
+    if (p.kind == 2) {
+        it.row0 = p.W[0] + (long long)it.t * p.rb[0];
+        it.row1 = p.W[1] + (long long)it.t * p.rb[1];
+        it.type = p.type[0];
+        it.nr = 2;
+    } else {
+        int s = 0, u = it.t;
+        while (s + 1 < p.nseg && u >= p.M[s]) { u -= p.M[s]; s++; }
+        it.row0 = p.W[s] + (long long)u * p.rb[s];
+        it.row1 = it.row0;
+        it.type = p.type[s];
+        it.nr = 1;
+    }
+}
+DEV void it_skip(MIt& it, const SPh* P, int nph, int gw) {
+    while (it.ph < nph && it.t >= P[it.ph].ntasks) { it.ph++; it.t = gw; }
+    if (it.ph < nph) it_row(it, P);
+}
+DEV void it_begin(MIt& it, const SPh* P, int nph, int gw) {
+    it.ph = 0; it.t = gw; it.j = 0;
+    it_skip(it, P, nph, gw);
+}
+DEV void it_next(MIt& it, const SPh* P, int nph, int gw, int nw) {
+    if (++it.j < P[it.ph].nsl) return;
+    it.j = 0;
+    it.t += nw;
+    it_skip(it, P, nph, gw);
+}
+// the slot's bytes of a row starting at `row`: [s0, s0 + n)
+DEV void it_span(const MIt& it, const SPh* P, const u8* row, long long& s0, int& n) {
+    const int bb = type_bb(it.type), qk = type_qk(it.type), cps = P[it.ph].cps;
+    const int c0 = it.j * cps;
+    s0 = (long long)row + (long long)c0 * (MVS_CW / qk) * bb;
+    n = min(cps * MVS_CW, P[it.ph].K - c0 * MVS_CW) / qk * bb;
+}
+// the slot into shared memory: per row, 16-byte words from the aligned address at or below s0
+DEV void it_issue(const MIt& it, const SPh* P, uint4* slot, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (r < it.nr) {
+            long long s0;
+            int n;
+            it_span(it, P, r ? it.row1 : it.row0, s0, n);
+            const long long a0 = s0 & ~15LL;
+            const int nv = (int)((s0 - a0 + n + 15) >> 4);
+            for (int w = lane; w < nv; w += 32) cp_async16(slot + r * MG_RW + w, (const void*)(a0 + 16 * w), true);
+        }
+    }
+}
+DEV void it_prefetch(const MIt& it, const SPh* P, int lane) {
+    for (int r = 0; r < it.nr; r++) {
+        long long s0;
+        int n;
+        it_span(it, P, r ? it.row1 : it.row0, s0, n);
+        const long long l0 = s0 & ~127LL;
+        const int nl = (int)((s0 + n - 1 - l0) >> 7) + 1;
+        for (int i = lane; i < nl; i += 32) asm volatile("prefetch.global.L2 [%0];" ::"l"(l0 + 128 * i));
+    }
+}
+
+// ---------------------------------------------------------------- grid barrier
+// MG_PROF: stamps (thread 0's clock64) at entry, once the block is done, once all are
+DEV void grid_sync(unsigned* cnt, int* err, long long* stamp) {
+#if MG_PROF
+    if (threadIdx.x == 0) stamp[0] = clock64();
+#endif
+    __syncthreads();
+    if (threadIdx.x == 0) {
+#if MG_PROF
+        stamp[1] = clock64();
+#endif
+        __threadfence();
+        atomicAdd(cnt, 1u);
+        const long long t0 = clock64();
+        unsigned v;
+        int n = 0;
+        while (true) {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(cnt) : "memory");
+            if (v >= gridDim.x) break;
+            if (++n == 4096) {
+                n = 0;
+                if (*(volatile int*)err) break;
+                if (clock64() - t0 > 4000000000LL) { atomicExch(err, 1); break; }
+            }
+        }
+        __threadfence();
+#if MG_PROF
+        stamp[2] = clock64();
+#endif
+    }
+    __syncthreads();
+}
+
+DEV void group_sync(int grp) { asm volatile("bar.sync %0, 128;" ::"r"(grp + 1) : "memory"); }
+struct GroupSync {
+    int grp;
+    __device__ void operator()() const { group_sync(grp); }
+};
+
+// q of head `head0 + g`, dim d, rotated (RoPE over the whole head) from the raw q
+struct MegaQ {
+    const float* q;
+    const float* cs;
+    int neox;
+    __device__ float operator()(int g, int d) const {
+        const float* qh = q + g * MG_HD;
+        int p, ia, ib;
+        bool hi;
+        if (neox) { hi = d >= MG_HD / 2; p = hi ? d - MG_HD / 2 : d; ia = p; ib = p + MG_HD / 2; }
+        else { hi = d & 1; p = d >> 1; ia = 2 * p; ib = 2 * p + 1; }
+        const float a = __ldcg(qh + ia), b = __ldcg(qh + ib), c = cs[2 * p], s = cs[2 * p + 1];
+        return hi ? rope_hi(a, b, c, s) : rope_lo(a, b, c, s);
+    }
+};
+
+// ---------------------------------------------------------------- activation rounding
+// src (float32 [K], written by other blocks: read through L2) -> this block's xq/xd/xs,
+// as q8_act<bs, act> computes them; all loads first (one trip to the L2)
+DEV void mg_quant(const SPh& p, signed char* xq, float* xd, float* xs, float* gs) {
+    const int K = p.K, ng = (K + 255) / 256;
+    const float* src = p.src;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float v[QB][8], w[QB][8];
+#pragma unroll
+    for (int i = 0; i < QB; i++) {
+        const int e = (warp + i * MG_WARPS) * 256 + lane * 8;
+        if (e < K) {
+            const float4 a = __ldcg((const float4*)(src + e)), b = __ldcg((const float4*)(src + e + 4));
+            v[i][0] = a.x; v[i][1] = a.y; v[i][2] = a.z; v[i][3] = a.w;
+            v[i][4] = b.x; v[i][5] = b.y; v[i][6] = b.z; v[i][7] = b.w;
+            if (p.act == 1) {
+                const float4 c = *(const float4*)(p.pw + e), d = *(const float4*)(p.pw + e + 4);
+                w[i][0] = c.x; w[i][1] = c.y; w[i][2] = c.z; w[i][3] = c.w;
+                w[i][4] = d.x; w[i][5] = d.y; w[i][6] = d.z; w[i][7] = d.w;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; k++) v[i][k] = w[i][k] = 0.f;
+        }
+    }
+    if (p.act == 1) {
+#pragma unroll
+        for (int i = 0; i < QB; i++) {
+            const int g = warp + i * MG_WARPS;
+            const float t = q8_bfly(q8_ss8(v[i]));
+            if (lane == 0 && g < ng) gs[g] = t;
+        }
+        __syncthreads();
+        const float rn = q8_rn(gs, ng, K, p.eps);
+#pragma unroll
+        for (int i = 0; i < QB; i++)
+#pragma unroll
+            for (int k = 0; k < 8; k++) v[i][k] = v[i][k] * rn * w[i][k];
+    }
+#pragma unroll
+    for (int i = 0; i < QB; i++) {
+        const int g = warp + i * MG_WARPS;
+        if (g < ng) {
+            const int e = g * 256 + lane * 8;
+            if (p.bs == 256) q8_store<256>(v[i], e < K, lane, e, xq, xd, xs);
+            else q8_store<32>(v[i], e < K, lane, e, xq, xd, xs);
+        }
+    }
+    __syncthreads();
+}
+
+// a slot's parts of this lane (chunks c0 .. c0 + cps - 1 of the task's rows) into acc:
+// each part's activations loaded once for the task's one or two rows
+template <class T>
+DEV void mg_slot(const MIt& it, int K, int cps, const u8* b0, const u8* b1, const signed char* xq,
+                 const float* xd, const float* xs, float (&acc)[2], int lane) {
+    const int nparts = K / T::QK * T::PPB;
+    const int c0 = it.j * cps;
+#pragma unroll
+    for (int sc = 0; sc < 2 * MG_SUB; sc++) {
+        const int gp = (c0 + sc) * 32 + lane;
+        if (sc < cps && gp < nparts) {
+            const int blk = gp / T::PPB, part = gp % T::PPB;
+            const int off = (blk - c0 * (MVS_CW / T::QK)) * T::BB;
+            MvsX<T, 1> xc;
+            mvs_load_x<T, 1>(xc, xq, xd, xs, K, blk, part);
+            float a0[1] = {acc[0]};
+            mvs_dot<T, 1>(b0 + off, part, xc, a0);
+            acc[0] = a0[0];
+            if (it.nr == 2) {
+                float a1[1] = {acc[1]};
+                mvs_dot<T, 1>(b1 + off, part, xc, a1);
+                acc[1] = a1[0];
+            }
+        }
+    }
+}
+
+// the splits combined (attn_merge_head's sums): one output a thread of the grid.  Not
+// inlined: its batched loads would otherwise add to the registers the kernel holds.
+__device__ __noinline__ void mg_merge(const float* part_m, const float* part_l, const float* part_acc, int n_splits,
+                                      int kvh, float* out) {
+    const int nt = gridDim.x * blockDim.x, H = kvh * MG_G;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < H * MG_HD; i += nt)
+        attn_merge_head<MG_HD, MG_G, true, 8>(part_m, part_l, part_acc, n_splits, kvh, 0, i / MG_HD, out,
+                                              i % MG_HD, MG_HD);
+}
+
+extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
+        const MPhase* __restrict__ phases, int nph, const long long* __restrict__ kv, int L,
+        const float* __restrict__ q, const float* __restrict__ kf, const float* __restrict__ vf, float* out,
+        float* part_m, float* part_l, float* part_acc, float* cs, unsigned* cnt, int* err,
+        const int* __restrict__ positions, const int* __restrict__ slots, const int* __restrict__ tables,
+        const int* __restrict__ seq_of_token, int max_blocks, int block_size, int window, int n_splits, int neox,
+        int kvh, const float* __restrict__ inv_freq, float attn_scale, float pos_scale, long long* prof_buf) {
+    extern __shared__ __align__(16) unsigned char mg_smem[];
+    float* gs = (float*)mg_smem;
+    SPh* P = (SPh*)(mg_smem + MG_TAB_OFF);
+    unsigned char* uni = mg_smem + MG_UNI_OFF;
+    signed char* xq = (signed char*)uni;
+    float* xd = (float*)(uni + MG_XQ_BYTES);
+    float* xs = xd + MG_KMAX / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gw = blockIdx.x * MG_WARPS + warp, nw = gridDim.x * MG_WARPS;
+    uint4* ring = (uint4*)(mg_smem + MG_RING_OFF) + warp * (MG_S * MG_SLOT);
+    const int pos = positions[0];
+
+    // the op table into shared memory
+    {
+        for (int i = threadIdx.x; i < nph; i += blockDim.x) {
+            const MPhase& g = phases[i];
+            SPh& s = P[i];
+#pragma unroll
+            for (int k = 0; k < 3; k++) {
+                s.W[k] = (const u8*)g.seg[k].W;
+                s.y[k] = (float*)g.seg[k].y;
+                s.bias[k] = (const float*)g.seg[k].bias;
+                s.rb[k] = (int)g.seg[k].row_bytes;
+                s.M[k] = (int)g.seg[k].M;
+                s.type[k] = (int)g.seg[k].type;
+            }
+            s.src = (const float*)g.src;
+            s.pw = (const float*)g.pw;
+            s.K = (int)g.K;
+            s.ntasks = (int)g.ntasks;
+            s.kind = (int)g.kind;
+            s.nseg = (int)g.nseg;
+            s.act = (int)g.act;
+            s.bs = (int)g.bs;
+            s.cps = s.kind == 2 ? MG_SUB : 2 * MG_SUB;
+            s.nsl = ((int)g.K + s.cps * MVS_CW - 1) / (s.cps * MVS_CW);
+#pragma unroll
+            for (int k = 0; k < 3; k++) s.T[k] = s.M[k];
+            s.eps = (float)g.eps;
+        }
+        __syncthreads();
+    }
+
+    // the cursors: computed (ci), copied into the ring (ii, MG_S - 1 ahead), asked of the L2 (pi)
+    MIt ci, ii, pi;
+    it_begin(ci, P, nph, gw);
+    ii = ci;
+    pi = ci;
+    int iseq = 0, pseq = 0;                       // slots issued / prefetched so far
+#pragma unroll 1
+    for (int k = 0; k < MG_S - 1; k++) {
+        if (ii.ph < nph) { it_issue(ii, P, ring + k * MG_SLOT, lane); it_next(ii, P, nph, gw, nw); iseq++; }
+        cp_async_commit();
+    }
+    int seq = 0;                                  // the slot computed next, in stream order
+    // the slots after the ring's into L2, up to n ahead of it
+    auto l2_ahead = [&](int n) {
+        if (pseq < iseq) { pi = ii; pseq = iseq; }
+        while (pseq < iseq + n && pi.ph < nph) { it_prefetch(pi, P, lane); it_next(pi, P, nph, gw, nw); pseq++; }
+    };
+
+    // this token's RoPE cos/sin (all layers share them): block 0, read after a barrier
+    if (blockIdx.x == 0) {
+        for (int p = threadIdx.x; p < MG_HD / 2; p += blockDim.x) {
+            float c, s;
+            rope_cs(pos, pos_scale, inv_freq[p], c, s);
+            cs[2 * p] = c;
+            cs[2 * p + 1] = s;
+        }
+    }
+
+    // one matvec op: round its input into shared memory, then this warp's tasks
+    auto matvec = [&](int ph, long long* stamp) {
+        const SPh& p = P[ph];
+        mg_quant(p, xq, xd, xs, gs);
+#if MG_PROF
+        if (threadIdx.x == 0) stamp[3] = clock64();
+#endif
+        const int kind = p.kind;
+#pragma unroll 1
+        for (int t = gw; t < p.ntasks; t += nw) {
+            float acc[2] = {0.f, 0.f};
+#pragma unroll 1
+            for (int j = 0; j < p.nsl; j++) {
+                __syncwarp();
+                if (ii.ph < nph) {
+                    it_issue(ii, P, ring + ((seq + MG_S - 1) % MG_S) * MG_SLOT, lane);
+                    it_next(ii, P, nph, gw, nw);
+                    iseq++;
+                }
+                cp_async_commit();
+                cp_async_wait<MG_S - 1>();
+                __syncwarp();
+                long long s0, s1;
+                int n;
+                it_span(ci, P, ci.row0, s0, n);
+                it_span(ci, P, ci.row1, s1, n);
+                const u8* slot = (const u8*)(ring + (seq % MG_S) * MG_SLOT);
+                const u8* b0 = slot + (int)(s0 & 15);
+                const u8* b1 = slot + MG_RW * 16 + (int)(s1 & 15);
+                by_type(ci.type, [&](auto tag) { mg_slot<decltype(tag)>(ci, p.K, p.cps, b0, b1, xq, xd, xs, acc, lane); });
+                seq++;
+                it_next(ci, P, nph, gw, nw);
+            }
+            const float v0 = q8_bfly(acc[0]);                 // mvs_store's butterfly
+            const float v1 = kind == 2 ? q8_bfly(acc[1]) : 0.f;
+            if (lane == 0) {
+                if (kind == 2) {
+                    p.y[1][t] = silu_mul(v0, v1);
+                } else {
+                    int s = 0, r = t;
+                    while (s + 1 < p.nseg && r >= p.M[s]) { r -= p.M[s]; s++; }
+                    float* y = p.y[s];
+                    if (kind == 0) {
+                        const float* bias = p.bias[s];
+                        y[r] = bias ? v0 + bias[r] : v0;
+                    } else {
+                        y[r] = __ldcg(y + r) + v0;
+                    }
+                }
+            }
+        }
+    };
+
+    // attention of layer l: splits by 4-warp groups (partials; the merge is an op of its own)
+    auto attention = [&](int l) {
+        const int grp = warp >> 2, tid = threadIdx.x & 127;
+        float* sm = (float*)uni + grp * MG_ATT_FLOATS;
+        __half* kc = (__half*)kv[2 * l];
+        __half* vc = (__half*)kv[2 * l + 1];
+        const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+        const int chunk = (pos + 1 - lo + n_splits - 1) / n_splits;
+        const int* table = tables + (long long)seq_of_token[0] * max_blocks;
+        const int nvg = n_splits * kvh;
+#pragma unroll 1
+        for (int vb = blockIdx.x * ATT_GROUPS + grp; vb < nvg; vb += gridDim.x * ATT_GROUPS) {
+            const int sp = vb % n_splits, kh = vb / n_splits;
+            const int j0 = lo + sp * chunk;
+            const int j1 = min(pos + 1, j0 + chunk);
+            if (j0 <= pos && pos < j1) {          // this split holds the new token: its K/V first
+                const long long dst = ((long long)slots[0] * kvh + kh) * MG_HD;
+                for (int d = tid; d < MG_HD; d += 128) {
+                    int p, ia, ib;
+                    bool hi;
+                    if (neox) { hi = d >= MG_HD / 2; p = hi ? d - MG_HD / 2 : d; ia = p; ib = p + MG_HD / 2; }
+                    else { hi = d & 1; p = d >> 1; ia = 2 * p; ib = 2 * p + 1; }
+                    const float* kr = kf + kh * MG_HD;
+                    const float a = __ldcg(kr + ia), b = __ldcg(kr + ib), c = cs[2 * p], s = cs[2 * p + 1];
+                    kc[dst + d] = __float2half_rn(hi ? rope_hi(a, b, c, s) : rope_lo(a, b, c, s));
+                    vc[dst + d] = __float2half_rn(__ldcg(vf + kh * MG_HD + d));
+                }
+                group_sync(grp);
+            }
+            const MegaQ qf{q + (long long)kh * MG_G * MG_HD, cs, neox};
+            attn_split<MG_HD, MG_G, 4>(qf, GroupSync{grp}, kc, vc, table, j0, j1, block_size, kvh, kh, 0, sp,
+                                       n_splits, attn_scale, sm, sm + 4 * MG_G, sm + 8 * MG_G, tid,
+                                       part_m, part_l, part_acc, out);
+            group_sync(grp);
+        }
+    };
+
+    // ops in order: per layer q/k/v, attention, merge, o, gate/up, down; then the logits;
+    // a grid barrier before each but the first (one loop: each op's code once)
+#if MG_PROF
+    long long* prof = prof_buf + (long long)blockIdx.x * (MG_OPS * L + 1) * 4;
+    if (threadIdx.x == 0) prof[2] = clock64();   // op 0 starts here
+#else
+    long long* prof = nullptr;
+#endif
+#pragma unroll 1
+    for (int st = 0; st <= MG_OPS * L; st++) {
+        long long* stamp = prof ? prof + 4 * st : nullptr;
+        const int l = st / MG_OPS, op = st % MG_OPS;
+        if (st > 0) {
+            l2_ahead(op == 1 ? MG_PFA : MG_PFB);
+            grid_sync(cnt + st - 1, err, stamp);
+        }
+        if (st == MG_OPS * L) matvec(4 * L, stamp);
+        else if (op == 0) matvec(4 * l, stamp);
+        else if (op == 1) attention(l);
+        else if (op == 2) { if (n_splits > 1) mg_merge(part_m, part_l, part_acc, n_splits, kvh, out); }
+        else matvec(4 * l + op - 2, stamp);
+    }
+#if MG_PROF
+    __syncthreads();
+    if (threadIdx.x == 0) prof_buf[(long long)gridDim.x * (MG_OPS * L + 1) * 4 + blockIdx.x] = clock64();
+#endif
+    cp_async_wait<0>();
+}
