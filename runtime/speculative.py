@@ -144,16 +144,17 @@ class KController:
     With per-token acceptance a, a round of k drafts yields on average
     (1 - a^(k+1)) / (1 - a) tokens and costs k draft steps plus one verify step
     of k+1 rows.  The verify step's cost is not linear in k: the CPU matmuls
-    decode each weight block once per row group (4, 8 or 16 rows), so 5 rows
-    cost about as much as 8 and 4 rows little more than 1 (measured on
-    Qwen2.5-Coder-1.5B: k=3 1.33x over the target alone, k=4 1.16x, k=6 1.15x).
-    So the candidates are the k whose k+1 rows fill a group (CANDIDATES), and
+    decode each weight block once per group of rows (K-quants: 8, 4, 3, 2 or 1
+    rows a pass, 32-element formats: 16//r lanes), so 5 rows cost about as much
+    as 8 (Qwen2.5-Coder-1.5B, in 1-row steps: 2 rows 1.1, 3 rows 1.35-1.6,
+    4 rows 1.6, 5 rows 2.2, 8 rows 2.7).  So the candidates are the k whose
+    k+1 rows fill a pass (CANDIDATES), and
     each one's verify time is a running average of its own measured rounds;
     an unmeasured k is estimated from t_plain plus the measured per-row cost.
     All costs are running averages of measured times; a comes from tested
     draft tokens with a weak prior.  k = 0 is plain decoding.
     """
-    CANDIDATES = (1, 3, 7, 15)
+    CANDIDATES = (1, 2, 3, 7, 15)
     EXPLORE = 0.8
     k_max: int = 8
     adaptive: bool = True

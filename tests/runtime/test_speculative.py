@@ -321,6 +321,8 @@ def test_controller_picks_k_from_acceptance_and_costs():
     # a measured k that wins does not hide a close unmeasured one: it is tried once
     c = _controller(0.85, 0.08, 0.02, 0.004)
     c.observe_round(3, 3, 0.02, 0.1)
+    assert c.choose() == 2                  # estimated at least as good as k=3: measure it
+    c.observe_round(2, 2, 0.02, 0.09)
     assert c.choose() == 7                  # estimated within EXPLORE of k=3: measure it
     c.observe_round(7, 2, 0.02, 0.3)        # 8 rows cost far more than estimated
     assert c.choose() == 1                  # the other close, unmeasured one
