@@ -20,6 +20,10 @@ vpdpwssd reads.
     Q6_K:  acc += float(sum_j sc_j * dot_j - 32 * sc_j * xsum16_j) * (d * dx)
            y = hsum(acc)
 
+The weight stream is prefetched in software a fixed distance ahead (_PREFETCH):
+with several activation rows the arithmetic per byte grows and the hardware
+prefetcher alone stopped overlapping it with the loads.
+
 Tried and left out: activation codes stored in the order a 64-byte load of
 Q4_K nibbles yields them (sub-blocks 0 2 1 3 4 6 5 7) saves the lane
 duplication and is faster with the weights in cache, but streaming Qwen2.5-1.5B's
