@@ -156,6 +156,10 @@ class KController:
     """
     CANDIDATES = (1, 2, 3, 7, 15)
     EXPLORE = 0.8
+    # plain decoding must beat the best k by this factor to be chosen: the rates
+    # are noisy running averages, and turning drafting off has a cost they leave
+    # out (a retry re-feeds the draft every token it missed)
+    SWITCH_OFF = 1.05
     k_max: int = 8
     adaptive: bool = True
     k_fixed: int = 3
@@ -253,8 +257,10 @@ class KController:
         # if it wins, or comes within EXPLORE of the winner, its first round
         # measures it (the per-row cost falls as rows share weight decodes, so
         # the linear estimate is pessimistic and would never be corrected)
-        best = max([0] + self.candidates(), key=self.rate)
-        if best > 0 and best in self.t_verify:
+        best = max(self.candidates(), key=self.rate)
+        if self.rate(0) > self.SWITCH_OFF * self.rate(best):
+            return 0
+        if best in self.t_verify:
             close = [k for k in self.candidates()
                      if k not in self.t_verify and self.rate(k) >= self.EXPLORE * self.rate(best)]
             if close:
