@@ -5,7 +5,9 @@ sequence.  tg<N>: N single-token decode steps after a 1-token prompt (or after
 `depth` tokens already in the cache).  Each test runs once untimed (kernel
 compilation, page faults), then -r timed repetitions; t/s is the mean ± sd.
 With --peer PYTHON, llama.cpp (llama-cpp-python in that interpreter's venv)
-runs the same tests in the same invocation, so the ratio is measured side by side.
+runs the same tests in the same invocation, so the ratio is measured side by
+side: each repetition runs ours, then llama.cpp's, and the ratio reported is the
+median of the per-repetition ratios.
 
 KV-cache tests: --ctx-depths D1,D2,..: tg at each context depth (D tokens already
 in the cache before the timed run; the context is filled once per depth and
@@ -156,19 +158,31 @@ def run_bench(args) -> int:
                   "gpu_memory": getattr(engine.backend, "memory_report", dict)(),
                   "threads": getattr(engine.backend, "threads", None), "cache_type": engine.cache_type}
     rows = []
+    tests = []
     if args.n_prompt:
-        m, sd = measure(lambda: time_pp(engine, args.n_prompt, rng), args.repetitions)
-        rows.append({**model_desc, "test": f"pp{args.n_prompt}", "t_s": m, "sd": sd, "depth": 0})
+        tests.append((f"pp{args.n_prompt}", lambda: time_pp(engine, args.n_prompt, rng)))
+    if args.n_gen:
+        tests.append((f"tg{args.n_gen}", lambda: time_tg(engine, args.n_gen, rng)))
+    if args.peer:
+        # llama.cpp's repetitions interleaved with ours: a shared machine that
+        # changes speed between the two halves of a run biases their ratio
+        ours, peer_rows = _interleaved_with_peer(args, lm.path, tests)
+    else:
+        ours = {name: (measure(fn, args.repetitions),) for name, fn in tests}
+        peer_rows = []
     # bytes read per decoded token: all weights except the embedding table
     # (only one row of it is read) unless it doubles as the output layer
     per_tok = lm.weight_bytes
     if not lm.config.tied_output:
         per_tok -= lm.tensors["token_embd.weight"].nbytes
-    if args.n_gen:
-        m, sd = measure(lambda: time_tg(engine, args.n_gen, rng), args.repetitions)
-        rows.append({**model_desc, "test": f"tg{args.n_gen}", "t_s": m, "sd": sd, "depth": 0})
-        rows[-1]["weight_bytes_per_token"] = per_tok
-        rows[-1]["weight_GB_per_s"] = per_tok * m / 1e9
+    for name, _ in tests:
+        (m, sd), *extra = ours[name]
+        rows.append({**model_desc, "test": name, "t_s": m, "sd": sd, "depth": 0})
+        if extra:
+            rows[-1]["runs"] = extra[0]
+        if name.startswith("tg"):
+            rows[-1]["weight_bytes_per_token"] = per_tok
+            rows[-1]["weight_GB_per_s"] = per_tok * m / 1e9
     for d in depths:
         eff = min(d, engine.n_ctx - args.n_gen - 1)
         if eff != d:
@@ -190,8 +204,7 @@ def run_bench(args) -> int:
             r["bytes_bound_ratio"] = base["bytes_per_token"] / r["bytes_per_token"]
     if reuse_n:
         rows.append({**model_desc, **time_prefix_reuse(engine, reuse_n, 32, args.repetitions, rng)})
-    if args.peer:
-        rows += _peer_rows(args, lm.path)
+    rows += peer_rows
     kv_final = engine.stats()
     for r in rows:
         r.setdefault("kv_cache", kv_final)
@@ -204,10 +217,40 @@ def run_bench(args) -> int:
     return 0
 
 
-def _peer_rows(args, path: Path) -> list[dict]:
+def _interleaved_with_peer(args, path: Path, tests):
+    """Each repetition runs our tests once, then llama.cpp's (a fresh peer process
+    with -r 1, after its own untimed run).  Returns ours {test: ((mean, sd), runs)}
+    and the peer's rows (mean, sd and runs over the repetitions, and the median of
+    the per-repetition ratios ours / llama.cpp)."""
+    for _, fn in tests:
+        fn()                                # warm-up: compile, fault pages in
+    runs = {name: [] for name, _ in tests}
+    peer_runs: dict[str, list[float]] = {}
+    peer_row: dict[str, dict] = {}
+    for _ in range(args.repetitions):
+        for name, fn in tests:
+            runs[name].append(fn())
+        for r in _peer_rows(args, path, reps=1):
+            peer_runs.setdefault(r["test"], []).append(r["t_s"])
+            peer_row[r["test"]] = r
+    ours = {}
+    for name, v in runs.items():
+        ours[name] = ((statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0), v)
+    rows = []
+    for name, v in peer_runs.items():
+        r = dict(peer_row[name], t_s=statistics.mean(v), sd=statistics.stdev(v) if len(v) > 1 else 0.0, runs=v)
+        if name in runs and len(runs[name]) == len(v):
+            ratios = [a / b for a, b in zip(runs[name], v) if b > 0]
+            if ratios:
+                r["ratio_ours_to_peer_median"] = statistics.median(ratios)
+        rows.append(r)
+    return ours, rows
+
+
+def _peer_rows(args, path: Path, reps: int | None = None) -> list[dict]:
     script = Path(__file__).with_name("bench_peer.py")
     cmd = [args.peer, str(script), "-m", str(path), "-p", str(args.n_prompt), "-n", str(args.n_gen),
-           "-r", str(args.repetitions), "-t", str(args.threads or 2), "--json"]
+           "-r", str(reps or args.repetitions), "-t", str(args.threads or 2), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         print(f"peer benchmark failed: {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
@@ -229,6 +272,10 @@ def _print_table(rows: list[dict]) -> None:
         params = f"{r.get('params', 0) / 1e6:.0f} M" if r.get("params") else ""
         print(f"| {str(r.get('model', ''))[:40]:<40} | {size:>9} | {params:>8} | {str(r.get('backend', ''))[:28]:<28} | "
               f"{str(r.get('threads', '')):>7} | {r['test']:>8} | {r['t_s']:>8.2f} ± {r['sd']:<5.2f} |")
+    for r in rows:
+        if "ratio_ours_to_peer_median" in r:
+            print(f"| {r['test']}: Llamba / llama.cpp = {r['ratio_ours_to_peer_median']:.2f}x "
+                  f"(median of {len(r['runs'])} interleaved repetitions)")
     for r in rows:
         if "ratio_to_depth0" in r:
             print(f"| {r['test']}: {r['ratio_to_depth0']:.2f}x of depth 0 (bytes-read bound "
