@@ -259,6 +259,12 @@ def kq_span1(typingctx, kind, w2, m0, m1, nsb, xq, xd, xb, K, out):
         outp = _data(context, builder, ta[9], outv)
         m0v, m1v, nsbv, Kv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (m0v, m1v, nsbv, Kv)]
         acc, macc = _accumulators(builder, k, 1)
+        # a chunk's first bytes: the in-loop prefetch only runs `dist` ahead of the
+        # super-block in use (decode step 0.2-0.9% faster, 4 interleaved pairs)
+        dist, loc = _PREFETCH[k]
+        first = builder.gep(w0, [builder.mul(m0v, wstride)])
+        with cgutils.for_range(builder, _c(dist // 64)) as pl:
+            prefetch(builder, builder.gep(first, [builder.mul(pl.index, _c(64))]), loc)
         with cgutils.for_range(builder, builder.sub(m1v, m0v)) as loop:
             m = builder.add(m0v, loop.index)
             w = builder.gep(w0, [builder.mul(m, wstride)])
