@@ -4,8 +4,8 @@ Each 256-weight super-block of the W row is decoded once into four 64-byte
 vectors of unsigned codes in natural weight order (so the activation rows are
 read as they lie), plus its sub-block scales as int16 lane pairs.  Then, per
 activation row, four vpdpbusd give int32 lane sums that never
-mix two sub-blocks, and four vpdpwssd multiply them by their sub-block scales
-into one int32 vector: no horizontal reduction per super-block, only one float
+mix two sub-blocks; they are packed pairwise to int16 (vpackssdw) and two
+vpdpwssd multiply them by their sub-block scales into one int32 vector: no horizontal reduction per super-block, only one float
 FMA per row.  The lanes are reduced once, at the end of the row.
 
 Per (x row, W row) the float operations are the same whatever R is, so every
@@ -27,7 +27,9 @@ prefetcher alone stopped overlapping it with the loads.
 Tried and left out: activation codes stored in the order a 64-byte load of
 Q4_K nibbles yields them (sub-blocks 0 2 1 3 4 6 5 7) saves the lane
 duplication and is faster with the weights in cache, but streaming Qwen2.5-1.5B's
-gate+up from DRAM on 2 threads it was 7-11% slower (593-630 vs 555-566 us).
+gate+up from DRAM on 2 threads it was 7-11% slower (593-630 vs 555-566 us);
+retried with the software prefetch in, the 1.5B decode step was still slower
+(37.4 vs 36.8 ms, 4 interleaved pairs).
 """
 from __future__ import annotations
 

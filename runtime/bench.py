@@ -135,10 +135,17 @@ def plot_depths(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def measure(fn, reps: int) -> tuple[float, float]:
-    fn()                                    # warm-up: compile, fault pages in
-    runs = [fn() for _ in range(reps)]
+def mean_sd(runs) -> tuple[float, float]:
     return statistics.mean(runs), (statistics.stdev(runs) if len(runs) > 1 else 0.0)
+
+
+def timed_runs(fn, reps: int) -> list[float]:
+    fn()                                    # warm-up: compile, fault pages in
+    return [fn() for _ in range(reps)]
+
+
+def measure(fn, reps: int) -> tuple[float, float]:
+    return mean_sd(timed_runs(fn, reps))
 
 
 def run_bench(args) -> int:
@@ -166,9 +173,9 @@ def run_bench(args) -> int:
     if args.peer:
         # llama.cpp's repetitions interleaved with ours: a shared machine that
         # changes speed between the two halves of a run biases their ratio
-        ours, peer_rows = _interleaved_with_peer(args, lm.path, tests)
+        runs, peer_rows = _interleaved_with_peer(args, lm.path, tests)
     else:
-        ours = {name: (measure(fn, args.repetitions),) for name, fn in tests}
+        runs = {name: timed_runs(fn, args.repetitions) for name, fn in tests}
         peer_rows = []
     # bytes read per decoded token: all weights except the embedding table
     # (only one row of it is read) unless it doubles as the output layer
@@ -176,10 +183,8 @@ def run_bench(args) -> int:
     if not lm.config.tied_output:
         per_tok -= lm.tensors["token_embd.weight"].nbytes
     for name, _ in tests:
-        (m, sd), *extra = ours[name]
-        rows.append({**model_desc, "test": name, "t_s": m, "sd": sd, "depth": 0})
-        if extra:
-            rows[-1]["runs"] = extra[0]
+        m, sd = mean_sd(runs[name])
+        rows.append({**model_desc, "test": name, "t_s": m, "sd": sd, "depth": 0, "runs": runs[name]})
         if name.startswith("tg"):
             rows[-1]["weight_bytes_per_token"] = per_tok
             rows[-1]["weight_GB_per_s"] = per_tok * m / 1e9
@@ -188,12 +193,12 @@ def run_bench(args) -> int:
         if eff != d:
             print(f"depth {d} + {args.n_gen} exceeds the model's context {engine.n_ctx}: measuring at {eff}",
                   file=sys.stderr)
-        runs, kv = time_tg_at_depth(engine, args.n_gen, eff, args.repetitions, rng)
+        drun, kv = time_tg_at_depth(engine, args.n_gen, eff, args.repetitions, rng)
         # a memory-bound decode reads the weights plus the context's K/V per token
         kv_tok = engine.stats()["bytes_per_token"]
+        m, sd = mean_sd(drun)
         rows.append({**model_desc, "test": f"tg{args.n_gen}@d{d}", "depth": eff, "depth_requested": d,
-                     "t_s": statistics.mean(runs), "sd": statistics.stdev(runs) if len(runs) > 1 else 0.0,
-                     "t_s_median": statistics.median(runs), "kv_cache": kv,
+                     "t_s": m, "sd": sd, "t_s_median": statistics.median(drun), "kv_cache": kv,
                      "weight_bytes_per_token": per_tok, "kv_bytes_per_context_token": kv_tok,
                      "bytes_per_token": per_tok + eff * kv_tok})
     base = next((r for r in rows if r["test"].startswith("tg") and "@d" in r["test"] and r["depth"] == 0), None)
@@ -219,32 +224,28 @@ def run_bench(args) -> int:
 
 def _interleaved_with_peer(args, path: Path, tests):
     """Each repetition runs our tests once, then llama.cpp's (a fresh peer process
-    with -r 1, after its own untimed run).  Returns ours {test: ((mean, sd), runs)}
+    with -r 1, after its own untimed run).  Returns our runs {test: [t/s, ...]}
     and the peer's rows (mean, sd and runs over the repetitions, and the median of
     the per-repetition ratios ours / llama.cpp)."""
     for _, fn in tests:
         fn()                                # warm-up: compile, fault pages in
     runs = {name: [] for name, _ in tests}
-    peer_runs: dict[str, list[float]] = {}
-    peer_row: dict[str, dict] = {}
+    peer: dict[str, list[dict]] = {}
     for _ in range(args.repetitions):
         for name, fn in tests:
             runs[name].append(fn())
         for r in _peer_rows(args, path, reps=1):
-            peer_runs.setdefault(r["test"], []).append(r["t_s"])
-            peer_row[r["test"]] = r
-    ours = {}
-    for name, v in runs.items():
-        ours[name] = ((statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0), v)
+            peer.setdefault(r["test"], []).append(r)
     rows = []
-    for name, v in peer_runs.items():
-        r = dict(peer_row[name], t_s=statistics.mean(v), sd=statistics.stdev(v) if len(v) > 1 else 0.0, runs=v)
-        if name in runs and len(runs[name]) == len(v):
-            ratios = [a / b for a, b in zip(runs[name], v) if b > 0]
-            if ratios:
-                r["ratio_ours_to_peer_median"] = statistics.median(ratios)
+    for name, prs in peer.items():
+        v = [r["t_s"] for r in prs]
+        m, sd = mean_sd(v)
+        r = dict(prs[-1], t_s=m, sd=sd, runs=v)
+        ratios = [a / b for a, b in zip(runs.get(name, []), v) if b > 0]
+        if ratios and len(ratios) == len(v):
+            r["ratio_ours_to_peer_median"] = statistics.median(ratios)
         rows.append(r)
-    return ours, rows
+    return runs, rows
 
 
 def _peer_rows(args, path: Path, reps: int | None = None) -> list[dict]:

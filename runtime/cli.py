@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 from . import __version__
 
@@ -103,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _say(msg: str) -> None:
+    """Progress and notices go to stderr: stdout is the answer (or --json)."""
+    print(msg, file=sys.stderr)
+
+
 def _engine(args):
     from .engine import Engine
     model = args.model
@@ -110,12 +114,11 @@ def _engine(args):
         from .loader import load_model
         model = load_model(args.model, quant=args.quant)
     from .warmup import warm_up
-    say = lambda m: print(m, file=sys.stderr)  # noqa: E731
     engine = Engine(model, device=args.device, n_ctx=args.ctx_size, threads=args.threads,
                     gpu_layers=getattr(args, "gpu_layers", None),
                     cache_type=args.cache_type, overflow="shift" if args.overflow == "shift" else "stop",
-                    announce=say)
-    warm_up(engine, notice=say)
+                    announce=_say)
+    warm_up(engine, notice=_say)
     return engine
 
 
@@ -125,10 +128,9 @@ def _drafter(args, eng):
     from .speculative import DEFAULT_DRAFT_VOCAB, Drafter
     vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
     from .warmup import warm_up
-    say = lambda m: print(m, file=sys.stderr)  # noqa: E731
     d = Drafter.load(args.draft_model, eng, k=args.draft_n, adaptive=not args.draft_fixed,
-                     draft_vocab=vocab, announce=say)
-    warm_up(d.draft, notice=say)
+                     draft_vocab=vocab, announce=_say)
+    warm_up(d.draft, notice=_say)
     return d
 
 

@@ -20,7 +20,7 @@ import platformdirs
 from . import __version__
 
 
-def _marker(engine=None) -> Path:
+def _marker(engine) -> Path:
     import llvmlite.binding as llvm
     import numba
     import hashlib
@@ -31,14 +31,13 @@ def _marker(engine=None) -> Path:
     # another cache dir) on the same machine starts cold and needs its own marker
     where = os.environ.get("NUMBA_CACHE_DIR") or str(Path(__file__).resolve().parent.parent)
     tag = hashlib.sha1(where.encode()).hexdigest()[:10]
-    name = f"kernels-ok-{__version__}-{numba.__version__}-{cpu}-{tag}"
-    if engine is not None:
-        types = sorted({str(getattr(t, "qtype", "")) for t in engine.loaded.tensors.values()})
-        name += f"-{engine.backend.name}-" + hashlib.sha1(",".join(types).encode()).hexdigest()[:8]
+    types = sorted({str(getattr(t, "qtype", "")) for t in engine.loaded.tensors.values()})
+    kinds = hashlib.sha1(",".join(types).encode()).hexdigest()[:8]
+    name = f"kernels-ok-{__version__}-{numba.__version__}-{cpu}-{tag}-{engine.backend.name}-{kinds}"
     return Path(platformdirs.user_cache_dir("llamba")) / name
 
 
-def first_run(engine=None) -> bool:
+def first_run(engine) -> bool:
     return not _marker(engine).exists()
 
 
