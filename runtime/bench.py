@@ -34,6 +34,12 @@ def _random_tokens(engine, n: int, rng) -> list[int]:
     return rng.integers(100, engine.config.vocab_size - 1000, size=n).tolist()
 
 
+def greedy_step(engine, seq, token: int) -> int:
+    """One greedy decode step as Generation takes it (runtime/generate.py: greedy without
+    penalties asks the engine for the argmax alone)."""
+    return int(engine.step([seq], [[token]], argmax=True)[0])
+
+
 def time_pp(engine, n: int, rng) -> float:
     seq = engine.new_sequence()
     toks = _random_tokens(engine, n, rng)
@@ -54,7 +60,7 @@ def time_tg(engine, n: int, rng, depth: int = 0) -> float:
         nxt = int(np.argmax(logits[0]))
         t = time.perf_counter()
         for _ in range(n):
-            nxt = int(np.argmax(engine.step([seq], [[nxt]])[0]))
+            nxt = greedy_step(engine, seq, nxt)
         return n / (time.perf_counter() - t)
     finally:
         engine.release(seq)
@@ -74,7 +80,7 @@ def time_tg_at_depth(engine, n: int, depth: int, reps: int, rng) -> tuple[list[f
             nxt = first
             t = time.perf_counter()
             for _ in range(n):
-                nxt = int(np.argmax(engine.step([seq], [[nxt]])[0]))
+                nxt = greedy_step(engine, seq, nxt)
             dt = time.perf_counter() - t
             if r:
                 runs.append(n / dt)

@@ -127,10 +127,41 @@ def mega_profile(eng):
     return prof
 
 
-def bench_ours(path, reps, n_prompt, n_gen, sweep=None, profile=False):
+def tg_host_paths(eng, reps, n_gen, rng, paths):
+    """tg n_gen with each host path of the CUDA backend (backend.host_path: "old" packs the
+    step anew and brings the logits to the host for np.argmax, "new" fills the graph's
+    input in place and takes the argmax on the device), on the same engine, repetitions
+    interleaved (old, new, old, new, ...) after one untimed run each.  Per path: the tg
+    runs, the graph replay of that path's decode graph after each (ms, 50 replays), and
+    host ms a token (1/tg minus the replay)."""
+    from runtime.bench import mean_sd, time_tg
+    be = eng.backend
+    keep = be.host_path
+    out = {p: {"runs": [], "replay_runs": []} for p in paths}
+    try:
+        for p in paths:
+            be.host_path = p
+            time_tg(eng, n_gen, rng)            # warm-up: capture this path's graphs
+        for _ in range(reps):
+            for p in paths:
+                be.host_path = p
+                out[p]["runs"].append(time_tg(eng, n_gen, rng))
+                out[p]["replay_runs"].append(be.replay_ms())
+    finally:
+        be.host_path = keep
+    for p, r in out.items():
+        r["tg"] = mean_sd(r["runs"])
+        r["graph_replay_ms"] = statistics.mean(r["replay_runs"])
+        hosts = [1e3 / t - ms for t, ms in zip(r["runs"], r["replay_runs"])]
+        r["host_ms_per_token"] = statistics.mean(hosts)
+        r["host_ms_runs"] = hosts
+    return out
+
+
+def bench_ours(path, reps, n_prompt, n_gen, sweep=None, profile=False, host_paths=("new",)):
     import cupy as cp
     from runtime.backend.cuda_synth import load_weights_only
-    from runtime.bench import measure, time_pp, time_tg
+    from runtime.bench import measure, time_pp
     from runtime.engine import Engine
     lm = load_weights_only(path)
     t0 = time.perf_counter()
@@ -139,9 +170,12 @@ def bench_ours(path, reps, n_prompt, n_gen, sweep=None, profile=False):
     est = eng.backend.estimate
     rng = np.random.default_rng(0)
     pp = measure(lambda: time_pp(eng, n_prompt, rng), reps)
-    tg = measure(lambda: time_tg(eng, n_gen, rng), reps)
+    by_host = tg_host_paths(eng, reps, n_gen, rng, host_paths)
+    main_path = "new" if "new" in host_paths else host_paths[-1]
+    main = by_host[main_path]
+    tg = main["tg"]
     mem = eng.backend.memory_report()
-    replay = eng.backend.replay_ms()
+    replay = main["graph_replay_ms"]
     # one decode step eagerly, op by op, for where the time goes
     seq = eng.new_sequence()
     eng.step([seq], [[100] * 64])
@@ -154,10 +188,13 @@ def bench_ours(path, reps, n_prompt, n_gen, sweep=None, profile=False):
            "bytes_per_token": per_tok, "weight_GBps": per_tok * tg[0] / 1e9, "memory": mem,
            "estimate": est, "graph_replays": eng.backend.graph_replays,
            "graph_replay_ms": replay, "graph_tg": 1e3 / replay, "graph_GBps": per_tok / replay / 1e6,
-           "host_ms_per_token": 1e3 / tg[0] - replay,
+           "host_ms_per_token": main["host_ms_per_token"], "host_path": main_path, "by_host": by_host,
            "profile_ms": prof, "profile_total_ms": sum(t for _, t in prof)}
     mega = eng.backend._megas.get(id(eng.model))
     row["mega"] = (mega[1].config() if mega and not isinstance(mega[1], str) else (mega[1] if mega else None))
+    for p, r in by_host.items():
+        log(f"  host path {p}: tg {r['tg'][0]:.1f} ± {r['tg'][1]:.1f} t/s, graph replay {r['graph_replay_ms']:.4f} ms, "
+            f"host {r['host_ms_per_token']:.4f} ms a token (runs {', '.join(f'{h:.4f}' for h in r['host_ms_runs'])})")
     log(f"  decode step: graph replay {replay:.3f} ms ({1e3 / replay:.0f} t/s); megakernel {row['mega']}; "
         f"eager op sum {row['profile_total_ms']:.3f} ms; top ops: " + "; ".join(f"{k} {v:.3f}" for k, v in prof[:8]))
     if sweep:
@@ -240,6 +277,10 @@ def main(argv=None):
                     help="megakernel configs to time on L8 Q4_K_M after its run: sub:stages:pfa:pfb,... "
                          "(0 for sub/stages: the default), e.g. 4:0:4:1,2:0:4:1")
     ap.add_argument("--mega-profile", action="store_true", help="time each op of a megakernel step (clock stamps)")
+    ap.add_argument("--host", default="new",
+                    help="host paths of a decode step to measure side by side on one engine, repetitions "
+                         "interleaved: new (the default: step filled in place, argmax on the device), old "
+                         "(the step packed anew, logits to the host, np.argmax there); e.g. old,new")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import cupy as cp
@@ -315,12 +356,21 @@ def main(argv=None):
                 try:
                     row = bench_ours(path, args.repetitions, args.n_prompt, args.n_gen,
                                      sweep=sweep if (variant == "mega" and shape == "L8" and mix == "Q4_K_M") else None,
-                                     profile=args.mega_profile and variant == "mega")
+                                     profile=args.mega_profile and variant == "mega",
+                                     host_paths=tuple(args.host.split(",")))
                 except Exception as e:     # report and go on to the next model
                     row = {"error": f"{type(e).__name__}: {e}"}
                 row.update(shape=shape, mix=mix, engine="llamba-cuda" + ("" if variant == "int8" else "-" + variant))
-                result["runs"].append(row)
                 log(json.dumps(row, default=str))
+                for hp, r in (row.get("by_host") or {}).items():
+                    if hp != row["host_path"]:      # the other host paths: a row each, same pp and profile
+                        result["runs"].append(dict(row, engine=row["engine"] + f" (host {hp})", tg=r["tg"],
+                                                   graph_replay_ms=r["graph_replay_ms"],
+                                                   graph_tg=1e3 / r["graph_replay_ms"],
+                                                   graph_GBps=row["bytes_per_token"] / r["graph_replay_ms"] / 1e6,
+                                                   weight_GBps=row["bytes_per_token"] * r["tg"][0] / 1e9,
+                                                   host_ms_per_token=r["host_ms_per_token"], host_path=hp))
+                result["runs"].append(row)
             qc.INT8_MATVEC = int8_default
             qc.set_int8_kernel(kernel_default)
             cm.ENABLED = mega_default
@@ -356,8 +406,8 @@ def print_table(result):
         ours = r["engine"].startswith("llamba-cuda")
         vs = f"{pp / ref[0]:.2f}x / {tg / ref[1]:.2f}x" if ref and ours else ""
         gbs = f"{r['weight_GBps']:.0f} ({100 * r['weight_GBps'] / bw:.0f}%)" if "weight_GBps" in r else ""
-        rep = (f"{r['graph_replay_ms']:.3f} ({100 * r['graph_GBps'] / bw:.0f}%)" if "graph_GBps" in r else "")
-        host = f"{r['host_ms_per_token']:.3f}" if "host_ms_per_token" in r else ""
+        rep = (f"{r['graph_replay_ms']:.4f} ({100 * r['graph_GBps'] / bw:.0f}%)" if "graph_GBps" in r else "")
+        host = f"{r['host_ms_per_token']:.4f}" if "host_ms_per_token" in r else ""
         h = hf.get(r["shape"])
         vh = (f"{tg / h['tg'][0]:.1f}x / {tg / HF_COMPILED[r['shape']]:.2f}x"
               if h and ours else "")

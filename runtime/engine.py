@@ -91,9 +91,15 @@ class Engine:
         self.cache.release(seq, keep_cached=keep_cached)
 
     # ---- one forward -------------------------------------------------------------
-    def step(self, seqs: list[Sequence], new_tokens: list[list[int]], all_logits: bool = False) -> np.ndarray:
+    def step(self, seqs: list[Sequence], new_tokens: list[list[int]], all_logits: bool = False,
+             argmax: bool = False) -> np.ndarray:
         """Append new_tokens[i] to seqs[i] and return logits: the last row of each
-        sequence, or every new row when all_logits (speculative verification)."""
+        sequence, or every new row when all_logits (speculative verification).
+
+        argmax: return instead each of those rows' argmax (int64 [rows], np.argmax's
+        tie-break: the first maximum), the greedy next token, for callers that need
+        nothing else of the logits.  A backend with `forward_argmax` computes it where
+        the logits are (the CUDA backend on the device: no logits cross to the host)."""
         for seq, toks in zip(seqs, new_tokens):
             if len(seq) + len(toks) > self.n_ctx:
                 if self.overflow != "shift":
@@ -124,10 +130,15 @@ class Engine:
             logit_rows=np.asarray(rows, np.int64), block_size=self.block_size,
             attn_scale=self.attn_scale, attn_splits=self._splits(n, ctx), windows=self.windows,
             layer_group=self.layer_group, group_slots=group_slots, group_tables=group_tables)
-        logits = self.backend.forward(self.model, step)
+        if not argmax:
+            out = self.backend.forward(self.model, step)
+        elif hasattr(self.backend, "forward_argmax"):
+            out = self.backend.forward_argmax(self.model, step)
+        else:
+            out = np.argmax(self.backend.forward(self.model, step), axis=-1)
         for seq, toks in zip(seqs, new_tokens):
             self.cache.commit(seq, toks)
-        return logits
+        return out
 
     def _splits(self, n_tokens: int, ctx: int) -> int:
         """Context splits for flash-decoding.

@@ -132,8 +132,12 @@ class Generation:
 
 
 def _plain_tokens(eng: Engine, seq: Sequence, logits, history: list[int], sampler: Sampler):
-    """One target step per token; the consumer appends each token to history."""
+    """One target step per token; the consumer appends each token to history.  Greedy
+    decoding without penalties asks the engine for the argmax alone (no logits)."""
+    nxt = sampler.sample(logits, history)
     while True:
-        nxt = sampler.sample(logits, history)
         yield nxt
-        logits = eng.step([seq], [[nxt]])[0]
+        if sampler.p.argmax_only:
+            nxt = int(eng.step([seq], [[nxt]], argmax=True)[0])
+        else:
+            nxt = sampler.sample(eng.step([seq], [[nxt]])[0], history)

@@ -24,6 +24,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
+    @property
+    def argmax_only(self) -> bool:
+        """The next token is the logits' argmax and nothing else of them is used (greedy,
+        no repetition penalty): the engine can give the argmax alone (Engine.step's
+        argmax=True), which the CUDA backend computes on the device."""
+        return self.greedy and self.repeat_penalty == 1.0
+
 
 class Sampler:
     def __init__(self, params: SamplingParams):

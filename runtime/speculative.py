@@ -409,11 +409,16 @@ class Drafter:
         t1 = time.perf_counter()
         toks, qs = [], []
         hist = list(history)
+        pick = None
         for i in range(k):
-            t, q = self._draft_pick(logits, sampler, hist, rng)
+            t, q = self._draft_pick(logits, sampler, hist, rng) if pick is None else (pick, None)
             toks.append(t); qs.append(q); hist.append(t)
             if i + 1 < k:
-                logits = self.draft.step([self.dseq], [[t]])[0]
+                if sampler.p.argmax_only:     # greedy, no penalty: the draft's argmax alone
+                    j = int(self.draft.step([self.dseq], [[t]], argmax=True)[0])
+                    pick = int(self.vocab_ids[j]) if self.vocab_ids is not None else j
+                else:
+                    logits = self.draft.step([self.dseq], [[t]])[0]
         t2 = time.perf_counter()
         per = (t2 - t1) / (k - 1) if k > 1 else None      # single-token forwards (and picks)
         first = t1 - t0 if behind <= 2 else None            # the usual catch-up: 1-2 tokens
@@ -466,12 +471,15 @@ class Drafter:
             rounds += 1
             if k == 0:
                 t0 = time.perf_counter()
-                logits = eng.step([seq], [[pending]])[0]
+                if sampler.p.argmax_only:     # greedy, no penalty: the argmax alone
+                    nxt, logits = int(eng.step([seq], [[pending]], argmax=True)[0]), None
+                else:
+                    logits = eng.step([seq], [[pending]])[0]
                 dt = time.perf_counter() - t0
                 ctl.observe_plain(dt)
                 st.plain_forwards += 1; st.plain_seconds += dt; st.emitted += 1
                 st.t_plain = ctl.t_plain
-                out = [sampler.sample(logits, history)]
+                out = [nxt if logits is None else sampler.sample(logits, history)]
             else:
                 try:
                     out = self._round(seq, pending, history, k, sampler, rng, ctl)

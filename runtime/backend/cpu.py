@@ -125,6 +125,10 @@ class CPUBackend:
         self.arena.reset()
         return model.forward(self, step)
 
+    def forward_argmax(self, model, step) -> np.ndarray:
+        """The step's greedy next tokens: np.argmax of each logits row (int64 [rows])."""
+        return np.argmax(self.forward(model, step), axis=-1)
+
     # ---- ops ----------------------------------------------------------------
     def embed(self, W, ids, scale: float = 1.0):
         x = quant.dequantize_rows(W, np.asarray(ids))

@@ -195,6 +195,34 @@ def _views(buf, layout):
     return {name: buf[o:o + int(np.prod(shape))].reshape(shape) for name, (o, shape) in layout.items()}
 
 
+def _decode_fill_views(host, layout):
+    """Views into a decode graph's packed host buffer (_pack_step's layout, one token of
+    one sequence) for the fields that change from token to token."""
+    v = _views(host, layout)
+    return v["tokens"], v["positions"], v["slots"][:, 0], v["tables"][:, 0, :]
+
+
+def _fill_decode(fill, step):
+    """Write a one-token step into a decode graph's host buffer in place: what _pack_step
+    would write, without building a new array (seq_of_token and logit_rows are 0 for every
+    such step and stay as packed).  Table entries past a group's width are zeroed: a
+    table can shrink (a rollback) within one graph width."""
+    tokens, positions, slots, tables = fill
+    tokens[0] = step.tokens[0]
+    positions[0] = step.positions[0]
+    group_slots = getattr(step, "group_slots", None)
+    if group_slots is None:
+        slots[0] = step.slots[0]
+        group_tables = [step.block_tables]
+    else:
+        slots[:] = group_slots[:, 0]
+        group_tables = step.group_tables or [step.block_tables]
+    for g, t in enumerate(group_tables):
+        w = t.shape[1]
+        tables[g, :w] = t[0]
+        tables[g, w:] = 0
+
+
 class _Profiler:
     """Stands in for the backend during one forward and brackets each op with events."""
 
@@ -258,6 +286,12 @@ class CUDABackend:
         self.fold = os.environ.get("LLAMBA_CUDA_FOLD", "0") == "1"
         self.profile_next = False
         self.last_profile = None
+        # host side of a graph-replayed decode step: "new" (the step's arrays written into
+        # the graph's pinned input in place, host<->device copies inside the graph, greedy
+        # argmax on the device) or "old" (the step packed anew, copies and argmax by the
+        # host: what ran before; kept to measure one against the other, bench_gpu --host)
+        self.host_path = os.environ.get("LLAMBA_CUDA_HOST", "new")
+        self._argmax_state: dict = {}   # rows -> (best u64, count u32 (zeroed), ids int32) [rows]
         self._megas: dict = {}      # id(model) -> (model, MegaDecode | reason it cannot run)
         self.use_mega = True        # decode steps by the megakernel where it applies (cuda_mega.py)
 
@@ -304,7 +338,19 @@ class CUDABackend:
 
     # ---- one step --------------------------------------------------------------
     def forward(self, model, step) -> np.ndarray:
-        """Run one step; logits come back as a host float32 array [rows, vocab]."""
+        """Run one step; logits come back as a host float32 array [rows, vocab] that the
+        caller owns."""
+        return self._forward(model, step, False)
+
+    def forward_argmax(self, model, step) -> np.ndarray:
+        """Run one step; the argmax of each logits row (np.argmax's: the first maximum) as
+        int64 [rows], computed on the device: 4 bytes a row cross to the host, not the
+        row's vocab floats."""
+        if self.host_path == "old":
+            return np.argmax(self._forward(model, step, False), axis=-1)
+        return self._forward(model, step, True)
+
+    def _forward(self, model, step, argmax: bool) -> np.ndarray:
         cp = self.cp
         n = len(step.tokens)
         if self.profile_next:
@@ -314,12 +360,30 @@ class CUDABackend:
             graphable = (self.use_graphs and n == 1 and len(step.logit_rows) == 1
                          and step.block_tables.shape[0] == 1)
             if graphable:
-                return self._forward_graph(model, step)
+                if self.host_path == "old":
+                    return self._forward_graph_old(model, step)
+                return self._forward_graph(model, step, argmax)
             flat, layout = _pack_step(step)
             buf = cp.asarray(flat)
             dstep = _DevStep(step, _views(buf, layout), self._splits(n, self._split_ctx(step), model))
             out = self._run(model, dstep)
+            if argmax:
+                return self._argmax(out).get().astype(np.int64)
             return out.get()
+
+    def _argmax(self, x):
+        """Device argmax of each row of x [rows, n] float32 (argmax_rows): int32 [rows]."""
+        cp = self.cp
+        rows, n = x.shape
+        st = self._argmax_state.get(rows)
+        if st is None:
+            st = self._argmax_state[rows] = (cp.zeros(rows, cp.uint64), cp.zeros(rows, cp.uint32),
+                                             cp.empty(rows, cp.int32))
+        out = st[2]
+        nb = max(1, min(64, (n + 4095) // 4096))
+        self._fn("argmax_rows")((nb, rows), (256,), (x, np.int32(n), np.int64(x.strides[0] // 4),
+                                                      st[0], st[1], out))
+        return out
 
     def _run(self, model, dstep):
         return self._run_as(model, dstep, self)
@@ -357,11 +421,82 @@ class CUDABackend:
             return 1
         return max(1, min(64, ctx // 8))
 
-    def _forward_graph(self, model, step):
-        """Decode: replay the step captured for this block-table width."""
+    def _forward_graph(self, model, step, argmax: bool):
+        """Decode: replay the step captured for this block-table width (and output).
+
+        The graph holds the whole step: the step's index arrays copied in from a pinned
+        host buffer, the forward, with `argmax` the device argmax of the logits, and the
+        copy out (one int32, or the logits row) into pinned memory.  A token's host work
+        is writing its token, position, slots and block tables into that buffer, one
+        graph launch and one wait."""
+        MB = self._graph_width(step.block_tables.shape[1])
+        key = (id(model), MB, "ids" if argmax else "logits")
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = self._new_decode_graph(model, step, MB, argmax)
+        self._last_graph = g
+        _fill_decode(g["fill"], step)
+        if g["graph"] is None:
+            # eager once (compiles kernels, sizes the arena), then capture for the next tokens
+            self._decode_body(model, g, capture=False)
+            self.stream.synchronize()
+            res = g["host_out"].copy()
+            self.stream.begin_capture()
+            try:
+                self._decode_body(model, g, capture=True)
+            finally:
+                g["graph"] = self.stream.end_capture()
+        else:
+            g["graph"].launch(self.stream)
+            self.graph_replays += 1
+            self.stream.synchronize()
+            res = g["host_out"].copy()
+        return res.astype(np.int64) if argmax else res   # the caller's own array either way
+
+    def _new_decode_graph(self, model, step, MB, argmax):
+        cp = self.cp
+        flat, layout = _pack_step(step, MB)
+        host = np.frombuffer(cp.cuda.alloc_pinned_memory(flat.nbytes), np.int32, flat.size)
+        host[:] = flat
+        dev = cp.empty(flat.size, cp.int32)
+        dstep = _DevStep(step, _views(dev, layout), self._splits(1, MB * step.block_size, model))
+        return {"host": host, "dev": dev, "dstep": dstep, "graph": None, "argmax": argmax,
+                "fill": _decode_fill_views(host, layout), "host_out": None, "mega": None}
+
+    def _decode_body(self, model, g, capture: bool):
+        """Enqueue one decode step on the stream: copy in, forward, (argmax), copy out."""
+        cp = self.cp
+        rt = cp.cuda.runtime
+        sp = self.stream.ptr
+        rt.memcpyAsync(g["dev"].data.ptr, g["host"].ctypes.data, g["host"].nbytes, rt.memcpyHostToDevice, sp)
+        out = None
+        mega = g["mega"]
+        if not capture:
+            mega = self.mega_for(model, g["dstep"])
+            if mega is not None:
+                out = mega.run(g["dstep"])
+                self.stream.synchronize()
+                if mega.failed():       # not all blocks resident: never again on this backend
+                    self._megas[id(model)] = (model, "a grid barrier timed out")
+                    mega = out = None
+            g["mega"] = mega
+        elif mega is not None:
+            out = mega.run(g["dstep"])
+        if out is None:
+            out = self._run(model, g["dstep"])
+        if g["argmax"]:
+            out = self._argmax(out)
+        if g["host_out"] is None:
+            mem = cp.cuda.alloc_pinned_memory(out.nbytes)
+            g["host_out"] = np.frombuffer(mem, out.dtype, out.size).reshape(out.shape)
+        rt.memcpyAsync(g["host_out"].ctypes.data, out.data.ptr, out.nbytes, rt.memcpyDeviceToHost, sp)
+
+    def _forward_graph_old(self, model, step):
+        """Decode as before host_path "new": the step packed anew, copied in, the graph
+        launched, the logits copied out and copied again (kept for measuring)."""
         cp = self.cp
         MB = self._graph_width(step.block_tables.shape[1])
-        key = (id(model), MB)
+        key = (id(model), MB, "old")
         flat, layout = _pack_step(step, MB)
         g = self._graphs.get(key)
         if g is None:

@@ -172,3 +172,54 @@ extern "C" __global__ void spin(long long cycles) {
     const long long t0 = clock64();
     while (clock64() - t0 < cycles) { }
 }
+
+// Greedy decoding's argmax of each logits row, on the device: out[r] = the index np.argmax
+// gives (the first maximum; any NaN counts as the maximum, the first NaN wins; -0.0 == 0.0).
+// Each (value, index) becomes one 64-bit key that orders as np.argmax does: the value's
+// bits made monotonic in the high word, ~index in the low one (the lower index is the
+// larger key).  Blocks fold their chunk into best[r] by atomicMax; the row's last block
+// (counted in count[r]) writes out[r] and zeroes best[r] and count[r] for the next launch,
+// so the kernel can sit in a replayed graph.  best and count start zeroed.  Grid (nb, rows).
+__device__ __forceinline__ unsigned long long argmax_key(float v, unsigned int i) {
+    unsigned int u = __float_as_uint(v);
+    unsigned int o;
+    if (v != v) o = 0xffffffffu;                       // NaN: above +inf
+    else if (v == 0.f) o = 0x80000000u;                // -0.0 and +0.0 alike
+    else o = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)o << 32) | (unsigned long long)(0xffffffffu - i);
+}
+
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int n, long long stride,
+                                       unsigned long long* best, unsigned int* count, int* out) {
+    __shared__ unsigned long long red[32];
+    __shared__ bool last;
+    const int r = blockIdx.y;
+    const float* xr = x + (long long)r * stride;
+    const int per = (n + gridDim.x - 1) / gridDim.x;
+    const int lo = blockIdx.x * per, hi = min(n, lo + per);
+    unsigned long long k = 0;
+#pragma unroll 4
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const unsigned long long c = argmax_key(xr[i], (unsigned int)i);
+        k = c > k ? c : k;
+    }
+    for (int o = 16; o; o >>= 1) {
+        const unsigned long long c = __shfl_xor_sync(0xffffffffu, k, o);
+        k = c > k ? c : k;
+    }
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = k;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (blockDim.x >> 5); ++w) k = red[w] > k ? red[w] : k;
+        if (k) atomicMax(best + r, k);
+        __threadfence();
+        last = atomicAdd(count + r, 1u) == gridDim.x - 1;
+        if (last) {
+            __threadfence();
+            const unsigned long long b = atomicMax(best + r, 0ull);   // read through L2
+            out[r] = (int)(0xffffffffu - (unsigned int)(b & 0xffffffffu));
+            best[r] = 0ull;
+            count[r] = 0u;
+        }
+    }
+}

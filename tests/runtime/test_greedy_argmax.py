@@ -1,0 +1,154 @@
+"""Greedy decoding's argmax seam: Engine.step(argmax=True) gives np.argmax of the logits
+Engine.step returns (the CPU backend's forward_argmax; the CUDA backend computes it on
+the device, tests/gpu/test_greedy_argmax_gpu.py), greedy generation takes it and yields
+what the logits path yields, and the CUDA decode graph's in-place step fill writes what
+_pack_step packs (host-side code: runs here)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from runtime.engine import Engine
+from runtime.generate import Generation, _plain_tokens
+from runtime.sampling import Sampler, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class LogitsGreedy(SamplingParams):
+    """Greedy, but the token loop takes the logits and np.argmax (the path before the seam)."""
+
+    @property
+    def argmax_only(self) -> bool:
+        return False
+
+
+@pytest.fixture(scope="module")
+def smol(model_path):
+    return Engine(str(model_path("smollm2-135m")), n_ctx=512, threads=2)
+
+
+def test_argmax_only_means_greedy_without_penalty():
+    assert SamplingParams(temperature=0.0).argmax_only
+    assert not SamplingParams(temperature=0.0, repeat_penalty=1.1).argmax_only
+    assert not SamplingParams(temperature=0.7).argmax_only
+    assert not LogitsGreedy(temperature=0.0).argmax_only
+
+
+def test_step_argmax_equals_argmax_of_logits(smol):
+    """One sequence and two at once, last rows and all rows: the ids are np.argmax of the
+    rows the logits step returns for the same inputs (rolled back between the two)."""
+    eng = smol
+    rng = np.random.default_rng(0)
+    a, b = eng.new_sequence(), eng.new_sequence()
+    try:
+        eng.prefill(a, rng.integers(5, 1000, 21).tolist())
+        eng.prefill(b, rng.integers(5, 1000, 7).tolist())
+        for new, all_logits in (([[17]], False), ([[17], [99]], False), ([[3, 4, 5], [6]], True),
+                                ([[3, 4, 5], [6, 7]], False)):
+            seqs = [a, b][:len(new)]
+            lens = [len(s) for s in seqs]
+            logits = eng.step(seqs, new, all_logits=all_logits)
+            for s, n in zip(seqs, lens):
+                eng.cache.truncate(s, n)
+            ids = eng.step(seqs, new, all_logits=all_logits, argmax=True)
+            for s, n in zip(seqs, lens):
+                eng.cache.truncate(s, n)
+            assert ids.dtype == np.int64 and ids.shape == (logits.shape[0],)
+            np.testing.assert_array_equal(ids, np.argmax(logits, axis=-1))
+    finally:
+        eng.release(a)
+        eng.release(b)
+
+
+def _ids(eng, params, prompt, n):
+    sampler = Sampler(params)
+    seq = eng.new_sequence()
+    history = list(prompt)
+    try:
+        src = _plain_tokens(eng, seq, eng.prefill(seq, prompt), history, sampler)
+        out = []
+        for t in src:
+            out.append(t)
+            history.append(t)
+            if len(out) == n:
+                return out
+    finally:
+        eng.release(seq)
+
+
+def test_greedy_generation_same_with_and_without_argmax_seam(smol):
+    eng = smol
+    prompt = eng.tokenizer.encode("def fibonacci(n):\n    ")
+    calls = {"argmax": 0}
+    fwd = eng.backend.forward_argmax
+
+    def counting(model, step):
+        calls["argmax"] += 1
+        return fwd(model, step)
+    eng.backend.forward_argmax = counting
+    try:
+        fast = _ids(eng, GREEDY, prompt, 24)
+        assert calls["argmax"] == 23          # every decode step took the argmax seam
+        slow = _ids(eng, LogitsGreedy(temperature=0.0), prompt, 24)
+        assert calls["argmax"] == 23          # and the logits path none
+    finally:
+        del eng.backend.forward_argmax
+    assert fast == slow
+    gen = Generation(eng, prompt, GREEDY, max_tokens=24).run()
+    assert gen.ids == fast[:len(gen.ids)] and len(gen.ids) > 0
+
+
+def test_bench_tg_takes_the_greedy_seam(smol):
+    """bench's tg decodes as generation does: through Engine.step(argmax=True)."""
+    from runtime.bench import time_tg
+    eng = smol
+    seen = []
+    fwd = eng.backend.forward_argmax
+    eng.backend.forward_argmax = lambda model, step: seen.append(len(step.tokens)) or fwd(model, step)
+    try:
+        assert time_tg(eng, 5, np.random.default_rng(0)) > 0
+    finally:
+        del eng.backend.forward_argmax
+    assert seen == [1] * 5
+
+
+def test_decode_fill_in_place_equals_pack(model_path):
+    """The CUDA decode graph writes each one-token step into its packed host buffer in
+    place (_fill_decode); the buffer must then hold what _pack_step packs for that step,
+    whatever step was there before: block tables that grow, shrink (rollback) and, with
+    gemma3, two layer groups (global and sliding window)."""
+    from runtime.backend.cuda import _decode_fill_views, _fill_decode, _pack_step, CUDABackend
+    for name in ("smollm2-135m", "gemma3-270m"):
+        eng = Engine(str(model_path(name)), n_ctx=512, threads=2)
+        steps = []
+        fwd = eng.backend.forward
+
+        def record(model, step):
+            steps.append(step)
+            return fwd(model, step)
+        eng.backend.forward = record
+        seq = eng.new_sequence()
+        eng.prefill(seq, list(range(5, 40)))
+        for t in range(6):
+            eng.step([seq], [[50 + t]])
+        eng.cache.truncate(seq, 30)                  # back across a block edge
+        for t in range(20):
+            eng.step([seq], [[70 + t]])
+        eng.release(seq)
+        one = [s for s in steps if len(s.tokens) == 1]
+        assert len(one) == 26
+        if name == "gemma3-270m":
+            assert len(one[0].group_tables) == 2
+        mb = CUDABackend._graph_width(max(s.block_tables.shape[1] for s in one))
+        flat, layout = _pack_step(one[-1], mb)      # the buffer starts as another step's
+        host = flat.copy()
+        fill = _decode_fill_views(host, layout)
+        for s in one:
+            want, lay = _pack_step(s, mb)
+            assert lay == layout
+            _fill_decode(fill, s)
+            np.testing.assert_array_equal(host, want)
