@@ -181,10 +181,11 @@ extern "C" __global__ void spin(long long cycles) {
 // (counted in count[r]) writes out[r] and zeroes best[r] and count[r] for the next launch,
 // so the kernel can sit in a replayed graph.  best and count start zeroed.  Grid (nb, rows).
 __device__ __forceinline__ unsigned long long argmax_key(float v, unsigned int i) {
-    unsigned int u = __float_as_uint(v);
+    // on the bits alone: float compares would flush subnormals to zero under -ftz
+    const unsigned int u = __float_as_uint(v), a = u & 0x7fffffffu;
     unsigned int o;
-    if (v != v) o = 0xffffffffu;                       // NaN: above +inf
-    else if (v == 0.f) o = 0x80000000u;                // -0.0 and +0.0 alike
+    if (a > 0x7f800000u) o = 0xffffffffu;              // NaN: above +inf
+    else if (a == 0u) o = 0x80000000u;                 // -0.0 and +0.0 alike
     else o = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
     return ((unsigned long long)o << 32) | (unsigned long long)(0xffffffffu - i);
 }
