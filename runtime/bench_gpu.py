@@ -158,7 +158,56 @@ def tg_host_paths(eng, reps, n_gen, rng, paths):
     return out
 
 
-def bench_ours(path, reps, n_prompt, n_gen, sweep=None, profile=False, host_paths=("new",)):
+def graph_parts(eng, reps=100):
+    """GPU microseconds of each piece a decode graph adds around the forward: each piece
+    captured `reps` times in a row into one graph, replayed, time / reps.  The step
+    buffer's H2D copy (the old path does it before the graph, the new one inside it),
+    the argmax kernel writing to the device or into pinned host memory (the new path),
+    a 4-byte D2H copy, and the logits row's D2H copy (the old path, after the graph)."""
+    import cupy as cp
+    be = eng.backend
+    rt = cp.cuda.runtime
+    sp = be.stream.ptr
+    n_in = be._last_graph["host"].size
+    V = eng.config.vocab_size
+    pinned = lambda n, dt: np.frombuffer(cp.cuda.alloc_pinned_memory(n * np.dtype(dt).itemsize), dt, n)
+    host_in, host_id, host_logits = pinned(n_in, np.int32), pinned(1, np.int32), pinned(V, np.float32)
+    dev_in = cp.zeros(n_in, cp.int32)
+    with be.stream:
+        x = cp.random.default_rng(0).standard_normal((1, V), dtype=cp.float32)
+        dev_id = cp.zeros(1, cp.int32)
+    parts = {
+        "h2d_step": lambda: rt.memcpyAsync(dev_in.data.ptr, host_in.ctypes.data, host_in.nbytes,
+                                           rt.memcpyHostToDevice, sp),
+        "argmax_to_device": lambda: be._argmax(x),
+        "argmax_to_host": lambda: be._argmax(x, host_out=host_id),
+        "d2h_4_bytes": lambda: rt.memcpyAsync(host_id.ctypes.data, dev_id.data.ptr, 4, rt.memcpyDeviceToHost, sp),
+        "d2h_logits": lambda: rt.memcpyAsync(host_logits.ctypes.data, x.data.ptr, x.nbytes, rt.memcpyDeviceToHost, sp),
+    }
+    out = {}
+    with be.stream:
+        for name, f in parts.items():
+            f()
+            be.stream.begin_capture()
+            try:
+                for _ in range(reps):
+                    f()
+            finally:
+                graph = be.stream.end_capture()
+            graph.launch(be.stream)
+            s, e = cp.cuda.Event(), cp.cuda.Event()
+            s.record(be.stream)
+            graph.launch(be.stream)
+            e.record(be.stream)
+            e.synchronize()
+            out[name] = 1e3 * cp.cuda.get_elapsed_time(s, e) / reps
+    be.stream.synchronize()
+    assert int(host_id[0]) == int(np.argmax(x.get()[0]))
+    log("  graph parts (us each, in a graph): " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
+    return out
+
+
+def bench_ours(path, reps, n_prompt, n_gen, sweep=None, profile=False, host_paths=("new",), parts=False):
     import cupy as cp
     from runtime.backend.cuda_synth import load_weights_only
     from runtime.bench import measure, time_pp
@@ -176,6 +225,7 @@ def bench_ours(path, reps, n_prompt, n_gen, sweep=None, profile=False, host_path
     tg = main["tg"]
     mem = eng.backend.memory_report()
     replay = main["graph_replay_ms"]
+    parts_us = graph_parts(eng) if parts else None
     # one decode step eagerly, op by op, for where the time goes
     seq = eng.new_sequence()
     eng.step([seq], [[100] * 64])
@@ -188,7 +238,7 @@ def bench_ours(path, reps, n_prompt, n_gen, sweep=None, profile=False, host_path
            "bytes_per_token": per_tok, "weight_GBps": per_tok * tg[0] / 1e9, "memory": mem,
            "estimate": est, "graph_replays": eng.backend.graph_replays,
            "graph_replay_ms": replay, "graph_tg": 1e3 / replay, "graph_GBps": per_tok / replay / 1e6,
-           "host_ms_per_token": main["host_ms_per_token"], "host_path": main_path, "by_host": by_host,
+           "host_ms_per_token": main["host_ms_per_token"], "host_path": main_path, "by_host": by_host, "graph_parts_us": parts_us,
            "profile_ms": prof, "profile_total_ms": sum(t for _, t in prof)}
     mega = eng.backend._megas.get(id(eng.model))
     row["mega"] = (mega[1].config() if mega and not isinstance(mega[1], str) else (mega[1] if mega else None))
@@ -281,6 +331,8 @@ def main(argv=None):
                     help="host paths of a decode step to measure side by side on one engine, repetitions "
                          "interleaved: new (the default: step filled in place, argmax on the device), old "
                          "(the step packed anew, logits to the host, np.argmax there); e.g. old,new")
+    ap.add_argument("--graph-parts", action="store_true",
+                    help="time the pieces a decode graph adds around the forward (copies, argmax)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import cupy as cp
@@ -357,7 +409,7 @@ def main(argv=None):
                     row = bench_ours(path, args.repetitions, args.n_prompt, args.n_gen,
                                      sweep=sweep if (variant == "mega" and shape == "L8" and mix == "Q4_K_M") else None,
                                      profile=args.mega_profile and variant == "mega",
-                                     host_paths=tuple(args.host.split(",")))
+                                     host_paths=tuple(args.host.split(",")), parts=args.graph_parts)
                 except Exception as e:     # report and go on to the next model
                     row = {"error": f"{type(e).__name__}: {e}"}
                 row.update(shape=shape, mix=mix, engine="llamba-cuda" + ("" if variant == "int8" else "-" + variant))

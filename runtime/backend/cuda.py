@@ -371,19 +371,21 @@ class CUDABackend:
                 return self._argmax(out).get().astype(np.int64)
             return out.get()
 
-    def _argmax(self, x):
-        """Device argmax of each row of x [rows, n] float32 (argmax_rows): int32 [rows]."""
+    def _argmax(self, x, host_out=None):
+        """Device argmax of each row of x [rows, n] float32 (argmax_rows): int32 [rows] on
+        the device, or written straight into host_out (pinned host memory, int32 [rows]:
+        the device writes it over the bus; read it after the stream is synchronized)."""
         cp = self.cp
         rows, n = x.shape
         st = self._argmax_state.get(rows)
         if st is None:
             st = self._argmax_state[rows] = (cp.zeros(rows, cp.uint64), cp.zeros(rows, cp.uint32),
                                              cp.empty(rows, cp.int32))
-        out = st[2]
-        nb = max(1, min(64, (n + 4095) // 4096))
+        out = st[2] if host_out is None else np.uintp(host_out.ctypes.data)
+        nb = max(1, min(256, (n + 1023) // 1024))     # ~1024 values a block: 4 loads a thread
         self._fn("argmax_rows")((nb, rows), (256,), (x, np.int32(n), np.int64(x.strides[0] // 4),
                                                       st[0], st[1], out))
-        return out
+        return st[2] if host_out is None else host_out
 
     def _run(self, model, dstep):
         return self._run_as(model, dstep, self)
@@ -425,8 +427,9 @@ class CUDABackend:
         """Decode: replay the step captured for this block-table width (and output).
 
         The graph holds the whole step: the step's index arrays copied in from a pinned
-        host buffer, the forward, with `argmax` the device argmax of the logits, and the
-        copy out (one int32, or the logits row) into pinned memory.  A token's host work
+        host buffer, the forward, and either the device argmax of the logits, which writes
+        the token (one int32) into pinned host memory itself, or the logits row's copy
+        into pinned memory.  A token's host work
         is writing its token, position, slots and block tables into that buffer, one
         graph launch and one wait."""
         MB = self._graph_width(step.block_tables.shape[1])
@@ -464,7 +467,7 @@ class CUDABackend:
                 "fill": _decode_fill_views(host, layout), "host_out": None, "mega": None}
 
     def _decode_body(self, model, g, capture: bool):
-        """Enqueue one decode step on the stream: copy in, forward, (argmax), copy out."""
+        """Enqueue one decode step on the stream: copy in, forward, argmax or copy out."""
         cp = self.cp
         rt = cp.cuda.runtime
         sp = self.stream.ptr
@@ -484,12 +487,14 @@ class CUDABackend:
             out = mega.run(g["dstep"])
         if out is None:
             out = self._run(model, g["dstep"])
-        if g["argmax"]:
-            out = self._argmax(out)
         if g["host_out"] is None:
-            mem = cp.cuda.alloc_pinned_memory(out.nbytes)
-            g["host_out"] = np.frombuffer(mem, out.dtype, out.size).reshape(out.shape)
-        rt.memcpyAsync(g["host_out"].ctypes.data, out.data.ptr, out.nbytes, rt.memcpyDeviceToHost, sp)
+            dtype, shape = (np.int32, out.shape[:1]) if g["argmax"] else (out.dtype, out.shape)
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            g["host_out"] = np.frombuffer(cp.cuda.alloc_pinned_memory(nbytes), dtype, int(np.prod(shape))).reshape(shape)
+        if g["argmax"]:     # the kernel writes the ids into pinned host memory itself
+            self._argmax(out, host_out=g["host_out"])
+        else:
+            rt.memcpyAsync(g["host_out"].ctypes.data, out.data.ptr, out.nbytes, rt.memcpyDeviceToHost, sp)
 
     def _forward_graph_old(self, model, step):
         """Decode as before host_path "new": the step packed anew, copied in, the graph

@@ -180,6 +180,7 @@ extern "C" __global__ void spin(long long cycles) {
 // larger key).  Blocks fold their chunk into best[r] by atomicMax; the row's last block
 // (counted in count[r]) writes out[r] and zeroes best[r] and count[r] for the next launch,
 // so the kernel can sit in a replayed graph.  best and count start zeroed.  Grid (nb, rows).
+// out may be pinned host memory (a decode graph's: the token needs no copy node after).
 __device__ __forceinline__ unsigned long long argmax_key(float v, unsigned int i) {
     // on the bits alone: float compares would flush subnormals to zero under -ftz
     const unsigned int u = __float_as_uint(v), a = u & 0x7fffffffu;
