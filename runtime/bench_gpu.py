@@ -172,6 +172,7 @@ def graph_parts(eng, reps=100):
     V = eng.config.vocab_size
     pinned = lambda n, dt: np.frombuffer(cp.cuda.alloc_pinned_memory(n * np.dtype(dt).itemsize), dt, n)
     host_in, host_id, host_logits = pinned(n_in, np.int32), pinned(1, np.int32), pinned(V, np.float32)
+    host_4 = pinned(1, np.int32)
     dev_in = cp.zeros(n_in, cp.int32)
     with be.stream:
         x = cp.random.default_rng(0).standard_normal((1, V), dtype=cp.float32)
@@ -181,7 +182,7 @@ def graph_parts(eng, reps=100):
                                            rt.memcpyHostToDevice, sp),
         "argmax_to_device": lambda: be._argmax(x),
         "argmax_to_host": lambda: be._argmax(x, host_out=host_id),
-        "d2h_4_bytes": lambda: rt.memcpyAsync(host_id.ctypes.data, dev_id.data.ptr, 4, rt.memcpyDeviceToHost, sp),
+        "d2h_4_bytes": lambda: rt.memcpyAsync(host_4.ctypes.data, dev_id.data.ptr, 4, rt.memcpyDeviceToHost, sp),
         "d2h_logits": lambda: rt.memcpyAsync(host_logits.ctypes.data, x.data.ptr, x.nbytes, rt.memcpyDeviceToHost, sp),
     }
     out = {}
