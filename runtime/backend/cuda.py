@@ -7,8 +7,10 @@
   layer, indexed by slot exactly as on the CPU.
 * Step buffers come from an arena that hands out the same buffers in the same
   order every step, so a decode step has fixed pointers: it is captured once as
-  a CUDA graph per block-table width and replayed; Python then does one small
-  host-to-device copy, one graph launch and one logits copy per token.
+  a CUDA graph per block-table width and replayed: the graph copies the step's
+  index arrays in from pinned memory and, for greedy decoding, ends in the argmax,
+  which writes the token into pinned host memory; Python fills the step in place,
+  launches the graph and waits (forward_argmax; forward copies the logits out).
 * Prefill and other multi-token steps run eagerly (a few hundred launches per
   forward, negligible beside the GEMMs).
 * LLAMBA_CUDA_MEGA=1: llama-family decode steps as one persistent kernel
