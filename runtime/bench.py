@@ -28,16 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .generate import greedy_next
+
 
 def _random_tokens(engine, n: int, rng) -> list[int]:
     # avoid special/control ids at the low and high ends of the vocabulary
     return rng.integers(100, engine.config.vocab_size - 1000, size=n).tolist()
-
-
-def greedy_step(engine, seq, token: int) -> int:
-    """One greedy decode step as Generation takes it (runtime/generate.py: greedy without
-    penalties asks the engine for the argmax alone)."""
-    return int(engine.step([seq], [[token]], argmax=True)[0])
 
 
 def time_pp(engine, n: int, rng) -> float:
@@ -52,6 +48,7 @@ def time_pp(engine, n: int, rng) -> float:
 
 
 def time_tg(engine, n: int, rng, depth: int = 0) -> float:
+    """n greedy decode steps, each as Generation's token loop takes it (greedy_next)."""
     seq = engine.new_sequence()
     try:
         prompt = _random_tokens(engine, max(depth, 1), rng)
@@ -60,7 +57,7 @@ def time_tg(engine, n: int, rng, depth: int = 0) -> float:
         nxt = int(np.argmax(logits[0]))
         t = time.perf_counter()
         for _ in range(n):
-            nxt = greedy_step(engine, seq, nxt)
+            nxt = greedy_next(engine, seq, nxt)
         return n / (time.perf_counter() - t)
     finally:
         engine.release(seq)
@@ -80,7 +77,7 @@ def time_tg_at_depth(engine, n: int, depth: int, reps: int, rng) -> tuple[list[f
             nxt = first
             t = time.perf_counter()
             for _ in range(n):
-                nxt = greedy_step(engine, seq, nxt)
+                nxt = greedy_next(engine, seq, nxt)
             dt = time.perf_counter() - t
             if r:
                 runs.append(n / dt)

@@ -131,6 +131,12 @@ class Generation:
         return self
 
 
+def greedy_next(eng: Engine, seq: Sequence, token: int) -> int:
+    """Feed one token and return the greedy next one: the argmax alone, taken where the
+    logits are (on the device for the CUDA backend).  bench's tg decodes through this too."""
+    return int(eng.step([seq], [[token]], argmax=True)[0])
+
+
 def _plain_tokens(eng: Engine, seq: Sequence, logits, history: list[int], sampler: Sampler):
     """One target step per token; the consumer appends each token to history.  Greedy
     decoding without penalties asks the engine for the argmax alone (no logits)."""
@@ -138,6 +144,6 @@ def _plain_tokens(eng: Engine, seq: Sequence, logits, history: list[int], sample
     while True:
         yield nxt
         if sampler.p.argmax_only:
-            nxt = int(eng.step([seq], [[nxt]], argmax=True)[0])
+            nxt = greedy_next(eng, seq, nxt)
         else:
             nxt = sampler.sample(eng.step([seq], [[nxt]])[0], history)
