@@ -14,7 +14,10 @@ other rows (batch invariance).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 F32 = np.float32
 
@@ -34,6 +37,88 @@ def _quantize_block(xr, o, L, q, qo):
     for i in range(L):
         q[qo + i] = np.rint(xr[o + i] * idv)
     return amax / F32(127.0)
+
+
+# the order of the 32-code chunks of a 256-block in Q4_K_ORDER (self-inverse)
+_Q4K_CHUNKS = np.array([0, 2, 1, 3, 4, 6, 5, 7], np.int64)
+_f32 = ir.FloatType()
+_i32 = ir.IntType(32)
+_v16f32 = ir.VectorType(_f32, 16)
+_v16i32 = ir.VectorType(_i32, 16)
+_v16i8 = ir.VectorType(ir.IntType(8), 16)
+
+
+def _decl(builder, name, ret, args):
+    try:
+        return builder.module.get_global(name)
+    except KeyError:
+        return ir.Function(builder.module, ir.FunctionType(ret, args), name)
+
+
+@intrinsic
+def q8_block(typingctx, L, src, so, dst, dst4, s16, s32, do, do16, do32):
+    """Round src[so:so+L] (float32; L = 32 or 256, a literal) to int8 codes
+    dst[do:do+L] with step amax/127, exactly as _quantize_block does (x * (127 /
+    amax), rounded half to even); returns the step.  Where not None: dst4[do:do+L]
+    the same codes in Q4_K's load order (Q4_K_ORDER, L = 256), s16[do16+j] the
+    sum of codes 16j..16j+15, s32[do32+j] of codes 32j..32j+31.
+
+    Plain LLVM vector IR (any CPU), 16 lanes a step: the max of |x| is an
+    integer max of the sign-cleared bits (non-negative floats order as their
+    bits).  Numba's scalar loops for this took 1-2 ns a value."""
+    if not isinstance(L, types.IntegerLiteral):
+        return None
+    n = L.literal_value
+    assert n % 32 == 0
+    want4, want16, want32 = (not isinstance(t, types.NoneType) for t in (dst4, s16, s32))
+    assert not want4 or n == 256
+    sig = types.float32(L, src, so, dst, dst4, s16, s32, do, do16, do32)
+
+    def codegen(context, builder, signature, args):
+        ta = signature.args
+        _, srcv, sov, dstv, d4v, s16v, s32v, dov, d16v, d32v = args
+
+        def ptr(i, v):
+            return context.make_array(ta[i])(context, builder, v).data
+
+        sp, dp = ptr(1, srcv), ptr(3, dstv)
+        i64 = ir.IntType(64)
+        sov, dov, d16v, d32v = [builder.sext(v, i64) if v.type != i64 else v for v in (sov, dov, d16v, d32v)]
+
+        def at(p, base, k):
+            return builder.gep(p, [builder.add(base, ir.Constant(i64, k))])
+
+        vs = [builder.load(builder.bitcast(at(sp, sov, 16 * k), _v16f32.as_pointer()), align=4)
+              for k in range(n // 16)]
+        smax = _decl(builder, "llvm.smax.v16i32", _v16i32, [_v16i32, _v16i32])
+        bits = [builder.and_(builder.bitcast(v, _v16i32), ir.Constant(_v16i32, [0x7FFFFFFF] * 16)) for v in vs]
+        while len(bits) > 1:
+            bits = [builder.call(smax, [bits[i], bits[i + 1]]) for i in range(0, len(bits), 2)]
+        m = builder.call(_decl(builder, "llvm.vector.reduce.smax.v16i32", _i32, [_v16i32]), [bits[0]])
+        amax = builder.bitcast(m, _f32)
+        nz = builder.fcmp_ordered("!=", amax, ir.Constant(_f32, 0.0))
+        idv = builder.select(nz, builder.fdiv(ir.Constant(_f32, 127.0), amax), ir.Constant(_f32, 0.0))
+        sv = builder.insert_element(ir.Constant(_v16f32, ir.Undefined), idv, ir.Constant(_i32, 0))
+        sv = builder.shuffle_vector(sv, sv, ir.Constant(_v16i32, [0] * 16))
+        rint = _decl(builder, "llvm.rint.v16f32", _v16f32, [_v16f32])
+        radd = _decl(builder, "llvm.vector.reduce.add.v16i32", _i32, [_v16i32])
+        sums = []
+        for k, v in enumerate(vs):
+            c = builder.fptosi(builder.call(rint, [builder.fmul(v, sv)]), _v16i32)
+            c8 = builder.trunc(c, _v16i8)
+            builder.store(c8, builder.bitcast(at(dp, dov, 16 * k), _v16i8.as_pointer()), align=1)
+            if want4:       # natural 32-chunk k // 2 lies at chunk _Q4K_CHUNKS[k // 2] (self-inverse)
+                o4 = 32 * int(_Q4K_CHUNKS[k // 2]) + 16 * (k % 2)
+                builder.store(c8, builder.bitcast(at(ptr(4, d4v), dov, o4), _v16i8.as_pointer()), align=1)
+            sums.append(builder.call(radd, [c]) if (want16 or want32) else None)
+        for k, t in enumerate(sums):
+            if want16:
+                builder.store(t, at(ptr(5, s16v), d16v, k))
+            if want32 and k % 2:
+                builder.store(builder.add(sums[k - 1], t), at(ptr(6, s32v), d32v, k // 2))
+        return builder.fdiv(amax, ir.Constant(_f32, 127.0))
+
+    return sig, codegen
 
 
 @njit(cache=True)
@@ -79,32 +164,30 @@ def quantize_q8_32_i8(x, xq, xd, xsum, xs):
         xr = x[r]
         for b in range(nb):
             o = r * K + b * 32
-            d = _quantize_block(xr, b * 32, 32, xq, o)
-            s = 0
-            for i in range(32):
-                s += np.int32(xq[o + i])
+            d = q8_block(32, xr, b * 32, xq, None, None, xsum, o, 0, r * nb + b)
             xd[r * nb + b] = d
-            xsum[r * nb + b] = s
-            xs[r * nb + b] = d * F32(s)
+            xs[r * nb + b] = d * F32(xsum[r * nb + b])
+
+
+# Q4_K_ORDER[i]: the weight (within its 256-block) whose code lies at byte i of
+# the codes a Q4_K kernel unpacks from two 64-byte loads of nibbles: low nibbles
+# of qs[0:64] are weights 0-31 and 64-95, high nibbles 32-63 and 96-127, and so
+# on for the second half.
+Q4_K_ORDER = np.array([32 * c + i for c in _Q4K_CHUNKS for i in range(32)], np.int64)
 
 
 @njit(cache=True)
-def quantize_q8_256_i8(x, xq, xd, xb, xb16):
-    """For the VNNI kernels, all flat: x f32 [n, K] -> xq int8 [n*K], xd f32
-    [n*K/256], code sums xb int32 [n*K/32] and xb16 int32 [n*K/16]."""
+def quantize_q8_256_i8(x, xq, xq4, xd, xb, xb16):
+    """For the VNNI kernels, all flat: x f32 [n, K] -> xq int8 [n*K], the same
+    codes in Q4_K's load order xq4 int8 [n*K] (Q4_K_ORDER), xd f32 [n*K/256],
+    code sums xb int32 [n*K/32] and xb16 int32 [n*K/16]."""
     n, K = x.shape
     nsb = K // 256
     for r in range(n):
         xr = x[r]
         for b in range(nsb):
-            xd[r * nsb + b] = _quantize_block(xr, b * 256, 256, xq, r * K + b * 256)
-        for j in range(K // 16):
-            s = 0
-            for i in range(16):
-                s += np.int32(xq[r * K + j * 16 + i])
-            xb16[r * (K // 16) + j] = s
-        for j in range(K // 32):
-            xb[r * (K // 32) + j] = xb16[r * (K // 16) + 2 * j] + xb16[r * (K // 16) + 2 * j + 1]
+            o = r * K + b * 256
+            xd[r * nsb + b] = q8_block(256, xr, b * 256, xq, xq4, xb16, xb, o, o // 16, o // 32)
 
 
 @njit(inline="always")

@@ -68,6 +68,8 @@ def cpu_has(env: str, *features: str) -> bool:
 
 
 HAVE_VNNI = cpu_has("LLAMBA_QUANT_VNNI", "avx512vnni")
+# GFNI (Ice Lake, Zen4 and later; not Cascade Lake) unpacks Q4_K's high nibbles in one instruction
+HAVE_GFNI = HAVE_VNNI and cpu_has("LLAMBA_QUANT_GFNI", "gfni")
 F32 = np.float32
 _i1 = ir.IntType(1)
 _i8 = ir.IntType(8)
@@ -298,10 +300,11 @@ def _kq_all(kind, w, xq, xd, xb, out, res, n, K, m0, m1):
 
 
 @njit(cache=True)
-def rows_q4_k(w, xq, xd, xb, unused, out, res, n, K, m0, m1):
-    """xq, xd, xb: flat outputs of act_quant.quantize_q8_256_i8 (xb the sums
-    per 32); `unused` keeps the legacy kernels' argument types."""
-    _kq_all(0, w, xq, xd, xb, out, res, n, K, m0, m1)
+def rows_q4_k(w, xq4, xd, xb, unused, out, res, n, K, m0, m1):
+    """xq4, xd, xb: flat outputs of act_quant.quantize_q8_256_i8 (the codes in
+    Q4_K's order, xb the sums per 32); `unused` keeps the legacy kernels'
+    argument types."""
+    _kq_all(0, w, xq4, xd, xb, out, res, n, K, m0, m1)
 
 
 @njit(cache=True)
@@ -353,14 +356,14 @@ def multi_any(kind, ws, xq, xd, xs1, xs2, outs, res, n, K, cw, cm0, cm1):
 
 
 @njit(parallel=True, cache=True)
-def multi_kq(kinds, ws, xq, xd, xb, xb16, outs, res, n, K, cw, cm0, cm1):
+def multi_kq(kinds, ws, xq, xq4, xd, xb, xb16, outs, res, n, K, cw, cm0, cm1):
     """As multi_any for a mixture of Q4_K (kind 10) and Q6_K (kind 11) weights
     (Q4_K_M files mix them in q/k/v): one parallel region, each chunk with its
     own weight's kernel, on one activation quantization."""
     for c in prange(cw.size):
         i = cw[c]
         if kinds[i] == 10:
-            rows_q4_k(ws[i], xq, xd, xb, xd, outs[i], res[c], n, K, cm0[c], cm1[c])
+            rows_q4_k(ws[i], xq4, xd, xb, xd, outs[i], res[c], n, K, cm0[c], cm1[c])
         else:
             rows_q6_k(ws[i], xq, xd, xb16, xd, outs[i], res[c], n, K, cm0[c], cm1[c])
 
@@ -377,12 +380,15 @@ def matvec_leg(kind, x, w, xq, xd, xsum, xs, out, res, fresh):
 
 
 @njit(cache=True)
-def matvec_k(kind, x, w, xq, xd, xb, xb16, out, res, fresh):
+def matvec_k(kind, x, w, xq, xq4, xd, xb, xb16, out, res, fresh):
     """As matvec_leg for Q4_K (kind 10) / Q6_K (kind 11)."""
     n, K = x.shape
     if fresh:
-        quantize_q8_256_i8(x, xq, xd, xb, xb16)
-    _rows_any(kind, w, xq, xd, xb if kind == 10 else xb16, xd, out, res, n, K, 0, w.shape[0])
+        quantize_q8_256_i8(x, xq, xq4, xd, xb, xb16)
+    if kind == 10:
+        _rows_any(kind, w, xq4, xd, xb, xd, out, res, n, K, 0, w.shape[0])
+    else:
+        _rows_any(kind, w, xq, xd, xb16, xd, out, res, n, K, 0, w.shape[0])
 
 
 # ---------------------------------------------------------------- row groups
