@@ -40,7 +40,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .vnni import (HAVE_GFNI, Q4_K, Q6_K, _c, _data, _fma_t, _fn, _hsumf, _i8, _i16, _i32, _i64, _literal,
+from .vnni import (HAVE_GFNI, Q4_K, Q6_K, _c, _gf_bits, _data, _fma_t, _fn, _hsumf, _i8, _i16, _i32, _i64, _literal,
                    _load_half, _load_vec, _shuf, _splat, _v8f32, _v8i32, _v16f32, _v16i32, _v32i8, _v64i8,
                    _vpdpbusd512, prefetch)
 
@@ -89,16 +89,6 @@ def _shr_halves(builder, v64, lo_shift, hi_shift, mask):
     w = builder.bitcast(v64, _v32i16)
     w = builder.lshr(w, ir.Constant(_v32i16, [lo_shift] * 16 + [hi_shift] * 16))
     return builder.and_(builder.bitcast(w, _v64i8), ir.Constant(_v64i8, [mask] * 64))
-
-
-def _gf_bits(builder, v64, moves):
-    """vgf2p8affineqb: in each byte of the i-th 8 bytes of v64, result bit b = source
-    bit moves[i][b], the other bits 0 (result bit b is the parity of the source AND
-    byte 7-b of that 8-byte matrix)."""
-    qwords = [sum((1 << src) << (8 * (7 - dst)) for dst, src in m.items()) for m in moves]
-    fn = _fn(builder, "llvm.x86.vgf2p8affineqb.512", _v64i8, [_v64i8, _v64i8, _i8])
-    matrix = builder.bitcast(ir.Constant(ir.VectorType(_i64, 8), qwords), _v64i8)
-    return builder.call(fn, [v64, matrix, ir.Constant(_i8, 0)])
 
 
 def _high_nibbles(builder, v64):

@@ -72,15 +72,19 @@ def test_matches_float64_reference(qtype, n, rng):
 def test_batch_invariance(qtype, rng):
     """Row r's result is bit-identical for any n <= BATCH_INVARIANT_MAX_ROWS,
     whatever the other rows hold (speculative decoding's greedy exactness)."""
-    M, K = 40, 256 if TYPE_INFO[qtype][0] == 256 else 96
-    W = QTensor("w", qtype, (M, K), random_weight_bytes(rng, qtype, M, K))
-    probe = rng.standard_normal((1, K)).astype(np.float32)
-    alone = matmul(probe, W)[0].copy()
-    for n in range(2, BATCH_INVARIANT_MAX_ROWS + 1):
-        x = (rng.standard_normal((n, K)) * rng.uniform(0.01, 100, (n, 1))).astype(np.float32)
-        r = rng.integers(n)
-        x[r] = probe[0]
-        np.testing.assert_array_equal(matmul(x, W)[r], alone, err_msg=f"n={n}, row {r}")
+    # 32-element formats: 1-14 blocks a row, so every tail after groups of 8 (0-7) occurs
+    sizes = [256, 512] if TYPE_INFO[qtype][0] == 256 else [32, 96, 224, 256, 352, 448]
+    for K in sizes:
+        M = 40
+        W = QTensor("w", qtype, (M, K), random_weight_bytes(rng, qtype, M, K))
+        probe = rng.standard_normal((1, K)).astype(np.float32)
+        alone = matmul(probe, W)[0].copy()
+        _check(probe, W, alone[None])
+        for n in range(2, BATCH_INVARIANT_MAX_ROWS + 1, 1 if K in (96, 256) else 5):
+            x = (rng.standard_normal((n, K)) * rng.uniform(0.01, 100, (n, 1))).astype(np.float32)
+            r = rng.integers(n)
+            x[r] = probe[0]
+            np.testing.assert_array_equal(matmul(x, W)[r], alone, err_msg=f"K={K}, n={n}, row {r}")
 
 
 def test_real_weights(rng):
