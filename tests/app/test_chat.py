@@ -21,7 +21,9 @@ def _num(pattern: str, text: str) -> float:
 
 
 def test_streamed_answer_live_panel_and_event_loop(make_window, qtbot, stall_probe, capsys):
-    w = make_window(max_tokens=24)
+    # enough tokens to span many 40 ms UI ticks even on a fast machine (24 tokens at
+    # ~150 t/s gave 3-4 ticks, and the "grew over several ticks" checks flaked)
+    w = make_window(max_tokens=80)
     seen = []        # what the window showed at each UI tick while the answer streamed
 
     def record():
