@@ -18,6 +18,8 @@ from quant.blas_threads import set_blas_threads
 from quant.matmul_cpu import matmul_into, matmul_multi_into, pool_sgemm
 
 from . import cpu_kernels as K
+from . import hugepages
+from .hugepages import HugePageArena
 
 
 class _Arena:
@@ -106,14 +108,21 @@ class CPUBackend:
         self.arena = _Arena()
         self.scratch = quant.Scratch()   # matmul work buffers (the engine's thread only)
         self.kv: CPUKVStorage | None = None
+        self.hugepages = HugePageArena() if hugepages.available() else None
         self.device_name = f"CPU ({os.cpu_count()} cores, {self.threads} threads)"
 
     # ---- set-up ----------------------------------------------------------------
     def upload(self, t: QTensor):
-        """Weights stay as they are in the file (memory-mapped blocks); 1-D tensors
-        (norms, biases) become float32 vectors."""
+        """Weights keep their file's block layout: the matrices decoding streams are
+        copied into huge-page memory where the system offers it (hugepages.py), the
+        rest stay memory-mapped (the embedding table: a row a token is read);
+        1-D tensors (norms, biases) become float32 vectors."""
         if len(t.shape) == 1:
             return quant.dequantize(t).astype(np.float32).reshape(-1)
+        if self.hugepages is not None and t.name != "token_embd.weight":
+            data = self.hugepages.place(t.data)
+            if data is not None:
+                return QTensor(t.name, t.qtype, t.shape, data)
         return t
 
     def alloc_kv(self, n_layers, n_slots, n_kv_heads, head_dim, cache_type="f16"):
