@@ -63,7 +63,10 @@ class Engine:
         self.tokenizer = lm.tokenizer
         if hasattr(self.backend, "check_fits"):     # GPU: refuse what will not fit, before uploading
             self.backend.check_fits(lm, min(n_ctx or 4096, cfg.context_length), block_size, cache_blocks)
-        self.model = model_class(cfg.arch)(cfg, {n: self.backend.upload(t) for n, t in lm.tensors.items()})
+        # the embedding table is streamed every token only where it doubles as the output layer
+        tied = "output.weight" not in lm.tensors
+        self.model = model_class(cfg.arch)(cfg, {n: self.backend.upload(t, streamed=tied or n != "token_embd.weight")
+                                                 for n, t in lm.tensors.items()})
         self.n_ctx = min(n_ctx or 4096, cfg.context_length)
         self.block_size = block_size
         n_blocks = cache_blocks or 2 * math.ceil(self.n_ctx / block_size)

@@ -112,14 +112,14 @@ class CPUBackend:
         self.device_name = f"CPU ({os.cpu_count()} cores, {self.threads} threads)"
 
     # ---- set-up ----------------------------------------------------------------
-    def upload(self, t: QTensor):
+    def upload(self, t: QTensor, streamed: bool = True):
         """Weights keep their file's block layout: the matrices decoding streams are
         copied into huge-page memory where the system offers it (hugepages.py), the
-        rest stay memory-mapped (the embedding table: a row a token is read);
-        1-D tensors (norms, biases) become float32 vectors."""
+        rest stay memory-mapped (streamed=False: an embedding table of which a token
+        reads one row); 1-D tensors (norms, biases) become float32 vectors."""
         if len(t.shape) == 1:
             return quant.dequantize(t).astype(np.float32).reshape(-1)
-        if self.hugepages is not None and t.name != "token_embd.weight":
+        if self.hugepages is not None and streamed:
             data = self.hugepages.place(t.data)
             if data is not None:
                 return QTensor(t.name, t.qtype, t.shape, data)

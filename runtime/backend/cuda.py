@@ -320,7 +320,7 @@ class CUDABackend:
                 "device_free_bytes": int(free), "device_total_bytes": int(total)}
 
     # ---- set-up ------------------------------------------------------------------
-    def upload(self, t: QTensor):
+    def upload(self, t: QTensor, streamed: bool = True):
         """Matrices keep their block layout on the device; 1-D tensors (norms, biases)
         become float32 vectors."""
         cp = self.cp

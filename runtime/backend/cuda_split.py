@@ -102,10 +102,10 @@ class SplitBackend:
             return False
         return self.n_layers is not None and self.n_gpu >= self.n_layers
 
-    def upload(self, t: QTensor):
+    def upload(self, t: QTensor, streamed: bool = True):
         if self._on_gpu_name(t.name):
-            return self.gpu.upload(t)
-        return self.cpu.upload(t)
+            return self.gpu.upload(t, streamed)
+        return self.cpu.upload(t, streamed)
 
     def alloc_kv(self, n_layers, n_slots, n_kv_heads, head_dim, cache_type="f16"):
         g = self.gpu.alloc_kv(self.n_gpu, n_slots, n_kv_heads, head_dim, cache_type) if self.n_gpu else None
