@@ -207,17 +207,6 @@ def _hsumf(builder, v):
     return builder.extract_element(v, _c(0, _i32))
 
 
-def _pair(builder, a, b):
-    """a, b two vectors of one type -> their concatenation."""
-    n = a.type.count
-    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, 2 * n), list(range(2 * n))))
-
-
-def _reduce_add(builder, v):
-    fn = _fn(builder, f"llvm.vector.reduce.add.v{v.type.count}i32", _i32, [v.type])
-    return builder.call(fn, [v])
-
-
 def _shuf(builder, v, idx):
     return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, len(idx)), idx))
 
@@ -571,16 +560,9 @@ def leg_row1(typingctx, kind, src, nb, xq, xd, xsum, xs, r0, K, res):
             xv = _load_vec(builder, xqp, builder.add(xrow, builder.mul(b, _c(32))), _v32i8)
             return _vpdpbusd(builder, ir.Constant(_v8i32, None), _codes32(builder, w, builder.mul(b, _c(BB)), k), xv)
 
-        def halves(b0, off):
-            h = ir.Constant(ir.VectorType(_i16, 8), None)
-            for j in range(8):
-                p = builder.bitcast(builder.gep(w, [builder.add(builder.mul(builder.add(b0, _c(j)), _c(BB)),
-                                                                _c(off))]), _i16.as_pointer())
-                h = builder.insert_element(h, builder.load(p, align=1), _c(j, _i32))
-            return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), _v8f32)
-
-        def halves_t(b0, off, t):
-            """halves() of blocks b0..b0+t-1 only, 0.0 in lanes >= t (nothing read past them)."""
+        def halves(b0, off, t=8):
+            """The f16 field at `off` of blocks b0..b0+t-1 as floats, 0.0 in lanes >= t
+            (nothing read past them)."""
             h = ir.Constant(ir.VectorType(_i16, 8), None)
             for j in range(t):
                 p = builder.bitcast(builder.gep(w, [builder.add(builder.mul(builder.add(b0, _c(j)), _c(BB)),
@@ -616,11 +598,11 @@ def leg_row1(typingctx, kind, src, nb, xq, xd, xsum, xs, r0, K, res):
                 if OFF:
                     isum = builder.sub(isum, builder.mul(_lanes(builder, xsump, bi, t, _i32),
                                                          ir.Constant(_v8i32, [OFF] * 8)))
-                sc = builder.fmul(halves_t(b0, 0, t), _lanes(builder, xdp, bi, t, _f32))
+                sc = builder.fmul(halves(b0, 0, t), _lanes(builder, xdp, bi, t, _f32))
                 old = builder.load(acc)
                 a = _fma_t(builder, builder.sitofp(isum, _v8f32), sc, old)
                 if MOFF >= 0:
-                    a = _fma_t(builder, halves_t(b0, MOFF, t), _lanes(builder, xsp, bi, t, _f32), a)
+                    a = _fma_t(builder, halves(b0, MOFF, t), _lanes(builder, xsp, bi, t, _f32), a)
                 keep = ir.Constant(ir.VectorType(_i1, 8), [int(j < t) for j in range(8)])
                 builder.store(builder.select(keep, a, old), acc)
         av = builder.load(acc)

@@ -6,20 +6,18 @@ nothing once warm.
 """
 from __future__ import annotations
 
-import math
 import os
 
 import numba
 import numpy as np
 
 import quant
-from quant import GGMLType, QTensor
+from quant import QTensor
 from quant.blas_threads import set_blas_threads
 from quant.matmul_cpu import matmul_into, matmul_multi_into, pool_sgemm
 
 from . import cpu_kernels as K
 from . import hugepages
-from .hugepages import HugePageArena
 
 
 class _Arena:
@@ -108,7 +106,7 @@ class CPUBackend:
         self.arena = _Arena()
         self.scratch = quant.Scratch()   # matmul work buffers (the engine's thread only)
         self.kv: CPUKVStorage | None = None
-        self.hugepages = HugePageArena() if hugepages.available() else None
+        self.hugepages = hugepages.HugePageArena() if hugepages.available() else None
         self.device_name = f"CPU ({os.cpu_count()} cores, {self.threads} threads)"
 
     # ---- set-up ----------------------------------------------------------------
