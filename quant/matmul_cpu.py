@@ -357,7 +357,8 @@ def _gemm_bf16(xb, n, W, out, scratch):
     by _pack_bf16: twice the float32 peak."""
     nt = numba.config.NUMBA_NUM_THREADS
     K = W.shape[-1]
-    _run_parallel(GB.gemm_bf16_tiles, int(W.qtype), W.data, xb, n, out, scratch.get("bf16f", (nt, K)),
+    _run_parallel(GB.gemm_bf16_tiles, int(W.qtype), W.data, xb, n, out,
+                  scratch.get("bf16f", (nt, GB.TILE, GB.chunk_cols(K))),
                   scratch.get("bf16w", (nt, K // 2, GB.TILE), np.uint32),
                   scratch.get("bf16c", (nt, GB.ROWS, GB.TILE)))
     return out
