@@ -117,6 +117,30 @@ def _round_bf16(builder, f):
     return builder.lshr(builder.add(builder.add(u, ir.Constant(_v16i32, [0x7FFF] * 16)), odd), s16)
 
 
+def _pair16(builder, lo, hi):
+    """Two vectors of 16 floats (elements 2q.. of a row) -> 16 bf16 pairs as i32."""
+    v16i16 = ir.VectorType(_i16, 16)
+    a, b = (builder.trunc(_round_bf16(builder, v), v16i16) for v in (lo, hi))
+    both = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
+    return builder.bitcast(both, _v16i32)
+
+
+def _transpose_store(builder, row_pairs, wpp, p0v, npv):
+    """wp[p0 + q, j] = row_pairs(j, q0)[q - q0] for q < npairs, j < 32, where
+    row_pairs(j, q0) emits the 16 pairs q0..q0+15 of tile row j (an i32 vector)."""
+    with cgutils.for_range(builder, builder.udiv(npv, _c(16))) as loop:
+        q0 = builder.mul(loop.index, _c(16))
+        for jb in (0, 16):
+            cols = _transpose16(builder, [row_pairs(jb + r, q0) for r in range(16)])
+            for q, col in enumerate(cols):
+                off = builder.add(builder.mul(builder.add(builder.add(p0v, q0), _c(q)), _c(TILE)), _c(jb))
+                builder.store(col, builder.bitcast(builder.gep(wpp, [off]), _v16i32.as_pointer()), align=4)
+
+
+def _i64s(builder, *vs):
+    return [builder.sext(v, _i64) if v.type != _i64 else v for v in vs]
+
+
 @intrinsic
 def pack_tile(typingctx, f, wp, p0, npairs):
     """wp[p0 + q, j] = bf16 pair (f[j, 2q], f[j, 2q+1]) for q < npairs, j < 32:
@@ -131,26 +155,158 @@ def pack_tile(typingctx, f, wp, p0, npairs):
         fv, wpv, p0v, npv = args
         fa = context.make_array(ta[0])(context, builder, fv)
         fp = fa.data
-        fstride = builder.extract_value(fa.strides, 0)          # bytes per row of f
-        fstride = builder.udiv(fstride, _c(4))
-        wpp = _data(context, builder, ta[1], wpv)
-        p0v, npv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (p0v, npv)]
-        v16i16 = ir.VectorType(_i16, 16)
-        with cgutils.for_range(builder, builder.udiv(npv, _c(16))) as loop:
-            q0 = builder.mul(loop.index, _c(16))                 # first pair of this group
-            for jb in (0, 16):
-                packed = []
-                for r in range(16):
-                    base = builder.add(builder.mul(_c(jb + r), fstride), builder.mul(q0, _c(2)))
-                    halves = []
-                    for h in range(2):
-                        ptr = builder.bitcast(builder.gep(fp, [builder.add(base, _c(16 * h))]), _v16f32.as_pointer())
-                        halves.append(builder.trunc(_round_bf16(builder, builder.load(ptr, align=4)), v16i16))
-                    both = builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
-                    packed.append(builder.bitcast(both, _v16i32))   # lane q: pair q of row jb + r
-                for q, col in enumerate(_transpose16(builder, packed)):
-                    off = builder.add(builder.mul(builder.add(builder.add(p0v, q0), _c(q)), _c(TILE)), _c(jb))
-                    builder.store(col, builder.bitcast(builder.gep(wpp, [off]), _v16i32.as_pointer()), align=4)
+        fstride = builder.udiv(builder.extract_value(fa.strides, 0), _c(4))    # floats per row of f
+        p0v, npv = _i64s(builder, p0v, npv)
+
+        def row_pairs(j, q0):
+            base = builder.add(builder.mul(_c(j), fstride), builder.mul(q0, _c(2)))
+            lo, hi = (builder.load(builder.bitcast(builder.gep(fp, [builder.add(base, _c(16 * h))]),
+                                                   _v16f32.as_pointer()), align=4) for h in range(2))
+            return _pair16(builder, lo, hi)
+
+        _transpose_store(builder, row_pairs, _data(context, builder, ta[1], wpv), p0v, npv)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# ---- K-quant super-blocks decoded straight to bf16 pairs ---------------------------------
+
+Q4_K, Q6_K = 12, 14          # GGML type ids
+
+
+def _vload(builder, base, off, n, elt=None):
+    vt = ir.VectorType(elt or ir.IntType(8), n)
+    return builder.load(builder.bitcast(builder.gep(base, [off]), vt.as_pointer()), align=1)
+
+
+def _half_at(builder, base, off):
+    h = builder.load(builder.bitcast(builder.gep(base, [off]), ir.IntType(16).as_pointer()), align=1)
+    return builder.fpext(builder.bitcast(h, ir.HalfType()), ir.FloatType())
+
+
+def _lane(builder, v, i):
+    return builder.extract_element(v, ir.Constant(_i32, i))
+
+
+def _codes16(builder, b16, sub=0):
+    """16 bytes -> 16 floats of (byte - sub)."""
+    v = builder.zext(b16, _v16i32)
+    if sub:
+        v = builder.sub(v, ir.Constant(_v16i32, [sub] * 16))
+    return builder.sitofp(v, _v16f32)
+
+
+def _bytes16(builder, v32, h):
+    return builder.shuffle_vector(v32, v32, ir.Constant(ir.VectorType(_i32, 16), list(range(16 * h, 16 * h + 16))))
+
+
+def _emit_sb_q4_k(builder, w):
+    """A Q4_K super-block at w (i8*) -> 16 vectors of 16 floats, elements in order:
+    deq_row_q4_k's arithmetic (d * sc, dmin * m, then d1 * q - dm1, unfused)."""
+    v32i8 = ir.VectorType(ir.IntType(8), 32)
+    d, dmin = _half_at(builder, w, _c(0)), _half_at(builder, w, _c(2))
+    sc = [builder.load(builder.gep(w, [_c(4 + i)])) for i in range(12)]     # the packed 6-bit pairs
+    i8 = ir.IntType(8)
+
+    def scale_min(j):
+        if j < 4:
+            return builder.and_(sc[j], ir.Constant(i8, 63)), builder.and_(sc[j + 4], ir.Constant(i8, 63))
+        s = builder.or_(builder.and_(sc[j + 4], ir.Constant(i8, 15)),
+                        builder.shl(builder.lshr(sc[j - 4], ir.Constant(i8, 6)), ir.Constant(i8, 4)))
+        m = builder.or_(builder.lshr(sc[j + 4], ir.Constant(i8, 4)),
+                        builder.shl(builder.lshr(sc[j], ir.Constant(i8, 6)), ir.Constant(i8, 4)))
+        return s, m
+
+    out = []
+    for g in range(4):
+        q = _vload(builder, w, _c(16 + 32 * g), 32)
+        for h in range(2):
+            s, m = scale_min(2 * g + h)
+            d1 = builder.fmul(d, builder.uitofp(s, ir.FloatType()))
+            dm1 = builder.fmul(dmin, builder.uitofp(m, ir.FloatType()))
+            c = (builder.and_(q, ir.Constant(v32i8, [15] * 32)) if h == 0
+                 else builder.lshr(q, ir.Constant(v32i8, [4] * 32)))
+            for k in range(2):
+                y = builder.fmul(_splat(builder, d1, _v16f32), _codes16(builder, _bytes16(builder, c, k)))
+                out.append(builder.fsub(y, _splat(builder, dm1, _v16f32)))
+    return out
+
+
+def _emit_sb_q6_k(builder, w):
+    """A Q6_K super-block at w -> 16 vectors of 16 floats in order (deq_row_q6_k's
+    arithmetic: (d * scale) * (code - 32))."""
+    v32i8 = ir.VectorType(ir.IntType(8), 32)
+    d = _half_at(builder, w, _c(208))
+    scales = _vload(builder, w, _c(192), 16)
+    out = [None] * 16
+    for half in range(2):
+        ql0 = _vload(builder, w, _c(64 * half), 32)
+        ql1 = _vload(builder, w, _c(64 * half + 32), 32)
+        qh = _vload(builder, w, _c(128 + 32 * half), 32)
+        for Q in range(4):
+            ql = ql0 if Q % 2 == 0 else ql1
+            low = (builder.and_(ql, ir.Constant(v32i8, [15] * 32)) if Q < 2
+                   else builder.lshr(ql, ir.Constant(v32i8, [4] * 32)))
+            hb = builder.and_(builder.lshr(qh, ir.Constant(v32i8, [2 * Q] * 32)), ir.Constant(v32i8, [3] * 32))
+            code = builder.or_(low, builder.shl(hb, ir.Constant(v32i8, [4] * 32)))
+            for k in range(2):
+                s = builder.sitofp(_lane(builder, scales, 8 * half + k + 2 * Q), ir.FloatType())
+                step = _splat(builder, builder.fmul(d, s), _v16f32)
+                out[8 * half + 2 * Q + k] = builder.fmul(step, _codes16(builder, _bytes16(builder, code, k), 32))
+    return out
+
+
+_SB = {Q4_K: (144, _emit_sb_q4_k), Q6_K: (210, _emit_sb_q6_k)}
+
+
+@intrinsic
+def deq_pack_k(typingctx, kind, w2, m0, t, sb, P):
+    """P[j, q] = bf16 pair q of super-block sb of W row m0 + j, j < t, q < 128
+    (kind: Q4_K or Q6_K, a literal; w2 the type's uint8 rows; P uint32 [32, 128]).
+    The floats are deq_row's bit for bit, so the tile equals pack_tile's."""
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    k = kind.literal_value
+    bb, emit = _SB[k]
+    sig = types.void(kind, w2, m0, t, sb, P)
+
+    def codegen(context, builder, signature, args):
+        ta = signature.args
+        _, wv, m0v, tv, sbv, pv = args
+        wa = context.make_array(ta[1])(context, builder, wv)
+        wstride = builder.extract_value(wa.strides, 0)
+        pp = _data(context, builder, ta[5], pv)
+        m0v, tv, sbv = _i64s(builder, m0v, tv, sbv)
+        with cgutils.for_range(builder, tv) as loop:
+            j = loop.index
+            row = builder.gep(wa.data, [builder.add(builder.mul(builder.add(m0v, j), wstride),
+                                                    builder.mul(sbv, _c(bb)))])
+            ys = emit(builder, row)
+            for i in range(8):
+                ptr = builder.gep(pp, [builder.add(builder.mul(j, _c(128)), _c(16 * i))])
+                builder.store(_pair16(builder, ys[2 * i], ys[2 * i + 1]), builder.bitcast(ptr, _v16i32.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def trans_tile(typingctx, P, wp, p0):
+    """wp[p0 + q, j] = P[j, q] for q < 128, j < 32 (P uint32 [32, 128])."""
+    sig = types.void(P, wp, p0)
+
+    def codegen(context, builder, signature, args):
+        ta = signature.args
+        pv, wpv, p0v = args
+        pp = _data(context, builder, ta[0], pv)
+        p0v, = _i64s(builder, p0v)
+
+        def row_pairs(j, q0):
+            ptr = builder.gep(pp, [builder.add(_c(128 * j), q0)])
+            return builder.load(builder.bitcast(ptr, _v16i32.as_pointer()), align=4)
+
+        _transpose_store(builder, row_pairs, _data(context, builder, ta[1], wpv), p0v, _c(128))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -186,11 +342,13 @@ def chunk_cols(K: int) -> int:
 
 
 @njit(parallel=True, cache=True)
-def gemm_bf16_tiles(qt, wdata, xb, n, out, fch, wpk, ct):
+def gemm_bf16_tiles(qt, wdata, xb, n, out, fch, wpk, ct, pk):
     """out[:n] = x @ dequant(W).T in bf16: tiles of 32 W rows handed out to the
-    pool (chunk size 1, set by the caller); each worker dequantizes its tile a
-    column chunk at a time into fch[thread] (32 x chunk_cols(K) floats: stays in
-    L1), packs it into wpk[thread] and runs the 8 x 32 kernel down all x rows."""
+    pool (chunk size 1, set by the caller); each worker packs its tile into
+    wpk[thread] and runs the 8 x 32 kernel down all x rows.  Q4_K / Q6_K tiles
+    are decoded a super-block at a time straight into bf16 pairs (pk[thread],
+    32 x 128: stays in L1); other types are dequantized a column chunk at a time
+    into fch[thread] (32 x chunk_cols(K) floats) and packed."""
     M = wdata.shape[0]
     kp = xb.shape[1]
     K = 2 * kp
@@ -202,15 +360,26 @@ def gemm_bf16_tiles(qt, wdata, xb, n, out, fch, wpk, ct):
         f = fch[tid]
         wp = wpk[tid]
         c = ct[tid]
+        P = pk[tid]
         m0 = ti * TILE
         t = min(M, m0 + TILE) - m0
-        for j in range(t, TILE):
-            f[j, :] = 0
-        for k0 in range(0, K, ch):
-            b0 = k0 // ch * cb
-            for j in range(t):
-                deq_row(qt, wdata[m0 + j, b0:b0 + cb], f[j], 32)
-            pack_tile(f, wp, k0 // 2, ch // 2)
+        if qt == 12 or qt == 14:
+            for j in range(t, TILE):
+                P[j, :] = 0
+            for sb in range(K // 256):
+                if qt == 12:
+                    deq_pack_k(12, wdata, m0, t, sb, P)
+                else:
+                    deq_pack_k(14, wdata, m0, t, sb, P)
+                trans_tile(P, wp, sb * 128)
+        else:
+            for j in range(t, TILE):
+                f[j, :] = 0
+            for k0 in range(0, K, ch):
+                b0 = k0 // ch * cb
+                for j in range(t):
+                    deq_row(qt, wdata[m0 + j, b0:b0 + cb], f[j], 32)
+                pack_tile(f, wp, k0 // 2, ch // 2)
         for i0 in range(0, n, ROWS):
             bf16_block(xb, i0, wp, kp, c)
             for i in range(min(ROWS, n - i0)):
