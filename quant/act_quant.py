@@ -176,17 +176,21 @@ Q4_K_ORDER = np.array([32 * c + i for c in _Q4K_CHUNKS for i in range(32)], np.i
 
 
 @njit(cache=True)
-def quantize_q8_256_i8(x, xq, xq4, xd, xb, xb16):
+def quantize_q8_256_i8(x, xq, xq4, xd, xb, xb16, xbf):
     """For the VNNI kernels, all flat: x f32 [n, K] -> xq int8 [n*K], the same
     codes in Q4_K's load order xq4 int8 [n*K] (Q4_K_ORDER), xd f32 [n*K/256],
-    code sums xb int32 [n*K/32] and xb16 int32 [n*K/16]."""
+    code sums xb int32 [n*K/32] and xb16 int32 [n*K/16], and xbf f32 [n*K/32]
+    = xb times its block's step (the x side of Q4_K's mins term)."""
     n, K = x.shape
     nsb = K // 256
     for r in range(n):
         xr = x[r]
         for b in range(nsb):
             o = r * K + b * 256
-            xd[r * nsb + b] = q8_block(256, xr, b * 256, xq, xq4, xb16, xb, o, o // 16, o // 32)
+            d = q8_block(256, xr, b * 256, xq, xq4, xb16, xb, o, o // 16, o // 32)
+            xd[r * nsb + b] = d
+            for j in range(o // 32, o // 32 + 8):
+                xbf[j] = np.float32(xb[j]) * d
 
 
 @njit(inline="always")

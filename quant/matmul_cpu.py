@@ -192,7 +192,8 @@ def _vnni_buffers(scratch, kk, n, K, nch):
         if kk:
             b = (g("vxq256", (n * K,), np.int8), g("vxd256", (n * (K // 256),)),
                  g("vxb32", (n * (K // 32),), np.int32), g("vxb16", (n * (K // 16),), np.int32),
-                 g("vres", (nch, 16)), g("vxq256k", (n * K,), np.int8))     # the codes in Q4_K's order
+                 g("vres", (nch, 16)), g("vxq256k", (n * K,), np.int8),     # the codes in Q4_K's order
+                 g("vxbf32", (n * (K // 32),)))                              # step x code sum, per 32
         else:
             b = (g("vxq32", (n * K,), np.int8), g("vxd32", (n * (K // 32),)),
                  g("vxsum32", (n * (K // 32),), np.int32), g("vxs32", (n * (K // 32),)),
@@ -219,7 +220,7 @@ def _vnni_activations(x, kind, bufs, acts):
     if ("v", kk) not in acts:
         acts[("v", kk)] = True
         if kk:
-            quantize_q8_256_i8(x, bufs[0], bufs[5], *bufs[1:4])
+            quantize_q8_256_i8(x, bufs[0], bufs[5], *bufs[1:4], bufs[6])
         else:
             quantize_q8_32_i8(x, *bufs[:4])
         if _vnni_grouped(kind, x.shape[0]):
@@ -230,7 +231,7 @@ def _vnni_activations(x, kind, bufs, acts):
     if not kk:
         return bufs[:4]
     if kind == 10:
-        return bufs[5], bufs[1], bufs[2], bufs[1]
+        return bufs[5], bufs[1], bufs[6], bufs[1]
     return bufs[0], bufs[1], bufs[3], bufs[1]
 
 
@@ -253,7 +254,7 @@ def _small_batch_vnni(x, W, out, scratch, acts, kind):
         KV.matvec_grp_leg(kind, x, w, *bufs[:4], *bufs[5:9], out, bufs[4][0], fresh)
         return
     if kk:
-        KV.matvec_k(kind, x, w, bufs[0], bufs[5], bufs[1], bufs[2], bufs[3], out, bufs[4][0], fresh)
+        KV.matvec_k(kind, x, w, bufs[0], bufs[5], bufs[1], bufs[2], bufs[3], bufs[6], out, bufs[4][0], fresh)
     else:
         KV.matvec_leg(kind, x, w, bufs[0], bufs[1], bufs[2], bufs[3], out, bufs[4][0], fresh)
 
@@ -552,8 +553,9 @@ def _fused(x, Ws, outs, scratch) -> bool:
         kinds_a = scratch._sets.get(key)
         if kinds_a is None:
             kinds_a = scratch._sets[key] = np.array([_VNNI_KIND[W.qtype] for W in Ws], np.int64)
-        quantize_q8_256_i8(x, bufs[0], bufs[5], *bufs[1:4])
-        _run_parallel(KV.multi_kq, kinds_a, tuple(W.data for W in Ws), bufs[0], bufs[5], *bufs[1:4], tuple(outs), bufs[4], n, K,
+        quantize_q8_256_i8(x, bufs[0], bufs[5], *bufs[1:4], bufs[6])
+        _run_parallel(KV.multi_kq, kinds_a, tuple(W.data for W in Ws), bufs[0], bufs[5], bufs[1], bufs[6], bufs[3],
+                      tuple(outs), bufs[4], n, K,
                       cw, c0, c1)
         return True
     kind = _VNNI_KIND.get(qt) if USE_VNNI else None

@@ -289,11 +289,11 @@ def _kq_all(kind, w, xq, xd, xb, out, res, n, K, m0, m1):
 
 
 @njit(cache=True)
-def rows_q4_k(w, xq4, xd, xb, unused, out, res, n, K, m0, m1):
-    """xq4, xd, xb: flat outputs of act_quant.quantize_q8_256_i8 (the codes in
-    Q4_K's order, xb the sums per 32); `unused` keeps the legacy kernels'
-    argument types."""
-    _kq_all(0, w, xq4, xd, xb, out, res, n, K, m0, m1)
+def rows_q4_k(w, xq4, xd, xbf, unused, out, res, n, K, m0, m1):
+    """xq4, xd, xbf: flat outputs of act_quant.quantize_q8_256_i8 (the codes in
+    Q4_K's order, xbf the step times the code sum per 32); `unused` keeps the
+    legacy kernels' argument types."""
+    _kq_all(0, w, xq4, xd, xbf, out, res, n, K, m0, m1)
 
 
 @njit(cache=True)
@@ -305,7 +305,8 @@ def rows_q6_k(w, xq, xd, xb16, unused, out, res, n, K, m0, m1):
 @njit(inline="always")
 def _rows_any(kind, w, xq, xd, xs1, xs2, out, res, n, K, m0, m1):
     """kind: 0-4 the 32-element formats (xs1 = xsum int32, xs2 = xs f32), 10
-    Q4_K (xs1 = sums per 32) and 11 Q6_K (xs1 = sums per 16); xs2 unused."""
+    Q4_K (xs1 = step x code sum per 32, f32) and 11 Q6_K (xs1 = code sums per
+    16, int32); xs2 unused."""
     if kind == 0:
         rows_q4_0(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
     elif kind == 1:
@@ -345,14 +346,14 @@ def multi_any(kind, ws, xq, xd, xs1, xs2, outs, res, n, K, cw, cm0, cm1):
 
 
 @njit(parallel=True, cache=True)
-def multi_kq(kinds, ws, xq, xq4, xd, xb, xb16, outs, res, n, K, cw, cm0, cm1):
+def multi_kq(kinds, ws, xq, xq4, xd, xbf, xb16, outs, res, n, K, cw, cm0, cm1):
     """As multi_any for a mixture of Q4_K (kind 10) and Q6_K (kind 11) weights
     (Q4_K_M files mix them in q/k/v): one parallel region, each chunk with its
     own weight's kernel, on one activation quantization."""
     for c in prange(cw.size):
         i = cw[c]
         if kinds[i] == 10:
-            rows_q4_k(ws[i], xq4, xd, xb, xd, outs[i], res[c], n, K, cm0[c], cm1[c])
+            rows_q4_k(ws[i], xq4, xd, xbf, xd, outs[i], res[c], n, K, cm0[c], cm1[c])
         else:
             rows_q6_k(ws[i], xq, xd, xb16, xd, outs[i], res[c], n, K, cm0[c], cm1[c])
 
@@ -369,13 +370,13 @@ def matvec_leg(kind, x, w, xq, xd, xsum, xs, out, res, fresh):
 
 
 @njit(cache=True)
-def matvec_k(kind, x, w, xq, xq4, xd, xb, xb16, out, res, fresh):
+def matvec_k(kind, x, w, xq, xq4, xd, xb, xb16, xbf, out, res, fresh):
     """As matvec_leg for Q4_K (kind 10) / Q6_K (kind 11)."""
     n, K = x.shape
     if fresh:
-        quantize_q8_256_i8(x, xq, xq4, xd, xb, xb16)
+        quantize_q8_256_i8(x, xq, xq4, xd, xb, xb16, xbf)
     if kind == 10:
-        _rows_any(kind, w, xq4, xd, xb, xd, out, res, n, K, 0, w.shape[0])
+        _rows_any(kind, w, xq4, xd, xbf, xd, out, res, n, K, 0, w.shape[0])
     else:
         _rows_any(kind, w, xq, xd, xb16, xd, out, res, n, K, 0, w.shape[0])
 
@@ -503,8 +504,11 @@ def _gf_bits(builder, v64, moves):
 
 
 def _lanes(builder, p, base, t, elt):
-    """<8 x elt>: p[base + j] in lanes j < t, 0 elsewhere (nothing read past them)."""
+    """<8 x elt>: p[base + j] in lanes j < t, 0 elsewhere (nothing read past them).
+    p is read as elt, as vec8 reads it (the kernels are typed with one array
+    type for all kinds: Q4_K's float sums share the slot of the int32 ones)."""
     v = ir.Constant(ir.VectorType(elt, 8), None)
+    p = builder.bitcast(p, elt.as_pointer())
     for j in range(t):
         v = builder.insert_element(v, builder.load(builder.gep(p, [builder.add(base, _c(j))])), _c(j, _i32))
     return v

@@ -20,7 +20,8 @@ verification must reproduce plain decoding exactly).  Integer parts are exact:
 vpdpwssd reads.
 
     Q4_K:  acc += float(sum_j sc_j * dot_j) * (d * dx)
-           macc += float(mn_j * xsum32_j) * (dmin * dx)      (8 lanes)
+           macc += (dmin * mn_j) * xbf_j                      (8 lanes; xbf_j = dx * xsum32_j,
+                                                               act_quant's, once per activation row)
            y = hsum(acc) - hsum(macc)
     Q6_K:  acc += float(sum_j sc_j * dot_j - 32 * sc_j * xsum16_j) * (d * dx)
            y = hsum(acc)
@@ -157,7 +158,9 @@ def _emit_rows(builder, k, nr, w, nsbv, xqp, xdp, xbp, r0v, Kv, acc, macc):
             dmin = _load_half(builder, w, builder.add(o, _c(2)))
             scm = _q4k_scales_mins(builder, _load_vec(builder, w, builder.add(o, _c(4)), _v16i8))
             sm = builder.zext(scm, _v16i32)               # lanes 0-7 scales, 8-15 mins
-            mnv = _shuf(builder, sm, list(range(8, 16)))
+            # dmin * min per sub-block, once for all rows (exact: 11 x 6 bits)
+            mnf = builder.fmul(builder.sitofp(_shuf(builder, sm, list(range(8, 16))), _v8f32),
+                               _splat(builder, dmin, _v8f32))
             for g in range(2):
                 # 64 bytes: low nibbles are sub-blocks 4g and 4g+2, high ones
                 # 4g+1 and 4g+3 (the activation rows are in this order: xq4)
@@ -213,10 +216,8 @@ def _emit_rows(builder, k, nr, w, nsbv, xqp, xdp, xbp, r0v, Kv, acc, macc):
             xbo = builder.add(brow[i], builder.mul(sb, _c(per)))
             dx = builder.load(builder.gep(xdp, [builder.add(drow[i], sb)]))
             if k == Q4_K:
-                xs = builder.load(builder.bitcast(builder.gep(xbp, [xbo]), _v8i32.as_pointer()), align=4)
-                mprod = builder.mul(mnv, xs)
-                dm = _splat(builder, builder.fmul(dmin, dx), _v8f32)
-                builder.store(_fma_t(builder, builder.sitofp(mprod, _v8f32), dm, builder.load(macc[i])), macc[i])
+                xs = builder.load(builder.bitcast(builder.gep(xbp, [xbo]), _v8f32.as_pointer()), align=4)
+                builder.store(_fma_t(builder, mnf, xs, builder.load(macc[i])), macc[i])
             else:
                 xs = builder.load(builder.bitcast(builder.gep(xbp, [xbo]), _v16i32.as_pointer()), align=4)
                 isum = _vpdpwssd(builder, isum, xs, ns)
@@ -235,8 +236,9 @@ def _emit_rows(builder, k, nr, w, nsbv, xqp, xdp, xbp, r0v, Kv, acc, macc):
 def kq_rows(typingctx, kind, R, src, nsb, xq, xd, xb, r0, K, res):
     """res[i] = activation row r0+i . the W row src, i < R (1..R_MAX), Q4_K / Q6_K.
 
-    xq int8 [n*K] flat codes (Q4_K: in its load order, act_quant's xq4), xd f32 [n*K/256] steps, xb int32 code sums per 32
-    (Q4_K, [n*K/32]) or per 16 (Q6_K, [n*K/16]): act_quant.quantize_q8_256_i8."""
+    xq int8 [n*K] flat codes (Q4_K: in its load order, act_quant's xq4), xd f32 [n*K/256] steps, xb: Q4_K the
+    f32 steps x code sums per 32 ([n*K/32], act_quant's xbf), Q6_K the int32 code sums per 16 ([n*K/16]):
+    act_quant.quantize_q8_256_i8."""
     if not (_literal(kind) and _literal(R)):
         return None
     k = kind.literal_value
