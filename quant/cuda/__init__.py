@@ -77,6 +77,14 @@ MVS_WARPS = 4               # warps a block of the integer matvec (qint8.cuh)
 # sums bit for bit.  LLAMBA_CUDA_MV=mvp selects mvp until it is measured on the device.
 INT8_KERNEL = __import__("os").environ.get("LLAMBA_CUDA_MV", "mvs")
 MVP_MIN_CC = 80
+# mvk (qmvk.cuh): weights straight into registers, a persistent grid; the types it has
+# (others take mvs under it).  Its sums are its own (not mvs's), batch invariant like them.
+MVK_TYPES = {GGMLType.Q4_K: "mvk4k"}
+MVK_WARPS = 4
+# rows a warp for 1-2 rows of x (1 for more: registers); never changes a sum
+MVK_ROWS = int(__import__("os").environ.get("LLAMBA_MVK_R", "2"))
+# resident blocks an SM the persistent grid assumes (0: the occupancy the kernel has)
+MVK_BPS = int(__import__("os").environ.get("LLAMBA_MVK_BPS", "0"))
 
 
 class DeviceWeight:
@@ -122,7 +130,7 @@ def source(path: Path, *headers: Path) -> str:
 
 def kernel_source() -> str:
     """qkernels.cu with its headers' hash."""
-    return source(_DIR / "qkernels.cu", _DIR / "qblocks.cuh", _DIR / "qint8.cuh")
+    return source(_DIR / "qkernels.cu", _DIR / "qblocks.cuh", _DIR / "qint8.cuh", _DIR / "qmvk.cuh")
 
 
 class _Modules:
@@ -133,13 +141,12 @@ class _Modules:
         self.misc = None
 
     def get(self, qtype):
-        key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP)
+        key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS)
         m = self.by_type.get(key)
         if m is None:
             s = STRUCT[qtype]
             names = ([f"mv<{s},{r},{_rpw(r)},0>" for r in range(1, MV_MAX_ROWS + 1)]
-                     + ([f"{_int8_kernel()}<{INT8_STRUCT[qtype]},{r},{rpw}>" for r in range(1, INT8_MAX_ROWS + 1)
-                         for rpw in sorted({_rpw_int8(r, 1), _rpw_int8(r, 1 << 30)})]
+                     + (sorted({_int8_name(qtype, r, M) for r in range(1, INT8_MAX_ROWS + 1) for M in (1, 1 << 30)})
                         if qtype in INT8_STRUCT else [])
                      + [f"mv<{s},{r},{_rpw(r)},{p}>" for r in range(1, PROLOGUE_MAX_ROWS + 1) for p in (1, 2, 3)]
                      + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
@@ -163,10 +170,44 @@ def _rpw(nrows: int) -> int:
     return ROWS_PER_BLOCK if nrows <= 2 else 1
 
 
-def _rpw_int8(nrows: int, M: int) -> int:
+def _rpw_int8(nrows: int, M: int, qtype=None) -> int:
+    if _int8_kernel() == "mvk" and qtype in MVK_TYPES:
+        return MVK_ROWS if nrows <= 2 else 1
     if nrows <= 2:
         return 2 if M <= INT8_SMALL_M else INT8_ROWS_PER_WARP
     return 2 if nrows <= 4 else 1
+
+
+def _int8_name(qtype, nrows: int, M: int) -> str:
+    """The integer matvec kernel (instantiation) for nrows of x and M rows of W."""
+    rpw = _rpw_int8(nrows, M, qtype)
+    if _int8_kernel() == "mvk" and qtype in MVK_TYPES:
+        return f"{MVK_TYPES[qtype]}<{nrows},{rpw}>"
+    k = "mvs" if _int8_kernel() == "mvk" else _int8_kernel()
+    return f"{k}<{INT8_STRUCT[qtype]},{nrows},{rpw}>"
+
+
+_sms = None
+_bps = {}
+
+
+def _mvk_blocks(f, name) -> int:
+    """Blocks of a persistent mvk grid: as many as are resident on the device at once."""
+    global _sms
+    if _sms is None:
+        _sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+    if MVK_BPS:
+        return _sms * MVK_BPS
+    b = _bps.get(name)
+    if b is None:
+        try:
+            from cupy.cuda import driver
+            b = int(driver.occupancyMaxActiveBlocksPerMultiprocessor(f.ptr, 32 * MVK_WARPS, 0))
+        except Exception:
+            regs = max(32, int(getattr(f, "num_regs", 128)))
+            b = max(1, 65536 // (((regs * 32 + 255) // 256) * 256 * MVK_WARPS))
+        b = _bps[name] = max(1, min(b, 16))
+    return _sms * b
 
 
 def set_rows_per_block(n: int) -> None:
@@ -182,8 +223,8 @@ _cc = None
 def _int8_kernel() -> str:
     """The integer matvec kernel in use: INT8_KERNEL where the device has what it needs."""
     global _cc
-    if INT8_KERNEL == "mvs":
-        return "mvs"
+    if INT8_KERNEL in ("mvs", "mvk"):
+        return INT8_KERNEL
     assert INT8_KERNEL == "mvp", INT8_KERNEL
     if _cc is None:
         _cc = int(cp.cuda.Device().compute_capability)
@@ -191,9 +232,9 @@ def _int8_kernel() -> str:
 
 
 def set_int8_kernel(name: str) -> None:
-    """Select the integer matvec kernel ("mvs" or "mvp"); recompiled on next use."""
+    """Select the integer matvec kernel ("mvs", "mvp" or "mvk"); recompiled on next use."""
     global INT8_KERNEL
-    assert name in ("mvs", "mvp"), name
+    assert name in ("mvs", "mvp", "mvk"), name
     if name != INT8_KERNEL:
         INT8_KERNEL = name
         _mods.by_type.clear()
@@ -355,9 +396,14 @@ def matvec_int8(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
             acts[block] = quantize_act(x, block, ws, prologue)
         xq, xd, xs = acts[block]
         Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
-        rpw = _rpw_int8(n, max(Ms))
-        f = _mods.get(W0.qtype)[f"{_int8_kernel()}<{INT8_STRUCT[W0.qtype]},{n},{rpw}>"]
-        grid = ((max(Ms) + rpw * MVS_WARPS - 1) // (rpw * MVS_WARPS), len(grp))
+        rpw = _rpw_int8(n, max(Ms), W0.qtype)
+        name = _int8_name(W0.qtype, n, max(Ms))
+        f = _mods.get(W0.qtype)[name]
+        if name.startswith("mvk"):
+            tasks = sum((m + rpw - 1) // rpw for m in Ms)
+            grid = (max(1, min((tasks + MVK_WARPS - 1) // MVK_WARPS, _mvk_blocks(f, name))),)
+        else:
+            grid = ((max(Ms) + rpw * MVS_WARPS - 1) // (rpw * MVS_WARPS), len(grp))
         args = ([Ws[k].data for k in pad] + [outs[k] for k in pad]
                 + [biases[k] if biases[k] is not None else np.uint64(0) for k in pad]
                 + [np.int32(m) for m in Ms]
