@@ -366,7 +366,8 @@ def main(argv=None):
                          "(the decode megakernel, LLAMBA_CUDA_MEGA=1), mvp (int8 with the cp.async-pipelined "
                          "matvec, sm_80+), float")
     ap.add_argument("--mvk-sweep", default="",
-                    help="mvk configs R:BPS,... (rows a warp : blocks an SM, 0 = occupancy) timed on Q4_K matvecs")
+                    help="mvk configs R:BPS[:S[:NA]],... (rows a warp : blocks an SM, 0 = occupancy : stages : "
+                         "weights past L1) timed on Q4_K matvecs")
     ap.add_argument("--mega-sweep", default="",
                     help="megakernel configs to time on L8 Q4_K_M after its run: sub:stages:pfa:pfb,... "
                          "(0 for sub/stages: the default), e.g. 4:0:4:1,2:0:4:1")
@@ -427,16 +428,16 @@ def main(argv=None):
         # mvk's rows a warp (R) and resident blocks an SM (0: its occupancy), single matvecs
         use("mvk")
         for cfg in args.mvk_sweep.split(","):
-            r, b = (int(v) for v in cfg.split(":"))
-            qc.MVK_ROWS, qc.MVK_BPS = r, b
+            r, b, st, na = ([int(v) for v in cfg.split(":")] + [2, 1])[:4]
+            qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_STAGES, qc.MVK_NA = r, b, st, na
             qc._mods.by_type.clear()
             qc._bps.clear()
             for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q4_K, 4096, 14336), (GGMLType.Q4_K, 4096, 4096),
                              (GGMLType.Q4_K, 8960, 1536)]:
                 g = matvec_bandwidth(cp, qc, qt, M, K) / 1e9
-                log(f"mvk R={r} bps={b}: matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)"
+                log(f"mvk R={r} bps={b} S={st} NA={na}: matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)"
                     f" occupancy {dict(qc._bps)}")
-        qc.MVK_ROWS, qc.MVK_BPS = 2, 0
+        qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_STAGES, qc.MVK_NA = 2, 0, 2, 1
         qc._mods.by_type.clear()
         qc._bps.clear()
         qc.INT8_MATVEC = int8_default

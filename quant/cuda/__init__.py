@@ -85,6 +85,9 @@ MVK_WARPS = 4
 MVK_ROWS = int(__import__("os").environ.get("LLAMBA_MVK_R", "2"))
 # resident blocks an SM the persistent grid assumes (0: the occupancy the kernel has)
 MVK_BPS = int(__import__("os").environ.get("LLAMBA_MVK_BPS", "0"))
+# pipeline stages (S - 1 steps of loads in flight), weights loaded past L1 (1) or not (0)
+MVK_STAGES = int(__import__("os").environ.get("LLAMBA_MVK_S", "2"))
+MVK_NA = int(__import__("os").environ.get("LLAMBA_MVK_NA", "1"))
 
 
 class DeviceWeight:
@@ -141,7 +144,7 @@ class _Modules:
         self.misc = None
 
     def get(self, qtype):
-        key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS)
+        key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS, MVK_STAGES, MVK_NA)
         m = self.by_type.get(key)
         if m is None:
             s = STRUCT[qtype]
@@ -182,7 +185,7 @@ def _int8_name(qtype, nrows: int, M: int) -> str:
     """The integer matvec kernel (instantiation) for nrows of x and M rows of W."""
     rpw = _rpw_int8(nrows, M, qtype)
     if _int8_kernel() == "mvk" and qtype in MVK_TYPES:
-        return f"{MVK_TYPES[qtype]}<{nrows},{rpw}>"
+        return f"{MVK_TYPES[qtype]}<{nrows},{rpw},{MVK_STAGES},{MVK_NA}>"
     k = "mvs" if _int8_kernel() == "mvk" else _int8_kernel()
     return f"{k}<{INT8_STRUCT[qtype]},{nrows},{rpw}>"
 

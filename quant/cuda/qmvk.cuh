@@ -23,10 +23,15 @@ DEV int dp4a_us(u32 a, int b, int c) {     // unsigned bytes of a . signed bytes
     asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
-DEV uint4 ldg_stream(const void* p) {       // weights: read once, kept out of L1
+template <int NA>
+DEV uint4 ldg_stream(const void* p) {       // weights: read once (NA: kept out of L1)
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    if constexpr (NA == 1)
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    else
+        asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
 
@@ -100,7 +105,7 @@ DEV void mvk_dot4k(const MvkQ4K& B, const MvkX4K (&X)[NR], int sh, float (&acc)[
 // The launch's tasks (R rows of one of up to three weights) in order W0, W1, W2, split
 // evenly over all warps of the grid; a warp walks its tasks' steps (R rows x 2048
 // weights) with the next step's loads in flight while it computes the current one.
-template <int NR, int R>
+template <int NR, int R, int S, int NA>
 __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
         const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,
         float* y0, float* y1, float* y2,
@@ -147,9 +152,9 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
 #pragma unroll
         for (int r = 0; r < R; r++) {
             const u8* pr = p + (r < lrows ? r : lrows - 1) * row_bytes;
-            B[r].h = ldg_stream(pr);
-            B[r].a = ldg_stream(pr + 16 + 16 * j);
-            B[r].b = ldg_stream(pr + 80 + 16 * j);
+            B[r].h = ldg_stream<NA>(pr);
+            B[r].a = ldg_stream<NA>(pr + 16 + 16 * j);
+            B[r].b = ldg_stream<NA>(pr + 80 + 16 * j);
         }
     };
 
@@ -182,22 +187,21 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
         }
     };
 
-    MvkQ4K A[R], Bb[R];
+    // S stages: S - 1 steps' loads in flight while a step is computed
+    MvkQ4K buf[S][R];
     int ct = t_beg, cit = 0;                          // step to compute
-    auto cadvance = [&]() { if (++cit == nst) { cit = 0; ++ct; } };
     lset();
-    load(A);
-    ladvance();
-    while (true) {
-        const bool more1 = lt < t_end;
-        if (more1) { load(Bb); ladvance(); }
-        compute(A, ct, cit);
-        cadvance();
-        if (!more1) break;
-        const bool more2 = lt < t_end;
-        if (more2) { load(A); ladvance(); }
-        compute(Bb, ct, cit);
-        cadvance();
-        if (!more2) break;
+#pragma unroll
+    for (int k = 0; k < S - 1; k++)
+        if (lt < t_end) { load(buf[k]); ladvance(); }
+    while (ct < t_end) {
+#pragma unroll
+        for (int k = 0; k < S; k++) {
+            if (ct < t_end) {
+                if (lt < t_end) { load(buf[(k + S - 1) % S]); ladvance(); }
+                compute(buf[k], ct, cit);
+                if (++cit == nst) { cit = 0; ++ct; }
+            }
+        }
     }
 }
