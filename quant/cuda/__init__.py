@@ -366,17 +366,25 @@ def _matvec(x, Ws, outs, biases, accumulate, prologue=None):
 def quantize_act(x, block: int, ws: Workspace, prologue=None):
     """x float32 [n, K] (after the prologue, if any) as the integer path's activations:
     (int8 codes [n, K], steps [n, K/block], step * sum of codes per 16 [n, K/16])."""
+    return _quantize_act(x, block, ws, prologue)[:3]
+
+
+def _quantize_act(x, block: int, ws: Workspace, prologue=None):
+    """quantize_act's three, and for block 256 the codes' sums per 16 as int16 [n, K/16]
+    in mvk's order (None for block 32)."""
     n, K = x.shape
     xq = ws.get(f"xq{block}", n * K, cp.int8, keep=True)
     xd = ws.get(f"xd{block}", n * K // block, cp.float32, keep=True)
     xs = ws.get(f"xs{block}", n * K // 16, cp.float32, keep=True)
+    xi = ws.get(f"xi{block}", n * K // 16, cp.int16, keep=True) if block == 256 else None
     pro, pw, pu, eps = _prologue_args(prologue)
     assert pu is None or pu.strides[0] == x.strides[0]
     f = _mods.fn(f"q8_act<{block},{pro}>")
     f(((K + 2047) // 2048, n), (256,),
       (x, np.int32(x.strides[0] // 4), pw if pw is not None else np.uint64(0),
-       pu if pu is not None else np.uint64(0), np.float32(eps), np.int32(K), xq, xd, xs))
-    return xq, xd, xs
+       pu if pu is not None else np.uint64(0), np.float32(eps), np.int32(K), xq, xd, xs,
+       xi if xi is not None else np.uint64(0)))
+    return xq, xd, xs, xi
 
 
 def matvec_int8(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
@@ -396,13 +404,14 @@ def matvec_int8(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
         W0 = Ws[i]
         block = _KBLOCK[W0.qtype][0]
         if block not in acts:
-            acts[block] = quantize_act(x, block, ws, prologue)
-        xq, xd, xs = acts[block]
+            acts[block] = _quantize_act(x, block, ws, prologue)
+        xq, xd, xs, xi = acts[block]
         Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
         rpw = _rpw_int8(n, max(Ms), W0.qtype)
         name = _int8_name(W0.qtype, n, max(Ms))
         f = _mods.get(W0.qtype)[name]
         if name.startswith("mvk"):
+            xs = xi                 # mvk reads the packed int16 run sums in xs's place
             tasks = sum((m + rpw - 1) // rpw for m in Ms)
             grid = (max(1, min((tasks + MVK_WARPS - 1) // MVK_WARPS, _mvk_blocks(f, name))),)
         else:

@@ -46,25 +46,27 @@ struct MvkX4K {
     float d;
 };
 
-DEV void mvk_load_x4k(MvkX4K& X, const signed char* __restrict__ xq, const float* __restrict__ xd, int blk,
-                      int j, bool ok) {
-    {
-        const int e = blk * 256 + 64 * (j >> 1) + 16 * (j & 1);
-        const int off[4] = {e, e + 32, e + 128, e + 160};
-        int s[4];
+// a pipeline stage: R rows' block pieces and (XP) the step's x
+template <int R, int NX>
+struct MvkStage4K {
+    MvkQ4K w[R];
+    MvkX4K x[NX];
+};
+
+// xi: q8_act's packed run sums (int16 pairs, for lane j of a block words 2j, 2j + 1)
+DEV void mvk_load_x4k(MvkX4K& X, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                      const u32* __restrict__ xi, int blk, int j, bool ok) {
+    const int e = blk * 256 + 64 * (j >> 1) + 16 * (j & 1);
+    const int off[4] = {e, e + 32, e + 128, e + 160};
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const uint4 v = *(const uint4*)(xq + off[u]);
-            X.w[u][0] = (int)v.x; X.w[u][1] = (int)v.y; X.w[u][2] = (int)v.z; X.w[u][3] = (int)v.w;
-            int t = __dp4a((int)v.x, 0x01010101, 0);
-            t = __dp4a((int)v.y, 0x01010101, t);
-            t = __dp4a((int)v.z, 0x01010101, t);
-            s[u] = __dp4a((int)v.w, 0x01010101, t);
-        }
-        X.bs[0] = (int)__byte_perm((u32)s[0], (u32)s[1], 0x5410);
-        X.bs[1] = (int)__byte_perm((u32)s[2], (u32)s[3], 0x5410);
-        X.d = ok ? xd[blk] : 0.f;              // a block past K: nothing added
+    for (int u = 0; u < 4; u++) {
+        const uint4 v = *(const uint4*)(xq + off[u]);
+        X.w[u][0] = (int)v.x; X.w[u][1] = (int)v.y; X.w[u][2] = (int)v.z; X.w[u][3] = (int)v.w;
     }
+    const uint2 b = *(const uint2*)(xi + blk * 8 + 2 * j);
+    X.bs[0] = (int)b.x;
+    X.bs[1] = (int)b.y;
+    X.d = ok ? xd[blk] : 0.f;                  // a block past K: nothing added
 }
 
 // one row's block piece (this lane's) dotted with NR rows of x
@@ -114,6 +116,10 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
         int K, long long row_bytes, const signed char* __restrict__ xq, const float* __restrict__ xd,
         const float* __restrict__ xs, int ldy0, int ldy1, int ldy2, int mode) {
     static_assert(R * NR <= 32, "a lane per output");
+    constexpr bool XP = NR <= 2;                      // x loaded with the weights, a step ahead
+    constexpr int NX = NR;
+    using Stage = MvkStage4K<R, XP ? NR : 1>;
+    const u32* __restrict__ xi = (const u32*)xs;      // mvk takes q8_act's packed run sums here
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int q = lane >> 2, j = lane & 3, sh = 16 * (j >> 1);
     const int nb = K / 256, nst = (nb + 7) / 8;
@@ -147,15 +153,23 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
         }
     };
     // loads past the matrix read its last block / row again (finite, never summed / stored)
-    auto load = [&](MvkQ4K (&B)[R]) {
+    auto load_x = [&](MvkX4K (&X)[NX], int it) {
+        const int blk = it * 8 + q;
+#pragma unroll
+        for (int n = 0; n < NX; n++)
+            mvk_load_x4k(X[n], xq + (long long)n * K, xd + (long long)n * (K / 256),
+                         xi + (long long)n * (K / 32), min(blk, nb - 1), j, blk < nb);
+    };
+    auto load = [&](Stage& st) {
         const u8* p = lp + min(lit * 8 + q, nb - 1) * 144;
 #pragma unroll
         for (int r = 0; r < R; r++) {
             const u8* pr = p + (r < lrows ? r : lrows - 1) * row_bytes;
-            B[r].h = ldg_stream<NA>(pr);
-            B[r].a = ldg_stream<NA>(pr + 16 + 16 * j);
-            B[r].b = ldg_stream<NA>(pr + 80 + 16 * j);
+            st.w[r].h = ldg_stream<NA>(pr);
+            st.w[r].a = ldg_stream<NA>(pr + 16 + 16 * j);
+            st.w[r].b = ldg_stream<NA>(pr + 80 + 16 * j);
         }
+        if constexpr (XP) load_x(st.x, lit);
     };
 
     float acc[R][NR];
@@ -164,14 +178,16 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
 #pragma unroll
         for (int n = 0; n < NR; n++) acc[r][n] = 0.f;
 
-    auto compute = [&](const MvkQ4K (&B)[R], int t, int it) {
-        const int blk = it * 8 + q;
-        MvkX4K X[NR];
+    auto compute = [&](const Stage& st, int t, int it) {
+        if constexpr (XP) {
 #pragma unroll
-        for (int n = 0; n < NR; n++)
-            mvk_load_x4k(X[n], xq + (long long)n * K, xd + (long long)n * (K / 256), min(blk, nb - 1), j, blk < nb);
+            for (int r = 0; r < R; r++) mvk_dot4k<NR>(st.w[r], st.x, sh, acc[r]);
+        } else {
+            MvkX4K X[NR];
+            load_x(X, it);
 #pragma unroll
-        for (int r = 0; r < R; r++) mvk_dot4k<NR>(B[r], X, sh, acc[r]);
+            for (int r = 0; r < R; r++) mvk_dot4k<NR>(st.w[r], X, sh, acc[r]);
+        }
         if (it == nst - 1) {                         // the task's last step: its sums out
             int sel, m0;
             task(t, sel, m0);
@@ -188,7 +204,7 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
     };
 
     // S stages: S - 1 steps' loads in flight while a step is computed
-    MvkQ4K buf[S][R];
+    Stage buf[S];
     int ct = t_beg, cit = 0;                          // step to compute
     lset();
 #pragma unroll
