@@ -428,16 +428,16 @@ def main(argv=None):
         # mvk's rows a warp (R) and resident blocks an SM (0: its occupancy), single matvecs
         use("mvk")
         for cfg in args.mvk_sweep.split(","):
-            r, b, st, na = ([int(v) for v in cfg.split(":")] + [2, 1])[:4]
-            qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_STAGES, qc.MVK_NA = r, b, st, na
+            r, b, st, na = ([int(v) for v in cfg.split(":")] + [2, 0])[:4]
+            qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_STAGES, qc.MVK_V = r, b, st, na
             qc._mods.by_type.clear()
             qc._bps.clear()
             for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q4_K, 4096, 14336), (GGMLType.Q4_K, 4096, 4096),
                              (GGMLType.Q4_K, 8960, 1536)]:
                 g = matvec_bandwidth(cp, qc, qt, M, K) / 1e9
-                log(f"mvk R={r} bps={b} S={st} NA={na}: matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)"
+                log(f"mvk R={r} bps={b} S={st} V={na}: matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)"
                     f" occupancy {dict(qc._bps)}")
-        qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_STAGES, qc.MVK_NA = 2, 0, 2, 1
+        qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_STAGES, qc.MVK_V = 2, 0, 2, 0
         qc._mods.by_type.clear()
         qc._bps.clear()
         qc.INT8_MATVEC = int8_default

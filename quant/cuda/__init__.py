@@ -85,9 +85,12 @@ MVK_WARPS = 4
 MVK_ROWS = int(__import__("os").environ.get("LLAMBA_MVK_R", "2"))
 # resident blocks an SM the persistent grid assumes (0: the occupancy the kernel has)
 MVK_BPS = int(__import__("os").environ.get("LLAMBA_MVK_BPS", "0"))
-# pipeline stages (S - 1 steps of loads in flight), weights loaded past L1 (1) or not (0)
+# pipeline stages (S - 1 steps of loads in flight); variant bits: 1 = tasks interleaved
+# over the warps (else a contiguous range a warp), 2 = 2 lanes a Q4_K block (else 4; only
+# where K >= MVK_WIDE_K, since a step is then 16 blocks of a row)
 MVK_STAGES = int(__import__("os").environ.get("LLAMBA_MVK_S", "2"))
-MVK_NA = int(__import__("os").environ.get("LLAMBA_MVK_NA", "1"))
+MVK_V = int(__import__("os").environ.get("LLAMBA_MVK_V", "0"))
+MVK_WIDE_K = 4096
 
 
 class DeviceWeight:
@@ -144,12 +147,13 @@ class _Modules:
         self.misc = None
 
     def get(self, qtype):
-        key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS, MVK_STAGES, MVK_NA)
+        key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS, MVK_STAGES, MVK_V)
         m = self.by_type.get(key)
         if m is None:
             s = STRUCT[qtype]
             names = ([f"mv<{s},{r},{_rpw(r)},0>" for r in range(1, MV_MAX_ROWS + 1)]
-                     + (sorted({_int8_name(qtype, r, M) for r in range(1, INT8_MAX_ROWS + 1) for M in (1, 1 << 30)})
+                     + (sorted({_int8_name(qtype, r, M, K) for r in range(1, INT8_MAX_ROWS + 1) for M in (1, 1 << 30)
+                                for K in (256, 1 << 30)})
                         if qtype in INT8_STRUCT else [])
                      + [f"mv<{s},{r},{_rpw(r)},{p}>" for r in range(1, PROLOGUE_MAX_ROWS + 1) for p in (1, 2, 3)]
                      + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
@@ -181,11 +185,12 @@ def _rpw_int8(nrows: int, M: int, qtype=None) -> int:
     return 2 if nrows <= 4 else 1
 
 
-def _int8_name(qtype, nrows: int, M: int) -> str:
-    """The integer matvec kernel (instantiation) for nrows of x and M rows of W."""
+def _int8_name(qtype, nrows: int, M: int, K: int = 1 << 30) -> str:
+    """The integer matvec kernel (instantiation) for nrows of x and W of M x K."""
     rpw = _rpw_int8(nrows, M, qtype)
     if _int8_kernel() == "mvk" and qtype in MVK_TYPES:
-        return f"{MVK_TYPES[qtype]}<{nrows},{rpw},{MVK_STAGES},{MVK_NA}>"
+        v = MVK_V if K >= MVK_WIDE_K else MVK_V & ~2
+        return f"{MVK_TYPES[qtype]}<{nrows},{rpw},{MVK_STAGES},{v}>"
     k = "mvs" if _int8_kernel() == "mvk" else _int8_kernel()
     return f"{k}<{INT8_STRUCT[qtype]},{nrows},{rpw}>"
 
@@ -408,7 +413,7 @@ def matvec_int8(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
         xq, xd, xs, xi = acts[block]
         Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
         rpw = _rpw_int8(n, max(Ms), W0.qtype)
-        name = _int8_name(W0.qtype, n, max(Ms))
+        name = _int8_name(W0.qtype, n, max(Ms), K)
         f = _mods.get(W0.qtype)[name]
         if name.startswith("mvk"):
             xs = xi                 # mvk reads the packed int16 run sums in xs's place

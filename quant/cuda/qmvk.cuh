@@ -35,79 +35,92 @@ DEV uint4 ldg_stream(const void* p) {       // weights: read once (NA: kept out 
     return v;
 }
 
-struct MvkQ4K {
-    uint4 h, a, b;
+// per lane and row: a block's header and its 8 / LPB qs words j + LPB i
+template <int LPB>
+struct MvkW {
+    uint4 h;
+    uint4 q[8 / LPB];
 };
 
-// x of one lane for one block: the 4 runs' codes (16 bytes each), packed run sums, step
-struct MvkX4K {
-    int w[4][4];
-    int bs[2];
+// x of one lane for one block: the runs' codes (16 bytes each; word i: runs 2i, 2i + 1),
+// the packed run sums for each word, the step
+template <int LPB>
+struct MvkX {
+    int w[16 / LPB][4];
+    int bs[8 / LPB];
     float d;
 };
 
-// a pipeline stage: R rows' block pieces and (XP) the step's x
-template <int R, int NX>
-struct MvkStage4K {
-    MvkQ4K w[R];
-    MvkX4K x[NX];
+// a pipeline stage: R rows' block pieces and (NX > 0) the step's x
+template <int LPB, int R, int NX>
+struct MvkStage {
+    MvkW<LPB> w[R];
+    MvkX<LPB> x[NX > 0 ? NX : 1];
 };
 
-// xi: q8_act's packed run sums (int16 pairs, for lane j of a block words 2j, 2j + 1)
-DEV void mvk_load_x4k(MvkX4K& X, const signed char* __restrict__ xq, const float* __restrict__ xd,
-                      const u32* __restrict__ xi, int blk, int j, bool ok) {
-    const int e = blk * 256 + 64 * (j >> 1) + 16 * (j & 1);
-    const int off[4] = {e, e + 32, e + 128, e + 160};
+// xi: q8_act's packed run sums (int16 pairs; word 2(2(g & 1) + h) + (g >> 1) of a block
+// holds runs 4g + h, 4g + 2 + h: qs word 2g + h's low- and high-nibble runs)
+template <int LPB>
+DEV void mvk_load_x(MvkX<LPB>& X, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                    const u32* __restrict__ xi, int blk, int j, bool ok) {
 #pragma unroll
-    for (int u = 0; u < 4; u++) {
-        const uint4 v = *(const uint4*)(xq + off[u]);
-        X.w[u][0] = (int)v.x; X.w[u][1] = (int)v.y; X.w[u][2] = (int)v.z; X.w[u][3] = (int)v.w;
+    for (int i = 0; i < 8 / LPB; i++) {
+        const int k = j + LPB * i, e = blk * 256 + 64 * (k >> 1) + 16 * (k & 1);
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const uint4 v = *(const uint4*)(xq + e + 32 * u);
+            X.w[2 * i + u][0] = (int)v.x; X.w[2 * i + u][1] = (int)v.y;
+            X.w[2 * i + u][2] = (int)v.z; X.w[2 * i + u][3] = (int)v.w;
+        }
     }
-    const uint2 b = *(const uint2*)(xi + blk * 8 + 2 * j);
-    X.bs[0] = (int)b.x;
-    X.bs[1] = (int)b.y;
+    if constexpr (LPB == 4) {
+        const uint2 b = *(const uint2*)(xi + blk * 8 + 2 * j);
+        X.bs[0] = (int)b.x; X.bs[1] = (int)b.y;
+    } else {
+        const uint2 b0 = *(const uint2*)(xi + blk * 8 + 2 * j), b1 = *(const uint2*)(xi + blk * 8 + 4 + 2 * j);
+        X.bs[0] = (int)b0.x; X.bs[2] = (int)b0.y; X.bs[1] = (int)b1.x; X.bs[3] = (int)b1.y;
+    }
     X.d = ok ? xd[blk] : 0.f;                  // a block past K: nothing added
 }
 
-// one row's block piece (this lane's) dotted with NR rows of x
-template <int NR>
-DEV void mvk_dot4k(const MvkQ4K& B, const MvkX4K (&X)[NR], int sh, float (&acc)[NR]) {
-    const u32 Y = B.h.y >> sh, Z = B.h.z >> sh, Wd = B.h.w >> sh;
-    const int s_lo = (int)(Y & 0x3F3Fu), m_lo = (int)(Z & 0x3F3Fu);
-    const int s_hi = (int)((Wd & 0x0F0Fu) | ((Y >> 2) & 0x3030u));
-    const int m_hi = (int)(((Wd >> 4) & 0x0F0Fu) | ((Z >> 2) & 0x3030u));
+// one row's block piece (this lane's) dotted with one row of x, added to acc
+template <int LPB>
+DEV void mvk_dot(const MvkW<LPB>& B, const MvkX<LPB>& X, int sh, float& acc) {
+    constexpr int NW = 8 / LPB;
+    u32 Y = B.h.y, Z = B.h.z, Wd = B.h.w;
+    if constexpr (LPB == 4) { Y >>= sh; Z >>= sh; Wd >>= sh; }
+    const int s_lo = (int)(Y & 0x3F3F3F3Fu), m_lo = (int)(Z & 0x3F3F3F3Fu);
+    const int s_hi = (int)((Wd & 0x0F0F0F0Fu) | ((Y >> 2) & 0x30303030u));
+    const int m_hi = (int)(((Wd >> 4) & 0x0F0F0F0Fu) | ((Z >> 2) & 0x30303030u));
     const float d = __half2float(__ushort_as_half((u16)(B.h.x & 0xFFFFu)));
     const float dm = __half2float(__ushort_as_half((u16)(B.h.x >> 16)));
-    const u32 qa[4] = {B.a.x, B.a.y, B.a.z, B.a.w}, qb[4] = {B.b.x, B.b.y, B.b.z, B.b.w};
-    u32 la[4], ha[4], lb[4], hb[4];
+    int I = 0, M = 0;
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
-        la[k] = qa[k] & 0x0F0F0F0Fu; ha[k] = qa[k] & 0xF0F0F0F0u;
-        lb[k] = qb[k] & 0x0F0F0F0Fu; hb[k] = qb[k] & 0xF0F0F0F0u;
-    }
-#pragma unroll
-    for (int n = 0; n < NR; n++) {
-        int s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (int i = 0; i < NW; i++) {
+        const u32 qw[4] = {B.q[i].x, B.q[i].y, B.q[i].z, B.q[i].w};
+        int sl = 0, sh4 = 0;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            s0 = __dp4a((int)la[k], X[n].w[0][k], s0);
-            s1 = dp4a_us(ha[k], X[n].w[1][k], s1);
-            s2 = __dp4a((int)lb[k], X[n].w[2][k], s2);
-            s3 = dp4a_us(hb[k], X[n].w[3][k], s3);
+            sl = __dp4a((int)(qw[k] & 0x0F0F0F0Fu), X.w[2 * i][k], sl);
+            sh4 = dp4a_us(qw[k] & 0xF0F0F0F0u, X.w[2 * i + 1][k], sh4);
         }
-        int I = __dp2a_lo((int)__byte_perm((u32)s0, (u32)(s1 >> 4), 0x5410), s_lo, 0);
-        I = __dp2a_lo((int)__byte_perm((u32)s2, (u32)(s3 >> 4), 0x5410), s_hi, I);
-        int M = __dp2a_lo(X[n].bs[0], m_lo, 0);
-        M = __dp2a_lo(X[n].bs[1], m_hi, M);
-        acc[n] = fmaf(d * X[n].d, (float)I, acc[n]);
-        acc[n] = fmaf(-(dm * X[n].d), (float)M, acc[n]);
+        const int pk = (int)__byte_perm((u32)sl, (u32)(sh4 >> 4), 0x5410);
+        // sub-blocks 2g, 2g + 1 of word i: scale bytes 0, 1 (LPB 4: shifted there) or 2, 3
+        const bool hiw = LPB == 4 ? i == 1 : i >= 2;
+        const bool hib = LPB == 2 && (i & 1);
+        const int sw = hiw ? s_hi : s_lo, mw = hiw ? m_hi : m_lo;
+        if (hib) { I = __dp2a_hi(pk, sw, I); M = __dp2a_hi(X.bs[i], mw, M); }
+        else { I = __dp2a_lo(pk, sw, I); M = __dp2a_lo(X.bs[i], mw, M); }
     }
+    acc = fmaf(d * X.d, (float)I, acc);
+    acc = fmaf(-(dm * X.d), (float)M, acc);
 }
 
-// The launch's tasks (R rows of one of up to three weights) in order W0, W1, W2, split
-// evenly over all warps of the grid; a warp walks its tasks' steps (R rows x 2048
-// weights) with the next step's loads in flight while it computes the current one.
-template <int NR, int R, int S, int NA>
+// The launch's tasks (R rows of one of up to three weights) in order W0, W1, W2 over all
+// warps of the grid (V & 1: warp w takes tasks w, w + nw, ...; else a contiguous range);
+// a warp walks its tasks' steps (R rows x 32 / LPB blocks) with S - 1 steps' loads in
+// flight while it computes one.  LPB = 2 if V & 2 else 4.
+template <int NR, int R, int S, int V>
 __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
         const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,
         float* y0, float* y1, float* y2,
@@ -116,17 +129,22 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
         int K, long long row_bytes, const signed char* __restrict__ xq, const float* __restrict__ xd,
         const float* __restrict__ xs, int ldy0, int ldy1, int ldy2, int mode) {
     static_assert(R * NR <= 32, "a lane per output");
-    constexpr bool XP = NR <= 2;                      // x loaded with the weights, a step ahead
-    constexpr int NX = NR;
-    using Stage = MvkStage4K<R, XP ? NR : 1>;
+    constexpr int LPB = (V & 2) ? 2 : 4, BPS = 32 / LPB, NW = 8 / LPB;
+    constexpr bool IL = V & 1;
+    // x a step ahead with the weights (LPB 4, 1-2 rows of x); else held across steps of
+    // one block index (reloaded when it changes) or, past 2 rows, loaded a row at a time
+    constexpr bool XP = LPB == 4 && NR <= 2;
+    constexpr bool XH = LPB == 2 && NR <= 2;
+    using Stage = MvkStage<LPB, R, XP ? NR : 0>;
     const u32* __restrict__ xi = (const u32*)xs;      // mvk takes q8_act's packed run sums here
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int q = lane >> 2, j = lane & 3, sh = 16 * (j >> 1);
-    const int nb = K / 256, nst = (nb + 7) / 8;
+    const int q = lane / LPB, j = lane % LPB, sh = 16 * (j >> 1);
+    const int nb = K / 256, nst = (nb + BPS - 1) / BPS;
     const int T0 = (M0 + R - 1) / R, T1 = (M1 + R - 1) / R, T2 = (M2 + R - 1) / R;
-    const long long T = (long long)T0 + T1 + T2;
-    const long long nw = (long long)gridDim.x * MVK_WARPS, w = (long long)blockIdx.x * MVK_WARPS + warp;
-    const int t_beg = (int)(w * T / nw), t_end = (int)((w + 1) * T / nw);
+    const int T = T0 + T1 + T2;
+    const int nw = gridDim.x * MVK_WARPS, w = blockIdx.x * MVK_WARPS + warp;
+    const int t_beg = IL ? w : (int)((long long)w * T / nw), t_end = IL ? T : (int)((long long)(w + 1) * T / nw);
+    const int t_step = IL ? nw : 1;
     if (t_beg >= t_end) return;
 
     // task t: weight, its output, rows [m0, m0 + R) of M
@@ -149,27 +167,29 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
     auto ladvance = [&]() {
         if (++lit == nst) {
             lit = 0;
-            if (++lt < t_end) lset();
+            lt += t_step;
+            if (lt < t_end) lset();
         }
     };
     // loads past the matrix read its last block / row again (finite, never summed / stored)
-    auto load_x = [&](MvkX4K (&X)[NX], int it) {
-        const int blk = it * 8 + q;
-#pragma unroll
-        for (int n = 0; n < NX; n++)
-            mvk_load_x4k(X[n], xq + (long long)n * K, xd + (long long)n * (K / 256),
-                         xi + (long long)n * (K / 32), min(blk, nb - 1), j, blk < nb);
+    auto load_x = [&](MvkX<LPB>& X, int n, int it) {
+        const int blk = it * BPS + q;
+        mvk_load_x<LPB>(X, xq + (long long)n * K, xd + (long long)n * (K / 256), xi + (long long)n * (K / 32),
+                        min(blk, nb - 1), j, blk < nb);
     };
     auto load = [&](Stage& st) {
-        const u8* p = lp + min(lit * 8 + q, nb - 1) * 144;
+        const u8* p = lp + min(lit * BPS + q, nb - 1) * 144;
 #pragma unroll
         for (int r = 0; r < R; r++) {
             const u8* pr = p + (r < lrows ? r : lrows - 1) * row_bytes;
-            st.w[r].h = ldg_stream<NA>(pr);
-            st.w[r].a = ldg_stream<NA>(pr + 16 + 16 * j);
-            st.w[r].b = ldg_stream<NA>(pr + 80 + 16 * j);
+            st.w[r].h = ldg_stream<1>(pr);
+#pragma unroll
+            for (int i = 0; i < NW; i++) st.w[r].q[i] = ldg_stream<1>(pr + 16 + 16 * (j + LPB * i));
         }
-        if constexpr (XP) load_x(st.x, lit);
+        if constexpr (XP) {
+#pragma unroll
+            for (int n = 0; n < NR; n++) load_x(st.x[n], n, lit);
+        }
     };
 
     float acc[R][NR];
@@ -178,15 +198,32 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
 #pragma unroll
         for (int n = 0; n < NR; n++) acc[r][n] = 0.f;
 
+    MvkX<LPB> xh[XH ? NR : 1];
+    int xh_it = -1;
     auto compute = [&](const Stage& st, int t, int it) {
         if constexpr (XP) {
 #pragma unroll
-            for (int r = 0; r < R; r++) mvk_dot4k<NR>(st.w[r], st.x, sh, acc[r]);
-        } else {
-            MvkX4K X[NR];
-            load_x(X, it);
+            for (int r = 0; r < R; r++)
 #pragma unroll
-            for (int r = 0; r < R; r++) mvk_dot4k<NR>(st.w[r], X, sh, acc[r]);
+                for (int n = 0; n < NR; n++) mvk_dot<LPB>(st.w[r], st.x[n], sh, acc[r][n]);
+        } else if constexpr (XH) {
+            if (it != xh_it) {
+#pragma unroll
+                for (int n = 0; n < NR; n++) load_x(xh[n], n, it);
+                xh_it = it;
+            }
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int n = 0; n < NR; n++) mvk_dot<LPB>(st.w[r], xh[n], sh, acc[r][n]);
+        } else {
+#pragma unroll
+            for (int n = 0; n < NR; n++) {
+                MvkX<LPB> X;
+                load_x(X, n, it);
+#pragma unroll
+                for (int r = 0; r < R; r++) mvk_dot<LPB>(st.w[r], X, sh, acc[r][n]);
+            }
         }
         if (it == nst - 1) {                         // the task's last step: its sums out
             int sel, m0;
@@ -216,7 +253,7 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
             if (ct < t_end) {
                 if (lt < t_end) { load(buf[(k + S - 1) % S]); ladvance(); }
                 compute(buf[k], ct, cit);
-                if (++cit == nst) { cit = 0; ++ct; }
+                if (++cit == nst) { cit = 0; ct += t_step; }
             }
         }
     }
