@@ -71,11 +71,13 @@ INT8_MATVEC = __import__("os").environ.get("LLAMBA_CUDA_INT8", "1") != "0"
 INT8_ROWS_PER_WARP = 4
 INT8_SMALL_M = 4096
 MVS_WARPS = 4               # warps a block of the integer matvec (qint8.cuh)
-# which integer matvec kernel: "mvs" (chunk bytes staged through registers, one chunk of
-# each warp's rows in flight) or "mvp" (cp.async into shared memory, up to 3 chunks ahead;
-# sm_80 and newer only: mvs is used below that whatever this says).  Both give the same
-# sums bit for bit.  LLAMBA_CUDA_MV=mvp selects mvp until it is measured on the device.
-INT8_KERNEL = __import__("os").environ.get("LLAMBA_CUDA_MV", "mvs")
+# which integer matvec kernel: "mvk" (the default: Q4_K by qmvk.cuh, the other types by
+# mvs), "mvs" (chunk bytes staged through registers, one chunk of each warp's rows in
+# flight) or "mvp" (cp.async into shared memory, up to 3 chunks ahead; sm_80 and newer
+# only: mvs is used below that whatever this says).  mvs and mvp give the same sums bit
+# for bit (and the decode megakernel, which runs only with mvs); mvk's Q4_K sums are its
+# own.  LLAMBA_CUDA_MV picks one.
+INT8_KERNEL = __import__("os").environ.get("LLAMBA_CUDA_MV", "mvk")
 MVP_MIN_CC = 80
 # mvk (qmvk.cuh): weights straight into registers, a persistent grid; the types it has
 # (others take mvs under it).  Its sums are its own (not mvs's), batch invariant like them.
@@ -89,7 +91,7 @@ MVK_BPS = int(__import__("os").environ.get("LLAMBA_MVK_BPS", "0"))
 # over the warps (else a contiguous range a warp), 2 = 2 lanes a Q4_K block (else 4; only
 # where K >= MVK_WIDE_K, since a step is then 16 blocks of a row)
 MVK_STAGES = int(__import__("os").environ.get("LLAMBA_MVK_S", "2"))
-MVK_V = int(__import__("os").environ.get("LLAMBA_MVK_V", "0"))
+MVK_V = int(__import__("os").environ.get("LLAMBA_MVK_V", "1"))
 MVK_WIDE_K = 4096
 
 
