@@ -77,6 +77,46 @@ def matvec_bandwidth(cp, qc, qtype, M, K, reps=50) -> float:
     return Ws[0].nbytes / t
 
 
+_READ = r"""
+extern "C" __global__ void read16(const uint4* __restrict__ a, long long n, unsigned* out) {
+    unsigned acc = 0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        uint4 v = __ldcs(a + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u) out[0] = acc;
+}
+"""
+
+
+def read_bandwidth(cp, nbytes, reps=50) -> float:
+    """A read-only streaming kernel over nbytes (4 buffers in turn, past the L2), bytes
+    per second: what a matvec of that size could read at best."""
+    f = cp.RawKernel(_READ, "read16")
+    bufs = [cp.ones(nbytes // 4, cp.uint32) for _ in range(4)]
+    out = cp.zeros(1, cp.uint32)
+    n = nbytes // 16
+    sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+    grid = (min((n + 255) // 256, sms * 8),)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for b in bufs:
+            f(grid, (256,), (b, np.int64(n), out))
+        stream.begin_capture()
+        for i in range(reps):
+            f(grid, (256,), (bufs[i % 4], np.int64(n), out))
+        graph = stream.end_capture()
+        graph.launch(stream)
+        s, e = cp.cuda.Event(), cp.cuda.Event()
+        s.record(stream)
+        graph.launch(stream)
+        e.record(stream)
+        e.synchronize()
+    t = cp.cuda.get_elapsed_time(s, e) / 1e3 / reps
+    del bufs
+    return nbytes / t
+
+
 def mega_sweep(eng, configs, n_gen=16):
     """Graph replay of one decode step with the megakernel built for each (chunks a slot,
     ring slots cap, L2-prefetch slots before attention / before a barrier) in configs
@@ -321,9 +361,13 @@ def main(argv=None):
     ap.add_argument("--rpw-int8", default="", help="integer matvec rows-per-warp values to compare (e.g. 1,2,4)")
     ap.add_argument("--ncu-kernel", action="store_true", help="run one Q4_K matvec eagerly (for ncu) and exit")
     ap.add_argument("--variants", default="int8",
-                    help="decode paths to measure: int8 (default: a kernel an op, integer matvec mvs), mega "
+                    help="decode paths to measure: int8 (default: a kernel an op, the default integer matvec), mvs, "
+                         "mvk (integer matvec with weights straight into registers, persistent grid), mega "
                          "(the decode megakernel, LLAMBA_CUDA_MEGA=1), mvp (int8 with the cp.async-pipelined "
                          "matvec, sm_80+), float")
+    ap.add_argument("--mvk-sweep", default="",
+                    help="mvk configs R:BPS[:S[:NA]],... (rows a warp : blocks an SM, 0 = occupancy : stages : "
+                         "weights past L1) timed on Q4_K matvecs")
     ap.add_argument("--mega-sweep", default="",
                     help="megakernel configs to time on L8 Q4_K_M after its run: sub:stages:pfa:pfb,... "
                          "(0 for sub/stages: the default), e.g. 4:0:4:1,2:0:4:1")
@@ -367,8 +411,9 @@ def main(argv=None):
     int8_default, kernel_default, mega_default = qc.INT8_MATVEC, qc.INT8_KERNEL, cm.ENABLED
 
     def use(variant):
-        qc.INT8_MATVEC = variant in ("int8", "mvp", "mega")
-        qc.set_int8_kernel("mvp" if variant == "mvp" else ("mvs" if variant in ("int8", "mega") else kernel_default))
+        qc.INT8_MATVEC = variant in ("int8", "mvp", "mvk", "mvs", "mega")
+        qc.set_int8_kernel(variant if variant in ("mvp", "mvk", "mvs")
+                           else ("mvs" if variant == "mega" else kernel_default))
         cm.ENABLED = variant == "mega"
 
     for rpw in ([int(v) for v in args.rpw_int8.split(",")] if args.rpw_int8 else []):
@@ -379,7 +424,29 @@ def main(argv=None):
             log(f"int8 rows/warp {rpw}: matvec {qt.name} {M}x{K}: {g:.0f} GB/s")
     if args.rpw_int8:
         qc.set_int8_rows_per_warp(4)
+    if args.mvk_sweep:
+        # mvk's rows a warp (R) and resident blocks an SM (0: its occupancy), single matvecs
+        use("mvk")
+        for cfg in args.mvk_sweep.split(","):
+            r, b, st, na = ([int(v) for v in cfg.split(":")] + [2, 0])[:4]
+            qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_STAGES, qc.MVK_V = r, b, st, na
+            qc._mods.by_type.clear()
+            qc._bps.clear()
+            for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q4_K, 4096, 14336), (GGMLType.Q4_K, 4096, 4096),
+                             (GGMLType.Q4_K, 8960, 1536)]:
+                g = matvec_bandwidth(cp, qc, qt, M, K) / 1e9
+                log(f"mvk R={r} bps={b} S={st} V={na}: matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)"
+                    f" occupancy {dict(qc._bps)}")
+        qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_STAGES, qc.MVK_V = 2, 0, 2, 0
+        qc._mods.by_type.clear()
+        qc._bps.clear()
+        qc.INT8_MATVEC = int8_default
+        qc.set_int8_kernel(kernel_default)
     if args.micro:
+        for nbytes in (33030144, 8257536, 1 << 30):
+            g = read_bandwidth(cp, nbytes) / 1e9
+            log(f"read-only kernel {nbytes} bytes: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)")
+            result.setdefault("read", []).append({"bytes": nbytes, "GBps": g})
         # single matvecs: the megakernel's are mvs's (variant int8)
         for variant in dict.fromkeys("int8" if v == "mega" else v for v in args.variants.split(",")):
             use(variant)
@@ -397,7 +464,7 @@ def main(argv=None):
     sweep = [tuple(int(v) for v in c.split(":")) for c in args.mega_sweep.split(",") if c]
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
-    for shape in args.shapes.split(","):
+    for shape in [v for v in args.shapes.split(",") if v]:
         spec = SHAPES[shape]
         for mix in args.mixes.split(","):
             path = d / f"{shape}-{mix}.gguf"

@@ -71,12 +71,28 @@ INT8_MATVEC = __import__("os").environ.get("LLAMBA_CUDA_INT8", "1") != "0"
 INT8_ROWS_PER_WARP = 4
 INT8_SMALL_M = 4096
 MVS_WARPS = 4               # warps a block of the integer matvec (qint8.cuh)
-# which integer matvec kernel: "mvs" (chunk bytes staged through registers, one chunk of
-# each warp's rows in flight) or "mvp" (cp.async into shared memory, up to 3 chunks ahead;
-# sm_80 and newer only: mvs is used below that whatever this says).  Both give the same
-# sums bit for bit.  LLAMBA_CUDA_MV=mvp selects mvp until it is measured on the device.
-INT8_KERNEL = __import__("os").environ.get("LLAMBA_CUDA_MV", "mvs")
+# which integer matvec kernel: "mvk" (the default: Q4_K by qmvk.cuh, the other types by
+# mvs), "mvs" (chunk bytes staged through registers, one chunk of each warp's rows in
+# flight) or "mvp" (cp.async into shared memory, up to 3 chunks ahead; sm_80 and newer
+# only: mvs is used below that whatever this says).  mvs and mvp give the same sums bit
+# for bit (and the decode megakernel, which runs only with mvs); mvk's Q4_K sums are its
+# own.  LLAMBA_CUDA_MV picks one.
+INT8_KERNEL = __import__("os").environ.get("LLAMBA_CUDA_MV", "mvk")
 MVP_MIN_CC = 80
+# mvk (qmvk.cuh): weights straight into registers, a persistent grid; the types it has
+# (others take mvs under it).  Its sums are its own (not mvs's), batch invariant like them.
+MVK_TYPES = {GGMLType.Q4_K: "mvk4k"}
+MVK_WARPS = 4
+# rows a warp for 1-2 rows of x (1 for more: registers); never changes a sum
+MVK_ROWS = int(__import__("os").environ.get("LLAMBA_MVK_R", "2"))
+# resident blocks an SM the persistent grid assumes (0: the occupancy the kernel has)
+MVK_BPS = int(__import__("os").environ.get("LLAMBA_MVK_BPS", "0"))
+# pipeline stages (S - 1 steps of loads in flight); variant bits: 1 = tasks interleaved
+# over the warps (else a contiguous range a warp), 2 = 2 lanes a Q4_K block (else 4; only
+# where K >= MVK_WIDE_K, since a step is then 16 blocks of a row)
+MVK_STAGES = int(__import__("os").environ.get("LLAMBA_MVK_S", "2"))
+MVK_V = int(__import__("os").environ.get("LLAMBA_MVK_V", "1"))
+MVK_WIDE_K = 4096
 
 
 class DeviceWeight:
@@ -122,7 +138,7 @@ def source(path: Path, *headers: Path) -> str:
 
 def kernel_source() -> str:
     """qkernels.cu with its headers' hash."""
-    return source(_DIR / "qkernels.cu", _DIR / "qblocks.cuh", _DIR / "qint8.cuh")
+    return source(_DIR / "qkernels.cu", _DIR / "qblocks.cuh", _DIR / "qint8.cuh", _DIR / "qmvk.cuh")
 
 
 class _Modules:
@@ -133,13 +149,13 @@ class _Modules:
         self.misc = None
 
     def get(self, qtype):
-        key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP)
+        key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS, MVK_STAGES, MVK_V)
         m = self.by_type.get(key)
         if m is None:
             s = STRUCT[qtype]
             names = ([f"mv<{s},{r},{_rpw(r)},0>" for r in range(1, MV_MAX_ROWS + 1)]
-                     + ([f"{_int8_kernel()}<{INT8_STRUCT[qtype]},{r},{rpw}>" for r in range(1, INT8_MAX_ROWS + 1)
-                         for rpw in sorted({_rpw_int8(r, 1), _rpw_int8(r, 1 << 30)})]
+                     + (sorted({_int8_name(qtype, r, M, K) for r in range(1, INT8_MAX_ROWS + 1) for M in (1, 1 << 30)
+                                for K in (256, 1 << 30)})
                         if qtype in INT8_STRUCT else [])
                      + [f"mv<{s},{r},{_rpw(r)},{p}>" for r in range(1, PROLOGUE_MAX_ROWS + 1) for p in (1, 2, 3)]
                      + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
@@ -163,10 +179,45 @@ def _rpw(nrows: int) -> int:
     return ROWS_PER_BLOCK if nrows <= 2 else 1
 
 
-def _rpw_int8(nrows: int, M: int) -> int:
+def _rpw_int8(nrows: int, M: int, qtype=None) -> int:
+    if _int8_kernel() == "mvk" and qtype in MVK_TYPES:
+        return MVK_ROWS if nrows <= 2 else 1
     if nrows <= 2:
         return 2 if M <= INT8_SMALL_M else INT8_ROWS_PER_WARP
     return 2 if nrows <= 4 else 1
+
+
+def _int8_name(qtype, nrows: int, M: int, K: int = 1 << 30) -> str:
+    """The integer matvec kernel (instantiation) for nrows of x and W of M x K."""
+    rpw = _rpw_int8(nrows, M, qtype)
+    if _int8_kernel() == "mvk" and qtype in MVK_TYPES:
+        v = MVK_V if K >= MVK_WIDE_K else MVK_V & ~2
+        return f"{MVK_TYPES[qtype]}<{nrows},{rpw},{MVK_STAGES},{v}>"
+    k = "mvs" if _int8_kernel() == "mvk" else _int8_kernel()
+    return f"{k}<{INT8_STRUCT[qtype]},{nrows},{rpw}>"
+
+
+_sms = None
+_bps = {}
+
+
+def _mvk_blocks(f, name) -> int:
+    """Blocks of a persistent mvk grid: as many as are resident on the device at once."""
+    global _sms
+    if _sms is None:
+        _sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+    if MVK_BPS:
+        return _sms * MVK_BPS
+    b = _bps.get(name)
+    if b is None:
+        try:
+            from cupy.cuda import driver
+            b = int(driver.occupancyMaxActiveBlocksPerMultiprocessor(f.ptr, 32 * MVK_WARPS, 0))
+        except Exception:
+            regs = max(32, int(getattr(f, "num_regs", 128)))
+            b = max(1, 65536 // (((regs * 32 + 255) // 256) * 256 * MVK_WARPS))
+        b = _bps[name] = max(1, min(b, 16))
+    return _sms * b
 
 
 def set_rows_per_block(n: int) -> None:
@@ -182,8 +233,8 @@ _cc = None
 def _int8_kernel() -> str:
     """The integer matvec kernel in use: INT8_KERNEL where the device has what it needs."""
     global _cc
-    if INT8_KERNEL == "mvs":
-        return "mvs"
+    if INT8_KERNEL in ("mvs", "mvk"):
+        return INT8_KERNEL
     assert INT8_KERNEL == "mvp", INT8_KERNEL
     if _cc is None:
         _cc = int(cp.cuda.Device().compute_capability)
@@ -191,9 +242,9 @@ def _int8_kernel() -> str:
 
 
 def set_int8_kernel(name: str) -> None:
-    """Select the integer matvec kernel ("mvs" or "mvp"); recompiled on next use."""
+    """Select the integer matvec kernel ("mvs", "mvp" or "mvk"); recompiled on next use."""
     global INT8_KERNEL
-    assert name in ("mvs", "mvp"), name
+    assert name in ("mvs", "mvp", "mvk"), name
     if name != INT8_KERNEL:
         INT8_KERNEL = name
         _mods.by_type.clear()
@@ -322,17 +373,25 @@ def _matvec(x, Ws, outs, biases, accumulate, prologue=None):
 def quantize_act(x, block: int, ws: Workspace, prologue=None):
     """x float32 [n, K] (after the prologue, if any) as the integer path's activations:
     (int8 codes [n, K], steps [n, K/block], step * sum of codes per 16 [n, K/16])."""
+    return _quantize_act(x, block, ws, prologue)[:3]
+
+
+def _quantize_act(x, block: int, ws: Workspace, prologue=None):
+    """quantize_act's three, and for block 256 the codes' sums per 16 as int16 [n, K/16]
+    in mvk's order (None for block 32)."""
     n, K = x.shape
     xq = ws.get(f"xq{block}", n * K, cp.int8, keep=True)
     xd = ws.get(f"xd{block}", n * K // block, cp.float32, keep=True)
     xs = ws.get(f"xs{block}", n * K // 16, cp.float32, keep=True)
+    xi = ws.get(f"xi{block}", n * K // 16, cp.int16, keep=True) if block == 256 else None
     pro, pw, pu, eps = _prologue_args(prologue)
     assert pu is None or pu.strides[0] == x.strides[0]
     f = _mods.fn(f"q8_act<{block},{pro}>")
     f(((K + 2047) // 2048, n), (256,),
       (x, np.int32(x.strides[0] // 4), pw if pw is not None else np.uint64(0),
-       pu if pu is not None else np.uint64(0), np.float32(eps), np.int32(K), xq, xd, xs))
-    return xq, xd, xs
+       pu if pu is not None else np.uint64(0), np.float32(eps), np.int32(K), xq, xd, xs,
+       xi if xi is not None else np.uint64(0)))
+    return xq, xd, xs, xi
 
 
 def matvec_int8(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
@@ -352,12 +411,18 @@ def matvec_int8(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
         W0 = Ws[i]
         block = _KBLOCK[W0.qtype][0]
         if block not in acts:
-            acts[block] = quantize_act(x, block, ws, prologue)
-        xq, xd, xs = acts[block]
+            acts[block] = _quantize_act(x, block, ws, prologue)
+        xq, xd, xs, xi = acts[block]
         Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
-        rpw = _rpw_int8(n, max(Ms))
-        f = _mods.get(W0.qtype)[f"{_int8_kernel()}<{INT8_STRUCT[W0.qtype]},{n},{rpw}>"]
-        grid = ((max(Ms) + rpw * MVS_WARPS - 1) // (rpw * MVS_WARPS), len(grp))
+        rpw = _rpw_int8(n, max(Ms), W0.qtype)
+        name = _int8_name(W0.qtype, n, max(Ms), K)
+        f = _mods.get(W0.qtype)[name]
+        if name.startswith("mvk"):
+            xs = xi                 # mvk reads the packed int16 run sums in xs's place
+            tasks = sum((m + rpw - 1) // rpw for m in Ms)
+            grid = (max(1, min((tasks + MVK_WARPS - 1) // MVK_WARPS, _mvk_blocks(f, name))),)
+        else:
+            grid = ((max(Ms) + rpw * MVS_WARPS - 1) // (rpw * MVS_WARPS), len(grp))
         args = ([Ws[k].data for k in pad] + [outs[k] for k in pad]
                 + [biases[k] if biases[k] is not None else np.uint64(0) for k in pad]
                 + [np.int32(m) for m in Ms]

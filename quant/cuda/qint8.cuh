@@ -206,9 +206,11 @@ DEV float gelu_mul(float g, float u) {
 // One warp's 256 values (8 a lane, element e = lane's first) rounded to int8 blocks of
 // BS: codes to xq[e..e+8), steps to xd[e / BS], xd * sum of 16 codes to xs[e / 16]
 // (row pointers).  All 32 lanes take part (lanes past K with v = 0 and ok = false).
+// xi (BS 256, optional): the 16 run sums of each block as int16, in the order mvk reads
+// them (qmvk.cuh): run i = 8t + 4g + 2f + h at short (2(2g + h) + t) * 2 + f of the block.
 template <int BS>
 DEV void q8_store(const float (&v)[8], bool ok, int lane, int e, signed char* __restrict__ xq,
-                  float* __restrict__ xd, float* __restrict__ xs) {
+                  float* __restrict__ xd, float* __restrict__ xs, short* __restrict__ xi = nullptr) {
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(v[i]));
@@ -229,13 +231,19 @@ DEV void q8_store(const float (&v)[8], bool ok, int lane, int e, signed char* __
     *(uint2*)(xq + e) = make_uint2(word[0], word[1]);
     if ((lane & 1) == 0) xs[e / 16] = d * (float)s16;
     if ((lane & (BS / 8 - 1)) == 0) xd[e / BS] = d;
+    if constexpr (BS == 256) {
+        if (xi != nullptr && (lane & 1) == 1) {
+            const int i = lane >> 1, t = i >> 3, g = (i >> 2) & 1, f = (i >> 1) & 1, h = i & 1;
+            xi[(e / 256) * 16 + (2 * (2 * g + h) + t) * 2 + f] = (short)s16;
+        }
+    }
 }
 
 template <int BS, int PRO>
 __global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int ldx, const float* __restrict__ pw,
                                               const float* __restrict__ pu, float eps, int K,
                                               signed char* __restrict__ xq, float* __restrict__ xd,
-                                              float* __restrict__ xs) {
+                                              float* __restrict__ xs, short* __restrict__ xi) {
     const int n = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float* xr = x + (long long)n * ldx;
     float rn = 1.f;
@@ -272,7 +280,8 @@ __global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int l
 #pragma unroll
         for (int i = 0; i < 8; i++) v[i] = 0.f;
     }
-    q8_store<BS>(v, ok, lane, e, xq + (long long)n * K, xd + (long long)n * (K / BS), xs + (long long)n * (K / 16));
+    q8_store<BS>(v, ok, lane, e, xq + (long long)n * K, xd + (long long)n * (K / BS), xs + (long long)n * (K / 16),
+                 xi ? xi + (long long)n * (K / 16) : nullptr);
 }
 
 // ---------------------------------------------------------------- the matvec

@@ -2,6 +2,7 @@
 // GGUF block layout.  Instantiated per type by name (see quant/cuda/__init__.py).
 #include "qblocks.cuh"
 #include "qint8.cuh"
+#include "qmvk.cuh"
 #ifndef MV_UNROLL
 #define MV_UNROLL 1
 #endif

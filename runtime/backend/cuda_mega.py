@@ -59,6 +59,9 @@ def why_not(be, model) -> str | None:
         return f"{type(model).__name__} is not the llama-family model"
     if not qc.INT8_MATVEC:
         return "integer decode path off"
+    if qc._int8_kernel() != "mvs":
+        # its rows are mvs's sums; the eager steps (prefill, verify) must sum the same way
+        return f"the eager integer matvec is {qc._int8_kernel()} (LLAMBA_CUDA_MV=mvs for the megakernel)"
     cfg = model.cfg
     hd = cfg.head_dim
     if hd not in (64, 128, 256) or (cfg.rope_dim or hd) != hd or 2 * model.inv_freq.shape[0] != hd:

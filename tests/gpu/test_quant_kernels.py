@@ -295,3 +295,53 @@ def test_int8_mvp_equals_mvs(qtype, n):
                 assert np.array_equal(a, b), (qtype.name, n, K, float(np.abs(a - b).max()))
     finally:
         qc.set_int8_kernel(old)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K], ids=lambda t: t.name)
+def test_int8_mvk(qtype):
+    """mvk (weights straight into registers, persistent grid): float32 accuracy against
+    x rounded as the CPU rounds it, and batch invariance: a row of x gives the same bits
+    whatever the rows of x beside it (1-8), the rows a warp (1, 2, 4) and the grid size;
+    q/k/v-style launches of three weights with biases, matrices of a partial last task,
+    K of partial steps (1280, 1536, 4352), the residual accumulate."""
+    import cupy as cp
+    import quant.cuda as qc
+    old = (qc.INT8_KERNEL, qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_V)
+    block = _block(qtype)
+    try:
+        qc.set_int8_kernel("mvk")
+        for K in _int8_K(qtype):
+            Ms = (qc.INT8_SMALL_M + 37, 77, 33) if K == _int8_K(qtype)[-1] else (77, 45, 31)
+            qts = [_weight(qtype, M, K, 60 + i) for i, M in enumerate(Ms)]
+            Ws = [qc.upload(q) for q in qts]
+            rng = np.random.default_rng(K)
+            x = rng.standard_normal((8, K)).astype(np.float32)
+            xg = cp.asarray(x)
+            biases = [rng.standard_normal(M).astype(np.float32) for M in Ms]
+            for v in (0, 2):               # 4 or 2 lanes a block (2 only for K >= MVK_WIDE_K)
+                ref = None
+                for R, bps, il in ((2, 0, 0), (1, 0, 1), (4, 0, 0), (2, 1, 1), (1, 3, 0))[:5 if v == 0 else 3]:
+                    qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_V = R, bps, v | il
+                    qc._mods.by_type.clear()
+                    qc._bps.clear()
+                    for n in (8, 1, 2, 3, 5):
+                        outs = [cp.full((n, M), np.nan, cp.float32) for M in Ms]
+                        qc.matmul(xg[:n], Ws, outs, [cp.asarray(b) for b in biases])
+                        acc = cp.ones((n, Ms[1]), cp.float32)
+                        qc.matmul(xg[:n], Ws[1:2], [acc], accumulate=True)
+                        got = [o.get() for o in outs] + [acc.get()]
+                        if ref is None:
+                            ref = got
+                            xr = _dequant_x(*_cpu_q8(x, block), block)
+                            for q, o, b in zip(qts, got, biases):
+                                wd = quant.dequantize(q).astype(np.float64)
+                                assert _rel(o, xr @ wd.T + b) < 1e-5, (qtype.name, K)
+                            wd = quant.dequantize(qts[1]).astype(np.float64)
+                            assert _rel(got[-1], 1.0 + xr @ wd.T) < 1e-5
+                        for a, b in zip(got, ref):
+                            assert np.array_equal(a, b[:n]), (qtype.name, K, R, bps, n, float(np.abs(a - b[:n]).max()))
+    finally:
+        qc.set_int8_kernel(old[0])
+        qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_V = old[1], old[2], old[3]
+        qc._mods.by_type.clear()
+        qc._bps.clear()
