@@ -267,25 +267,24 @@ def _kq_all(kind, w, xq, xd, xb, out, res, n, K, m0, m1):
             for i in range(8):
                 out[r + i, m] = res[i]
             r += 8
-        if r + 4 <= n:
+        # the rest (1-7 rows: a speculative verify of k <= 6 drafts) in one pass
+        t = n - r
+        if t == 7:
+            kq_rows(kind, 7, src, nsb, xq, xd, xb, r, K, res)
+        elif t == 6:
+            kq_rows(kind, 6, src, nsb, xq, xd, xb, r, K, res)
+        elif t == 5:
+            kq_rows(kind, 5, src, nsb, xq, xd, xb, r, K, res)
+        elif t == 4:
             kq_rows(kind, 4, src, nsb, xq, xd, xb, r, K, res)
-            for i in range(4):
-                out[r + i, m] = res[i]
-            r += 4
-        # the rest in one call (3: a speculative verify of 2 drafts) or two
-        if r + 3 == n:
+        elif t == 3:
             kq_rows(kind, 3, src, nsb, xq, xd, xb, r, K, res)
-            for i in range(3):
-                out[r + i, m] = res[i]
-            r += 3
-        if r + 2 <= n:
+        elif t == 2:
             kq_rows(kind, 2, src, nsb, xq, xd, xb, r, K, res)
-            out[r, m] = res[0]
-            out[r + 1, m] = res[1]
-            r += 2
-        if r < n:
+        elif t == 1:
             kq_rows(kind, 1, src, nsb, xq, xd, xb, r, K, res)
-            out[r, m] = res[0]
+        for i in range(t):
+            out[r + i, m] = res[i]
 
 
 @njit(cache=True)

@@ -144,11 +144,12 @@ class KController:
     With per-token acceptance a, a round of k drafts yields on average
     (1 - a^(k+1)) / (1 - a) tokens and costs k draft steps plus one verify step
     of k+1 rows.  The verify step's cost is not linear in k: the CPU matmuls
-    decode each weight block once per group of rows (K-quants: 8, 4, 3, 2 or 1
-    rows a pass, 32-element formats: 16//r lanes), so 5 rows cost about as much
-    as 8 (Qwen2.5-Coder-1.5B, in 1-row steps: 2 rows 1.1, 3 rows 1.35-1.6,
-    4 rows 1.6, 5 rows 2.2, 8 rows 2.7).  So the candidates are the k whose
-    k+1 rows fill a pass (CANDIDATES), and
+    decode each weight block once per group of rows (K-quants: up to 8 rows a
+    pass; 32-element formats: row groups of 4, 8 or 16), and past a few rows
+    the integer dot products, not the weight stream, set the time
+    (Qwen2.5-Coder-1.5B, in 1-row steps: 2 rows 1.09, 3 rows 1.30, 4 rows 1.59,
+    5 rows 1.85, 6 rows 2.13, 8 rows 2.69).  So the candidates are a few k
+    whose k+1 rows fill a pass (CANDIDATES), and
     each one's verify time is a running average of its own measured rounds;
     an unmeasured k is estimated from t_plain plus the measured per-row cost.
     All costs are running averages of measured times; a comes from tested
