@@ -357,6 +357,7 @@ def main(argv=None):
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("--hf", action="store_true", help="also HF transformers bf16 on the same GPU")
     ap.add_argument("--micro", action="store_true", help="matvec bandwidth of single kernels")
+    ap.add_argument("--micro-types", default="", help="only these weight types in --micro (e.g. Q6_K,Q4_0)")
     ap.add_argument("--rpw", default="", help="float matvec rows-per-block values to compare (e.g. 2,4,8)")
     ap.add_argument("--rpw-int8", default="", help="integer matvec rows-per-warp values to compare (e.g. 1,2,4)")
     ap.add_argument("--ncu-kernel", action="store_true", help="run one Q4_K matvec eagerly (for ncu) and exit")
@@ -409,11 +410,15 @@ def main(argv=None):
         qc.set_rows_per_block(4)
     import runtime.backend.cuda_mega as cm
     int8_default, kernel_default, mega_default = qc.INT8_MATVEC, qc.INT8_KERNEL, cm.ENABLED
+    mvk_on_default = set(qc.MVK_ON)
 
     def use(variant):
-        qc.INT8_MATVEC = variant in ("int8", "mvp", "mvk", "mvs", "mega")
-        qc.set_int8_kernel(variant if variant in ("mvp", "mvk", "mvs")
+        # mvk: mvk for all of qc.MVK_TYPES; mvk4: for Q4_K alone (mvs for the others)
+        qc.INT8_MATVEC = variant in ("int8", "mvp", "mvk", "mvk4", "mvs", "mega")
+        qc.set_int8_kernel("mvk" if variant == "mvk4" else variant if variant in ("mvp", "mvk", "mvs")
                            else ("mvs" if variant == "mega" else kernel_default))
+        qc.MVK_ON = ({GGMLType.Q4_K} if variant == "mvk4" else set(qc.MVK_TYPES) if variant == "mvk"
+                     else set(mvk_on_default))
         cm.ENABLED = variant == "mega"
 
     for rpw in ([int(v) for v in args.rpw_int8.split(",")] if args.rpw_int8 else []):
@@ -453,13 +458,19 @@ def main(argv=None):
             for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q4_K, 4096, 14336),
                              (GGMLType.Q6_K, 4096, 14336), (GGMLType.Q4_0, 14336, 4096),
                              (GGMLType.Q8_0, 14336, 4096), (GGMLType.Q4_K, 8960, 1536),
-                             (GGMLType.Q6_K, 151936, 1536), (GGMLType.Q6_K, 128256, 4096)]:
+                             (GGMLType.Q6_K, 151936, 1536), (GGMLType.Q6_K, 128256, 4096),
+                             (GGMLType.Q6_K, 1536, 8960), (GGMLType.Q6_K, 1024, 4096),
+                             (GGMLType.Q4_0, 4096, 14336), (GGMLType.Q4_0, 4096, 4096),
+                             (GGMLType.Q4_0, 8960, 1536), (GGMLType.Q4_0, 1536, 8960)]:
+                if args.micro_types and qt.name not in args.micro_types.split(","):
+                    continue
                 g = matvec_bandwidth(cp, qc, qt, M, K) / 1e9
                 result["micro"].append({"variant": variant, "type": qt.name, "M": M, "K": K, "GBps": g,
                                         "of_copy": g / (bw / 1e9)})
                 log(f"{variant} matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)")
         qc.INT8_MATVEC = int8_default
         qc.set_int8_kernel(kernel_default)
+        qc.MVK_ON = set(mvk_on_default)
         cm.ENABLED = mega_default
     sweep = [tuple(int(v) for v in c.split(":")) for c in args.mega_sweep.split(",") if c]
     d = Path(args.dir)
