@@ -410,15 +410,17 @@ def main(argv=None):
         qc.set_rows_per_block(4)
     import runtime.backend.cuda_mega as cm
     int8_default, kernel_default, mega_default = qc.INT8_MATVEC, qc.INT8_KERNEL, cm.ENABLED
-    mvk_on_default = set(qc.MVK_ON)
+    mvk_on_default, rules_default = set(qc.MVK_ON), qc.MVK_RULES
 
     def use(variant):
-        # mvk: mvk for all of qc.MVK_TYPES; mvk4: for Q4_K alone (mvs for the others)
-        qc.INT8_MATVEC = variant in ("int8", "mvp", "mvk", "mvk4", "mvs", "mega")
-        qc.set_int8_kernel("mvk" if variant == "mvk4" else variant if variant in ("mvp", "mvk", "mvs")
+        # mvk: the default (mvk where it was measured faster); mvkall: mvk for every shape of
+        # all of qc.MVK_TYPES; mvk4: for Q4_K alone (mvs for the others, the default before)
+        qc.INT8_MATVEC = variant in ("int8", "mvp", "mvk", "mvkall", "mvk4", "mvs", "mega")
+        qc.set_int8_kernel("mvk" if variant in ("mvk4", "mvkall") else variant if variant in ("mvp", "mvk", "mvs")
                            else ("mvs" if variant == "mega" else kernel_default))
-        qc.MVK_ON = ({GGMLType.Q4_K} if variant == "mvk4" else set(qc.MVK_TYPES) if variant == "mvk"
+        qc.MVK_ON = ({GGMLType.Q4_K} if variant == "mvk4" else set(qc.MVK_TYPES) if variant == "mvkall"
                      else set(mvk_on_default))
+        qc.MVK_RULES = rules_default and variant != "mvkall"
         cm.ENABLED = variant == "mega"
 
     for rpw in ([int(v) for v in args.rpw_int8.split(",")] if args.rpw_int8 else []):
@@ -470,7 +472,7 @@ def main(argv=None):
                 log(f"{variant} matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)")
         qc.INT8_MATVEC = int8_default
         qc.set_int8_kernel(kernel_default)
-        qc.MVK_ON = set(mvk_on_default)
+        qc.MVK_ON, qc.MVK_RULES = set(mvk_on_default), rules_default
         cm.ENABLED = mega_default
     sweep = [tuple(int(v) for v in c.split(":")) for c in args.mega_sweep.split(",") if c]
     d = Path(args.dir)

@@ -86,6 +86,13 @@ MVP_MIN_CC = 80
 # (LLAMBA_MVK_TYPES, names; the rest take mvs)
 MVK_TYPES = {GGMLType.Q4_K: "mvk4k", GGMLType.Q6_K: "MQ6_K", GGMLType.Q4_0: "MQ4_0"}
 MVK_ON = {GGMLType[t] for t in __import__("os").environ.get("LLAMBA_MVK_TYPES", "Q4_K,Q6_K,Q4_0").split(",") if t}
+# and of those, by W's shape, where mvk measured faster than mvs (H200, NOTES.md): Q6_K with
+# at most MVK_Q6K_MAX_M rows (1536x8960 +19%, 1024x4096 +4%; 4096x14336 -8%, the outputs
+# 128256x4096 / 151936x1536 -13%); Q4_0 but 4096 x 4096 and smaller at K = 4096 (-13% at
+# 4096x4096; 14336x4096 +0.5%, 4096x14336 +1%, 8960x1536 +7%, 1536x8960 +10%).  MVK_RULES
+# False: every shape of the types on (tests, sweeps).  A property of W alone: batch invariant.
+MVK_RULES = __import__("os").environ.get("LLAMBA_MVK_RULES", "1") != "0"
+MVK_Q6K_MAX_M = 2048
 MVK_WARPS = 4
 # rows a warp for 1-2 rows of x (1 for more: registers); never changes a sum
 MVK_ROWS = int(__import__("os").environ.get("LLAMBA_MVK_R", "2"))
@@ -155,14 +162,14 @@ class _Modules:
         self.misc = None
 
     def get(self, qtype):
-        key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS, MVK_ROWS6, MVK_STAGES, MVK_V,
+        key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS, MVK_ROWS6, MVK_STAGES, MVK_V, MVK_RULES,
                tuple(sorted(t.value for t in MVK_ON)))
         m = self.by_type.get(key)
         if m is None:
             s = STRUCT[qtype]
             names = ([f"mv<{s},{r},{_rpw(r)},0>" for r in range(1, MV_MAX_ROWS + 1)]
-                     + (sorted({_int8_name(qtype, r, M, K) for r in range(1, INT8_MAX_ROWS + 1) for M in (1, 1 << 30)
-                                for K in (32, 256, 1 << 30)})
+                     + (sorted({_int8_name(qtype, r, M, K) for r in range(1, INT8_MAX_ROWS + 1) for M in (1, 4096, 1 << 30)
+                                for K in (32, 256, 4096, 1 << 30)})
                         if qtype in INT8_STRUCT else [])
                      + [f"mv<{s},{r},{_rpw(r)},{p}>" for r in range(1, PROLOGUE_MAX_ROWS + 1) for p in (1, 2, 3)]
                      + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
@@ -186,15 +193,22 @@ def _rpw(nrows: int) -> int:
     return ROWS_PER_BLOCK if nrows <= 2 else 1
 
 
-def _mvk_applies(qtype, K: int) -> bool:
-    """mvk takes W of this type and width (a property of W alone: batch invariance)."""
+def _mvk_applies(qtype, K: int, M: int = 1) -> bool:
+    """mvk takes W (the launch's largest M) of this type and shape (a property of the
+    weights alone, never of x: batch invariance)."""
     if _int8_kernel() != "mvk" or qtype not in MVK_ON or qtype not in MVK_TYPES:
         return False
-    return qtype != GGMLType.Q4_0 or K % 256 == 0
+    if qtype == GGMLType.Q4_0 and K % 256:
+        return False
+    if MVK_RULES and qtype == GGMLType.Q6_K and M > MVK_Q6K_MAX_M:
+        return False
+    if MVK_RULES and qtype == GGMLType.Q4_0 and K == 4096 and M <= 4096:
+        return False
+    return True
 
 
 def _rpw_int8(nrows: int, M: int, qtype=None, K: int = 1 << 30) -> int:
-    if _mvk_applies(qtype, K):
+    if _mvk_applies(qtype, K, M):
         return (MVK_ROWS6 if qtype == GGMLType.Q6_K else MVK_ROWS) if nrows <= 2 else 1
     if nrows <= 2:
         return 2 if M <= INT8_SMALL_M else INT8_ROWS_PER_WARP
@@ -204,7 +218,7 @@ def _rpw_int8(nrows: int, M: int, qtype=None, K: int = 1 << 30) -> int:
 def _int8_name(qtype, nrows: int, M: int, K: int = 1 << 30) -> str:
     """The integer matvec kernel (instantiation) for nrows of x and W of M x K."""
     rpw = _rpw_int8(nrows, M, qtype, K)
-    if _mvk_applies(qtype, K):
+    if _mvk_applies(qtype, K, M):
         if qtype != GGMLType.Q4_K:
             return f"mvkt<{MVK_TYPES[qtype]},{nrows},{rpw},{MVK_STAGES},{MVK_V & 1}>"
         v = MVK_V if K >= MVK_WIDE_K else MVK_V & ~2

@@ -307,12 +307,12 @@ def test_int8_mvk(qtype):
     4352, and 576, which mvk leaves to mvs), the residual accumulate."""
     import cupy as cp
     import quant.cuda as qc
-    old = (qc.INT8_KERNEL, qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_V, qc.MVK_ROWS6, set(qc.MVK_ON))
+    old = (qc.INT8_KERNEL, qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_V, qc.MVK_ROWS6, set(qc.MVK_ON), qc.MVK_RULES)
     block = _block(qtype)
     Ks = (768, 2304, 4352, 576) if qtype == GGMLType.Q4_0 else _int8_K(qtype)
     try:
         qc.set_int8_kernel("mvk")
-        qc.MVK_ON = set(qc.MVK_TYPES)
+        qc.MVK_ON, qc.MVK_RULES = set(qc.MVK_TYPES), False     # every shape (the default keeps some on mvs)
         assert qc._mvk_applies(qtype, Ks[0])
         for K in Ks:
             Ms = (qc.INT8_SMALL_M + 37, 77, 33) if K == 4352 else (77, 45, 31)
@@ -350,6 +350,6 @@ def test_int8_mvk(qtype):
                             assert np.array_equal(a, b[:n]), (qtype.name, K, R, bps, n, float(np.abs(a - b[:n]).max()))
     finally:
         qc.set_int8_kernel(old[0])
-        qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_V, qc.MVK_ROWS6, qc.MVK_ON = old[1], old[2], old[3], old[4], old[5]
+        qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_V, qc.MVK_ROWS6, qc.MVK_ON, qc.MVK_RULES = old[1:]
         qc._mods.by_type.clear()
         qc._bps.clear()
