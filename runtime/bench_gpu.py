@@ -363,7 +363,8 @@ def main(argv=None):
     ap.add_argument("--ncu-kernel", action="store_true", help="run one Q4_K matvec eagerly (for ncu) and exit")
     ap.add_argument("--variants", default="int8",
                     help="decode paths to measure: int8 (default: a kernel an op, the default integer matvec), mvs, "
-                         "mvk (integer matvec with weights straight into registers, persistent grid), mega "
+                         "mvk (integer matvec with weights straight into registers, persistent grid; mvk4: for Q4_K "
+                         "alone, mvkr: for Q4_K, Q6_K, Q4_0 where MVK_RULES allows, mvkall: every shape of them), mega "
                          "(the decode megakernel, LLAMBA_CUDA_MEGA=1), mvp (int8 with the cp.async-pipelined "
                          "matvec, sm_80+), float")
     ap.add_argument("--mvk-sweep", default="",
@@ -413,12 +414,12 @@ def main(argv=None):
     mvk_on_default, rules_default = set(qc.MVK_ON), qc.MVK_RULES
 
     def use(variant):
-        # mvk: the default (mvk where it was measured faster); mvkall: mvk for every shape of
-        # all of qc.MVK_TYPES; mvk4: for Q4_K alone (mvs for the others, the default before)
-        qc.INT8_MATVEC = variant in ("int8", "mvp", "mvk", "mvkall", "mvk4", "mvs", "mega")
-        qc.set_int8_kernel("mvk" if variant in ("mvk4", "mvkall") else variant if variant in ("mvp", "mvk", "mvs")
+        # mvk: mvk for the default types (qc.MVK_ON); mvk4: for Q4_K alone; mvkr: for all of
+        # qc.MVK_TYPES where MVK_RULES allows; mvkall: every shape of all of them
+        qc.INT8_MATVEC = variant in ("int8", "mvp", "mvk", "mvkr", "mvkall", "mvk4", "mvs", "mega")
+        qc.set_int8_kernel("mvk" if variant in ("mvk4", "mvkr", "mvkall") else variant if variant in ("mvp", "mvk", "mvs")
                            else ("mvs" if variant == "mega" else kernel_default))
-        qc.MVK_ON = ({GGMLType.Q4_K} if variant == "mvk4" else set(qc.MVK_TYPES) if variant == "mvkall"
+        qc.MVK_ON = ({GGMLType.Q4_K} if variant == "mvk4" else set(qc.MVK_TYPES) if variant in ("mvkr", "mvkall")
                      else set(mvk_on_default))
         qc.MVK_RULES = rules_default and variant != "mvkall"
         cm.ENABLED = variant == "mega"

@@ -71,8 +71,8 @@ INT8_MATVEC = __import__("os").environ.get("LLAMBA_CUDA_INT8", "1") != "0"
 INT8_ROWS_PER_WARP = 4
 INT8_SMALL_M = 4096
 MVS_WARPS = 4               # warps a block of the integer matvec (qint8.cuh)
-# which integer matvec kernel: "mvk" (the default: Q4_K by qmvk.cuh, the other types by
-# mvs), "mvs" (chunk bytes staged through registers, one chunk of each warp's rows in
+# which integer matvec kernel: "mvk" (the default: the types in MVK_ON by qmvk.cuh, the
+# other types by mvs), "mvs" (chunk bytes staged through registers, one chunk of each warp's rows in
 # flight) or "mvp" (cp.async into shared memory, up to 3 chunks ahead; sm_80 and newer
 # only: mvs is used below that whatever this says).  mvs and mvp give the same sums bit
 # for bit (and the decode megakernel, which runs only with mvs); mvk's Q4_K sums are its
@@ -82,10 +82,12 @@ MVP_MIN_CC = 80
 # mvk (qmvk.cuh): weights straight into registers, a persistent grid; the types it has
 # (others take mvs under it).  Its sums are its own (not mvs's), batch invariant like them.
 # Q4_K: mvk4k; Q6_K, Q4_0: mvkt<policy> (Q4_0 where K % 256 == 0: 8-block units of 144
-# bytes, 16-byte aligned; other widths take mvs).  MVK_ON: the types mvk takes by default
-# (LLAMBA_MVK_TYPES, names; the rest take mvs)
+# bytes, 16-byte aligned; other widths take mvs).  MVK_ON: the types mvk takes
+# (LLAMBA_MVK_TYPES, names; the rest take mvs).  Default Q4_K alone: Q6_K / Q4_0 passed
+# their kernel tests and measured faster where MVK_RULES allows them, but the whole GPU
+# suite has not yet been run with them on (LLAMBA_MVK_TYPES=Q4_K,Q6_K,Q4_0 to do so).
 MVK_TYPES = {GGMLType.Q4_K: "mvk4k", GGMLType.Q6_K: "MQ6_K", GGMLType.Q4_0: "MQ4_0"}
-MVK_ON = {GGMLType[t] for t in __import__("os").environ.get("LLAMBA_MVK_TYPES", "Q4_K,Q6_K,Q4_0").split(",") if t}
+MVK_ON = {GGMLType[t] for t in __import__("os").environ.get("LLAMBA_MVK_TYPES", "Q4_K").split(",") if t}
 # and of those, by W's shape, where mvk measured faster than mvs (H200, NOTES.md): Q6_K with
 # at most MVK_Q6K_MAX_M rows (1536x8960 +19%, 1024x4096 +4%; 4096x14336 -8%, the outputs
 # 128256x4096 / 151936x1536 -13%); Q4_0 but 4096 x 4096 and smaller at K = 4096 (-13% at
