@@ -357,12 +357,14 @@ def main(argv=None):
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("--hf", action="store_true", help="also HF transformers bf16 on the same GPU")
     ap.add_argument("--micro", action="store_true", help="matvec bandwidth of single kernels")
+    ap.add_argument("--micro-types", default="", help="only these weight types in --micro (e.g. Q6_K,Q4_0)")
     ap.add_argument("--rpw", default="", help="float matvec rows-per-block values to compare (e.g. 2,4,8)")
     ap.add_argument("--rpw-int8", default="", help="integer matvec rows-per-warp values to compare (e.g. 1,2,4)")
     ap.add_argument("--ncu-kernel", action="store_true", help="run one Q4_K matvec eagerly (for ncu) and exit")
     ap.add_argument("--variants", default="int8",
                     help="decode paths to measure: int8 (default: a kernel an op, the default integer matvec), mvs, "
-                         "mvk (integer matvec with weights straight into registers, persistent grid), mega "
+                         "mvk (integer matvec with weights straight into registers, persistent grid; mvk4: for Q4_K "
+                         "alone, mvkr: for Q4_K, Q6_K, Q4_0 where MVK_RULES allows, mvkall: every shape of them), mega "
                          "(the decode megakernel, LLAMBA_CUDA_MEGA=1), mvp (int8 with the cp.async-pipelined "
                          "matvec, sm_80+), float")
     ap.add_argument("--mvk-sweep", default="",
@@ -409,11 +411,17 @@ def main(argv=None):
         qc.set_rows_per_block(4)
     import runtime.backend.cuda_mega as cm
     int8_default, kernel_default, mega_default = qc.INT8_MATVEC, qc.INT8_KERNEL, cm.ENABLED
+    mvk_on_default, rules_default = set(qc.MVK_ON), qc.MVK_RULES
 
     def use(variant):
-        qc.INT8_MATVEC = variant in ("int8", "mvp", "mvk", "mvs", "mega")
-        qc.set_int8_kernel(variant if variant in ("mvp", "mvk", "mvs")
+        # mvk: mvk for the default types (qc.MVK_ON); mvk4: for Q4_K alone; mvkr: for all of
+        # qc.MVK_TYPES where MVK_RULES allows; mvkall: every shape of all of them
+        qc.INT8_MATVEC = variant in ("int8", "mvp", "mvk", "mvkr", "mvkall", "mvk4", "mvs", "mega")
+        qc.set_int8_kernel("mvk" if variant in ("mvk4", "mvkr", "mvkall") else variant if variant in ("mvp", "mvk", "mvs")
                            else ("mvs" if variant == "mega" else kernel_default))
+        qc.MVK_ON = ({GGMLType.Q4_K} if variant == "mvk4" else set(qc.MVK_TYPES) if variant in ("mvkr", "mvkall")
+                     else set(mvk_on_default))
+        qc.MVK_RULES = rules_default and variant != "mvkall"
         cm.ENABLED = variant == "mega"
 
     for rpw in ([int(v) for v in args.rpw_int8.split(",")] if args.rpw_int8 else []):
@@ -453,13 +461,19 @@ def main(argv=None):
             for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q4_K, 4096, 14336),
                              (GGMLType.Q6_K, 4096, 14336), (GGMLType.Q4_0, 14336, 4096),
                              (GGMLType.Q8_0, 14336, 4096), (GGMLType.Q4_K, 8960, 1536),
-                             (GGMLType.Q6_K, 151936, 1536), (GGMLType.Q6_K, 128256, 4096)]:
+                             (GGMLType.Q6_K, 151936, 1536), (GGMLType.Q6_K, 128256, 4096),
+                             (GGMLType.Q6_K, 1536, 8960), (GGMLType.Q6_K, 1024, 4096),
+                             (GGMLType.Q4_0, 4096, 14336), (GGMLType.Q4_0, 4096, 4096),
+                             (GGMLType.Q4_0, 8960, 1536), (GGMLType.Q4_0, 1536, 8960)]:
+                if args.micro_types and qt.name not in args.micro_types.split(","):
+                    continue
                 g = matvec_bandwidth(cp, qc, qt, M, K) / 1e9
                 result["micro"].append({"variant": variant, "type": qt.name, "M": M, "K": K, "GBps": g,
                                         "of_copy": g / (bw / 1e9)})
                 log(f"{variant} matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)")
         qc.INT8_MATVEC = int8_default
         qc.set_int8_kernel(kernel_default)
+        qc.MVK_ON, qc.MVK_RULES = set(mvk_on_default), rules_default
         cm.ENABLED = mega_default
     sweep = [tuple(int(v) for v in c.split(":")) for c in args.mega_sweep.split(",") if c]
     d = Path(args.dir)

@@ -71,8 +71,8 @@ INT8_MATVEC = __import__("os").environ.get("LLAMBA_CUDA_INT8", "1") != "0"
 INT8_ROWS_PER_WARP = 4
 INT8_SMALL_M = 4096
 MVS_WARPS = 4               # warps a block of the integer matvec (qint8.cuh)
-# which integer matvec kernel: "mvk" (the default: Q4_K by qmvk.cuh, the other types by
-# mvs), "mvs" (chunk bytes staged through registers, one chunk of each warp's rows in
+# which integer matvec kernel: "mvk" (the default: the types in MVK_ON by qmvk.cuh, the
+# other types by mvs), "mvs" (chunk bytes staged through registers, one chunk of each warp's rows in
 # flight) or "mvp" (cp.async into shared memory, up to 3 chunks ahead; sm_80 and newer
 # only: mvs is used below that whatever this says).  mvs and mvp give the same sums bit
 # for bit (and the decode megakernel, which runs only with mvs); mvk's Q4_K sums are its
@@ -81,10 +81,25 @@ INT8_KERNEL = __import__("os").environ.get("LLAMBA_CUDA_MV", "mvk")
 MVP_MIN_CC = 80
 # mvk (qmvk.cuh): weights straight into registers, a persistent grid; the types it has
 # (others take mvs under it).  Its sums are its own (not mvs's), batch invariant like them.
-MVK_TYPES = {GGMLType.Q4_K: "mvk4k"}
+# Q4_K: mvk4k; Q6_K, Q4_0: mvkt<policy> (Q4_0 where K % 256 == 0: 8-block units of 144
+# bytes, 16-byte aligned; other widths take mvs).  MVK_ON: the types mvk takes
+# (LLAMBA_MVK_TYPES, names; the rest take mvs).  Default Q4_K alone: Q6_K / Q4_0 passed
+# their kernel tests and measured faster where MVK_RULES allows them, but the whole GPU
+# suite has not yet been run with them on (LLAMBA_MVK_TYPES=Q4_K,Q6_K,Q4_0 to do so).
+MVK_TYPES = {GGMLType.Q4_K: "mvk4k", GGMLType.Q6_K: "MQ6_K", GGMLType.Q4_0: "MQ4_0"}
+MVK_ON = {GGMLType[t] for t in __import__("os").environ.get("LLAMBA_MVK_TYPES", "Q4_K").split(",") if t}
+# and of those, by W's shape, where mvk measured faster than mvs (H200, NOTES.md): Q6_K with
+# at most MVK_Q6K_MAX_M rows (1536x8960 +19%, 1024x4096 +4%; 4096x14336 -8%, the outputs
+# 128256x4096 / 151936x1536 -13%); Q4_0 but 4096 x 4096 and smaller at K = 4096 (-13% at
+# 4096x4096; 14336x4096 +0.5%, 4096x14336 +1%, 8960x1536 +7%, 1536x8960 +10%).  MVK_RULES
+# False: every shape of the types on (tests, sweeps).  A property of W alone: batch invariant.
+MVK_RULES = __import__("os").environ.get("LLAMBA_MVK_RULES", "1") != "0"
+MVK_Q6K_MAX_M = 2048
 MVK_WARPS = 4
 # rows a warp for 1-2 rows of x (1 for more: registers); never changes a sum
 MVK_ROWS = int(__import__("os").environ.get("LLAMBA_MVK_R", "2"))
+# Q6_K's (its per-lane words take twice Q4_K's registers)
+MVK_ROWS6 = int(__import__("os").environ.get("LLAMBA_MVK_R6", "1"))
 # resident blocks an SM the persistent grid assumes (0: the occupancy the kernel has)
 MVK_BPS = int(__import__("os").environ.get("LLAMBA_MVK_BPS", "0"))
 # pipeline stages (S - 1 steps of loads in flight); variant bits: 1 = tasks interleaved
@@ -149,13 +164,14 @@ class _Modules:
         self.misc = None
 
     def get(self, qtype):
-        key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS, MVK_STAGES, MVK_V)
+        key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS, MVK_ROWS6, MVK_STAGES, MVK_V, MVK_RULES,
+               tuple(sorted(t.value for t in MVK_ON)))
         m = self.by_type.get(key)
         if m is None:
             s = STRUCT[qtype]
             names = ([f"mv<{s},{r},{_rpw(r)},0>" for r in range(1, MV_MAX_ROWS + 1)]
-                     + (sorted({_int8_name(qtype, r, M, K) for r in range(1, INT8_MAX_ROWS + 1) for M in (1, 1 << 30)
-                                for K in (256, 1 << 30)})
+                     + (sorted({_int8_name(qtype, r, M, K) for r in range(1, INT8_MAX_ROWS + 1) for M in (1, 4096, 1 << 30)
+                                for K in (32, 256, 4096, 1 << 30)})
                         if qtype in INT8_STRUCT else [])
                      + [f"mv<{s},{r},{_rpw(r)},{p}>" for r in range(1, PROLOGUE_MAX_ROWS + 1) for p in (1, 2, 3)]
                      + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
@@ -179,9 +195,23 @@ def _rpw(nrows: int) -> int:
     return ROWS_PER_BLOCK if nrows <= 2 else 1
 
 
-def _rpw_int8(nrows: int, M: int, qtype=None) -> int:
-    if _int8_kernel() == "mvk" and qtype in MVK_TYPES:
-        return MVK_ROWS if nrows <= 2 else 1
+def _mvk_applies(qtype, K: int, M: int = 1) -> bool:
+    """mvk takes W (the launch's largest M) of this type and shape (a property of the
+    weights alone, never of x: batch invariance)."""
+    if _int8_kernel() != "mvk" or qtype not in MVK_ON or qtype not in MVK_TYPES:
+        return False
+    if qtype == GGMLType.Q4_0 and K % 256:
+        return False
+    if MVK_RULES and qtype == GGMLType.Q6_K and M > MVK_Q6K_MAX_M:
+        return False
+    if MVK_RULES and qtype == GGMLType.Q4_0 and K == 4096 and M <= 4096:
+        return False
+    return True
+
+
+def _rpw_int8(nrows: int, M: int, qtype=None, K: int = 1 << 30) -> int:
+    if _mvk_applies(qtype, K, M):
+        return (MVK_ROWS6 if qtype == GGMLType.Q6_K else MVK_ROWS) if nrows <= 2 else 1
     if nrows <= 2:
         return 2 if M <= INT8_SMALL_M else INT8_ROWS_PER_WARP
     return 2 if nrows <= 4 else 1
@@ -189,8 +219,10 @@ def _rpw_int8(nrows: int, M: int, qtype=None) -> int:
 
 def _int8_name(qtype, nrows: int, M: int, K: int = 1 << 30) -> str:
     """The integer matvec kernel (instantiation) for nrows of x and W of M x K."""
-    rpw = _rpw_int8(nrows, M, qtype)
-    if _int8_kernel() == "mvk" and qtype in MVK_TYPES:
+    rpw = _rpw_int8(nrows, M, qtype, K)
+    if _mvk_applies(qtype, K, M):
+        if qtype != GGMLType.Q4_K:
+            return f"mvkt<{MVK_TYPES[qtype]},{nrows},{rpw},{MVK_STAGES},{MVK_V & 1}>"
         v = MVK_V if K >= MVK_WIDE_K else MVK_V & ~2
         return f"{MVK_TYPES[qtype]}<{nrows},{rpw},{MVK_STAGES},{v}>"
     k = "mvs" if _int8_kernel() == "mvk" else _int8_kernel()
@@ -414,11 +446,12 @@ def matvec_int8(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
             acts[block] = _quantize_act(x, block, ws, prologue)
         xq, xd, xs, xi = acts[block]
         Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
-        rpw = _rpw_int8(n, max(Ms), W0.qtype)
+        rpw = _rpw_int8(n, max(Ms), W0.qtype, K)
         name = _int8_name(W0.qtype, n, max(Ms), K)
         f = _mods.get(W0.qtype)[name]
         if name.startswith("mvk"):
-            xs = xi                 # mvk reads the packed int16 run sums in xs's place
+            if xi is not None:
+                xs = xi             # mvk reads the packed int16 run sums in xs's place
             tasks = sum((m + rpw - 1) // rpw for m in Ms)
             grid = (max(1, min((tasks + MVK_WARPS - 1) // MVK_WARPS, _mvk_blocks(f, name))),)
         else:

@@ -258,3 +258,272 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
         }
     }
 }
+
+// ---------------------------------------------------------------- mvkt: other types
+// The same persistent, register-pipelined matvec for a type policy Ty that reads a row
+// as units of 256 weights, 4 lanes a unit (lane j: 64 of its weights), a step R rows x 8
+// units.  Ty: UB (bytes a unit), NA (1: weights kept out of L1), XDR (x steps a 256-unit),
+// W / X (a lane's weights of one unit / x of one unit), load(W, unit, j),
+// load_x(X, xq, xd, xi, unit, j, ok) (row pointers; ok false: X adds nothing),
+// dot(W, X, j, acc).  Sums: exact integers per block, then float FMAs in block order, the
+// warp's butterfly: the same operations for any NR, R and grid (batch invariance).
+
+// Q4_0 as units of 8 blocks (144 bytes, 16-byte aligned when K % 256 == 0): lane j
+// takes blocks 2j, 2j + 1, bytes [36j, 36j + 36) of the unit, from its 16-byte words
+// 2j .. 2j + 2 (u32 offset j of the 12 loaded; realigned by selects on j's bits).
+struct MQ4_0 {
+    static constexpr int UB = 144, NA = 1, XDR = 8;
+    struct W { uint4 v[3]; };
+    struct X { int w[16]; int m8[2]; float d[2]; };
+    DEV void load(W& B, const u8* u, int j) {
+#pragma unroll
+        for (int i = 0; i < 3; i++) B.v[i] = ldg_stream<NA>(u + 32 * j + 16 * i);
+    }
+    DEV void load_x(X& X_, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                           const u32* __restrict__, int u, int j, bool ok) {
+        const signed char* p = xq + 256 * u + 64 * j;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const uint4 v = *(const uint4*)(p + 16 * i);
+            X_.w[4 * i] = (int)v.x; X_.w[4 * i + 1] = (int)v.y; X_.w[4 * i + 2] = (int)v.z; X_.w[4 * i + 3] = (int)v.w;
+        }
+#pragma unroll
+        for (int b = 0; b < 2; b++) {               // -8 * (sum of the block's codes)
+            int s = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) s = __dp4a((int)0xF8F8F8F8u, X_.w[8 * b + k], s);
+            X_.m8[b] = s;
+        }
+        const float2 d = *(const float2*)(xd + 8 * u + 2 * j);
+        X_.d[0] = ok ? d.x : 0.f; X_.d[1] = ok ? d.y : 0.f;
+    }
+    DEV void dot(const W& B, const X& X_, int j, float& acc) {
+        u32 L[12] = {B.v[0].x, B.v[0].y, B.v[0].z, B.v[0].w, B.v[1].x, B.v[1].y, B.v[1].z, B.v[1].w,
+                     B.v[2].x, B.v[2].y, B.v[2].z, B.v[2].w};
+        u32 U[10], T[9];
+#pragma unroll
+        for (int k = 0; k < 10; k++) U[k] = (j & 2) ? L[k + 2] : L[k];
+#pragma unroll
+        for (int k = 0; k < 9; k++) T[k] = (j & 1) ? U[k + 1] : U[k];
+        // block 2j: d in T[0]'s low half, qs from byte 2; block 2j + 1: d in T[4]'s high half, qs T[5..8]
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+            u32 q[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) q[k] = b == 0 ? __funnelshift_r(T[k], T[k + 1], 16) : T[5 + k];
+            int sl = X_.m8[b], s4 = 0;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                sl = __dp4a((int)(q[k] & 0x0F0F0F0Fu), X_.w[8 * b + k], sl);
+                s4 = dp4a_us(q[k] & 0xF0F0F0F0u, X_.w[8 * b + 4 + k], s4);
+            }
+            const u16 dh = b == 0 ? (u16)(T[0] & 0xFFFFu) : (u16)(T[4] >> 16);
+            const float d = __half2float(__ushort_as_half(dh));
+            acc = fmaf(d * X_.d[b], (float)(sl + (s4 >> 4)), acc);
+        }
+    }
+};
+
+// Q6_K (210-byte blocks, only 2-byte aligned): lane j of a block takes half h = j >> 1,
+// bytes l0 = 16 (j & 1) of it: ql[64h + l0 ..+16), ql[64h + 32 + l0 ..+16),
+// qh[32h + l0 ..+16) (runs t = 0..3 of 16 weights: 128h + l0 + 32t, scale 8h + (j & 1) + 2t)
+// and the scales and d; each region from the two aligned 16-byte words around it
+// (realigned by the block's offset mod 16: selects, then a funnel shift).  Codes q in
+// 0..63 dotted as they are; the -32 by q8_act's run sums (xi, mvk's order):
+//     I = sum_t sc_t * (sum q * qx  -  32 * sum qx)
+struct MQ6_K {
+    static constexpr int UB = 210, NA = 0, XDR = 1;
+    struct W { uint4 v[8]; u32 o; };
+    struct X { int w[16]; int bs[2]; float d; };
+    DEV void load(W& B, const u8* u, int j) {
+        const int h = j >> 1, l0 = 16 * (j & 1);
+        const int off[4] = {64 * h + l0, 64 * h + 32 + l0, 128 + 32 * h + l0, 192};
+        const u8* a = (const u8*)((size_t)u & ~(size_t)15);
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            B.v[2 * r] = ldg_stream<NA>(a + off[r]);
+            B.v[2 * r + 1] = ldg_stream<NA>(a + off[r] + 16);
+        }
+        B.o = (u32)(size_t)u & 15u;
+    }
+    DEV void load_x(X& X_, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                           const u32* __restrict__ xi, int u, int j, bool ok) {
+        const int h = j >> 1, f = j & 1;
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+            const uint4 v = *(const uint4*)(xq + 256 * u + 128 * h + 16 * f + 32 * t);
+            X_.w[4 * t] = (int)v.x; X_.w[4 * t + 1] = (int)v.y; X_.w[4 * t + 2] = (int)v.z; X_.w[4 * t + 3] = (int)v.w;
+        }
+        // run 8h + f + 2t: xi short 8(t >> 1) + 4f + 2h + (t & 1) of the block
+        X_.bs[0] = (int)xi[8 * u + 2 * f + h];
+        X_.bs[1] = (int)xi[8 * u + 4 + 2 * f + h];
+        X_.d = ok ? xd[u] : 0.f;
+    }
+    // bytes [o, o + 4N) of the 8 words L as N words
+    template <int N>
+    DEV void realign(const uint4& lo, const uint4& hi, u32 o, u32* R) {
+        const u32 L[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        u32 U[N + 3], V[N + 1];
+#pragma unroll
+        for (int k = 0; k < N + 3; k++) U[k] = (o & 8u) ? L[k + 2 < 8 ? k + 2 : 7] : L[k];
+#pragma unroll
+        for (int k = 0; k < N + 1; k++) V[k] = (o & 4u) ? U[k + 1] : U[k];
+        const u32 s = (o & 3u) * 8u;
+#pragma unroll
+        for (int k = 0; k < N; k++) R[k] = __funnelshift_r(V[k], V[k + 1], s);
+    }
+    DEV void dot(const W& B, const X& X_, int j, float& acc) {
+        u32 A[4], C[4], E[4], S[5];
+        realign<4>(B.v[0], B.v[1], B.o, A);
+        realign<4>(B.v[2], B.v[3], B.o, C);
+        realign<4>(B.v[4], B.v[5], B.o, E);
+        realign<5>(B.v[6], B.v[7], B.o, S);
+        const int h = j >> 1, f = j & 1;
+        const u32 s0 = h ? S[2] : S[0], s1 = h ? S[3] : S[1];       // scales 8h .. 8h + 7
+        const float d = __half2float(__ushort_as_half((u16)(S[4] & 0xFFFFu)));
+        const u32 sel = f ? 0x3331u : 0x3320u;                       // bytes f, 2 + f
+        int sc[4];
+        sc[0] = (int)(signed char)(s0 >> (8 * f)); sc[1] = (int)(signed char)(s0 >> (16 + 8 * f));
+        sc[2] = (int)(signed char)(s1 >> (8 * f)); sc[3] = (int)(signed char)(s1 >> (16 + 8 * f));
+        int I = 0;
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+            const u32* Q = (t & 1) ? C : A;
+            const int sh = 4 * (t >> 1);
+            int s = 0;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const u32 q = ((Q[k] >> sh) & 0x0F0F0F0Fu) | (((E[k] >> (2 * t)) & 0x03030303u) << 4);
+                s = __dp4a((int)q, X_.w[4 * t + k], s);
+            }
+            I += sc[t] * s;
+        }
+        // sum_t sc_t * (run sum of x): scale bytes (f, 2 + f) against xi's int16 pairs
+        int m = __dp2a_lo(X_.bs[0], (int)__byte_perm(s0, 0u, sel), 0);
+        m = __dp2a_lo(X_.bs[1], (int)__byte_perm(s1, 0u, sel), m);
+        acc = fmaf(d * X_.d, (float)(I - 32 * m), acc);
+    }
+};
+
+template <class Ty, int R, int NX>
+struct MvktStage {
+    typename Ty::W w[R];
+    typename Ty::X x[NX > 0 ? NX : 1];
+};
+
+// mvk4k's grid and pipeline for a type policy Ty (above); IL: tasks interleaved over
+// the warps.  xs: q8_act's packed run sums (xi) where Ty reads them.
+template <class Ty, int NR, int R, int S, int IL>
+__global__ void __launch_bounds__(32 * MVK_WARPS) mvkt(
+        const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,
+        float* y0, float* y1, float* y2,
+        const float* b0, const float* b1, const float* b2,
+        int M0, int M1, int M2,
+        int K, long long row_bytes, const signed char* __restrict__ xq, const float* __restrict__ xd,
+        const float* __restrict__ xs, int ldy0, int ldy1, int ldy2, int mode) {
+    static_assert(R * NR <= 32, "a lane per output");
+    constexpr int BPS = 8;
+    constexpr bool XP = NR <= 2;                       // x a step ahead with the weights
+    using Stage = MvktStage<Ty, R, XP ? NR : 0>;
+    using X = typename Ty::X;
+    const u32* __restrict__ xi = (const u32*)xs;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int q = lane >> 2, j = lane & 3;
+    const int nb = K / 256, nst = (nb + BPS - 1) / BPS;
+    const int T0 = (M0 + R - 1) / R, T1 = (M1 + R - 1) / R, T2 = (M2 + R - 1) / R;
+    const int T = T0 + T1 + T2;
+    const int nw = gridDim.x * MVK_WARPS, w = blockIdx.x * MVK_WARPS + warp;
+    const int t_beg = IL ? w : (int)((long long)w * T / nw), t_end = IL ? T : (int)((long long)(w + 1) * T / nw);
+    const int t_step = IL ? nw : 1;
+    if (t_beg >= t_end) return;
+
+    auto task = [&](int t, int& sel, int& m0) {
+        if (t < T0) { sel = 0; m0 = t * R; }
+        else if (t < T0 + T1) { sel = 1; m0 = (t - T0) * R; }
+        else { sel = 2; m0 = (t - T0 - T1) * R; }
+    };
+    int lt = t_beg, lit = 0, lrows = 0;
+    const u8* lp = nullptr;
+    auto lset = [&]() {
+        int sel, m0;
+        task(lt, sel, m0);
+        const u8* W = sel == 0 ? W0 : (sel == 1 ? W1 : W2);
+        const int M = sel == 0 ? M0 : (sel == 1 ? M1 : M2);
+        lp = W + (long long)m0 * row_bytes;
+        lrows = min(R, M - m0);
+    };
+    auto ladvance = [&]() {
+        if (++lit == nst) {
+            lit = 0;
+            lt += t_step;
+            if (lt < t_end) lset();
+        }
+    };
+    auto load_x = [&](X& X_, int n, int it) {
+        const int blk = it * BPS + q;
+        Ty::load_x(X_, xq + (long long)n * K, xd + (long long)n * (K / 256) * Ty::XDR, xi + (long long)n * (K / 32),
+                   min(blk, nb - 1), j, blk < nb);
+    };
+    auto load = [&](Stage& st) {
+        const u8* p = lp + min(lit * BPS + q, nb - 1) * Ty::UB;
+#pragma unroll
+        for (int r = 0; r < R; r++) Ty::load(st.w[r], p + (r < lrows ? r : lrows - 1) * row_bytes, j);
+        if constexpr (XP) {
+#pragma unroll
+            for (int n = 0; n < NR; n++) load_x(st.x[n], n, lit);
+        }
+    };
+
+    float acc[R][NR];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int n = 0; n < NR; n++) acc[r][n] = 0.f;
+
+    auto compute = [&](const Stage& st, int t, int it) {
+        if constexpr (XP) {
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int n = 0; n < NR; n++) Ty::dot(st.w[r], st.x[n], j, acc[r][n]);
+        } else {
+#pragma unroll
+            for (int n = 0; n < NR; n++) {
+                X X_;
+                load_x(X_, n, it);
+#pragma unroll
+                for (int r = 0; r < R; r++) Ty::dot(st.w[r], X_, j, acc[r][n]);
+            }
+        }
+        if (it == nst - 1) {
+            int sel, m0;
+            task(t, sel, m0);
+            float* y = sel == 0 ? y0 : (sel == 1 ? y1 : y2);
+            const float* bias = sel == 0 ? b0 : (sel == 1 ? b1 : b2);
+            const int M = sel == 0 ? M0 : (sel == 1 ? M1 : M2);
+            const int ldy = sel == 0 ? ldy0 : (sel == 1 ? ldy1 : ldy2);
+            mvs_store<NR, R>(acc, y, bias, ldy, m0, min(R, M - m0), lane, mode);
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int n = 0; n < NR; n++) acc[r][n] = 0.f;
+        }
+    };
+
+    Stage buf[S];
+    int ct = t_beg, cit = 0;
+    lset();
+#pragma unroll
+    for (int k = 0; k < S - 1; k++)
+        if (lt < t_end) { load(buf[k]); ladvance(); }
+    while (ct < t_end) {
+#pragma unroll
+        for (int k = 0; k < S; k++) {
+            if (ct < t_end) {
+                if (lt < t_end) { load(buf[(k + S - 1) % S]); ladvance(); }
+                compute(buf[k], ct, cit);
+                if (++cit == nst) { cit = 0; ct += t_step; }
+            }
+        }
+    }
+}

@@ -297,33 +297,41 @@ def test_int8_mvp_equals_mvs(qtype, n):
         qc.set_int8_kernel(old)
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_0], ids=lambda t: t.name)
 def test_int8_mvk(qtype):
     """mvk (weights straight into registers, persistent grid): float32 accuracy against
     x rounded as the CPU rounds it, and batch invariance: a row of x gives the same bits
     whatever the rows of x beside it (1-8), the rows a warp (1, 2, 4) and the grid size;
     q/k/v-style launches of three weights with biases, matrices of a partial last task,
-    K of partial steps (1280, 1536, 4352), the residual accumulate."""
+    K of partial steps (1280, 1536, 4352; Q6_K rows 2- and 4-byte aligned; Q4_0: 768, 2304,
+    4352, and 576, which mvk leaves to mvs), the residual accumulate."""
     import cupy as cp
     import quant.cuda as qc
-    old = (qc.INT8_KERNEL, qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_V)
+    old = (qc.INT8_KERNEL, qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_V, qc.MVK_ROWS6, set(qc.MVK_ON), qc.MVK_RULES)
     block = _block(qtype)
+    Ks = (768, 2304, 4352, 576) if qtype == GGMLType.Q4_0 else _int8_K(qtype)
     try:
         qc.set_int8_kernel("mvk")
-        for K in _int8_K(qtype):
-            Ms = (qc.INT8_SMALL_M + 37, 77, 33) if K == _int8_K(qtype)[-1] else (77, 45, 31)
+        qc.MVK_ON, qc.MVK_RULES = set(qc.MVK_TYPES), False     # every shape (the default keeps some on mvs)
+        assert qc._mvk_applies(qtype, Ks[0])
+        for K in Ks:
+            Ms = (qc.INT8_SMALL_M + 37, 77, 33) if K == 4352 else (77, 45, 31)
             qts = [_weight(qtype, M, K, 60 + i) for i, M in enumerate(Ms)]
             Ws = [qc.upload(q) for q in qts]
             rng = np.random.default_rng(K)
             x = rng.standard_normal((8, K)).astype(np.float32)
             xg = cp.asarray(x)
             biases = [rng.standard_normal(M).astype(np.float32) for M in Ms]
-            for v in (0, 2):               # 4 or 2 lanes a block (2 only for K >= MVK_WIDE_K)
+            cfgs = ((2, 0, 0), (1, 0, 1), (4, 0, 0), (2, 1, 1), (1, 3, 0))
+            if qtype == GGMLType.Q6_K:     # 4 rows a warp: far past its registers
+                cfgs = ((1, 0, 1), (2, 0, 0), (1, 3, 1), (2, 1, 0))
+            elif qtype == GGMLType.Q4_0:   # rows a warp 1, 2 (each compiled once), two grids each
+                cfgs = ((2, 0, 0), (1, 0, 1), (2, 1, 0), (1, 3, 1))
+            for v in ((0, 2) if qtype == GGMLType.Q4_K else (0,)):   # 4 or 2 lanes a Q4_K block (2: K >= MVK_WIDE_K)
                 ref = None
-                for R, bps, il in ((2, 0, 0), (1, 0, 1), (4, 0, 0), (2, 1, 1), (1, 3, 0))[:5 if v == 0 else 3]:
-                    qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_V = R, bps, v | il
-                    qc._mods.by_type.clear()
-                    qc._bps.clear()
+                for R, bps, il in cfgs[:5 if v == 0 else 3]:
+                    qc.MVK_ROWS, qc.MVK_ROWS6, qc.MVK_BPS, qc.MVK_V = R, R, bps, v | il
+                    qc._bps.clear()             # modules are keyed on the settings
                     for n in (8, 1, 2, 3, 5):
                         outs = [cp.full((n, M), np.nan, cp.float32) for M in Ms]
                         qc.matmul(xg[:n], Ws, outs, [cp.asarray(b) for b in biases])
@@ -342,6 +350,6 @@ def test_int8_mvk(qtype):
                             assert np.array_equal(a, b[:n]), (qtype.name, K, R, bps, n, float(np.abs(a - b[:n]).max()))
     finally:
         qc.set_int8_kernel(old[0])
-        qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_V = old[1], old[2], old[3]
+        qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_V, qc.MVK_ROWS6, qc.MVK_ON, qc.MVK_RULES = old[1:]
         qc._mods.by_type.clear()
         qc._bps.clear()
