@@ -23,6 +23,7 @@ architecture-specific code beyond what sm_75 has.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +64,7 @@ _OPTIONS = ("-std=c++17", f"-I{_DIR}")
 INT8_STRUCT = {GGMLType.Q4_0: "IQ4_0", GGMLType.Q4_1: "IQ4_1", GGMLType.Q5_0: "IQ5_0", GGMLType.Q5_1: "IQ5_1",
                GGMLType.Q8_0: "IQ8_0", GGMLType.Q4_K: "IQ4_K", GGMLType.Q5_K: "IQ5_K", GGMLType.Q6_K: "IQ6_K"}
 INT8_MAX_ROWS = MV_MAX_ROWS
-INT8_MATVEC = __import__("os").environ.get("LLAMBA_CUDA_INT8", "1") != "0"
+INT8_MATVEC = os.environ.get("LLAMBA_CUDA_INT8", "1") != "0"
 # output rows per warp of the integer matvec for 1-2 rows of x (fewer for more rows:
 # registers); tuned on the H200 with bench_gpu --micro --rpw-int8.  Matrices of at most
 # INT8_SMALL_M rows take 2 a warp: twice the warps in flight (H200, 1024x4096 Q4_K:
@@ -77,7 +78,7 @@ MVS_WARPS = 4               # warps a block of the integer matvec (qint8.cuh)
 # only: mvs is used below that whatever this says).  mvs and mvp give the same sums bit
 # for bit (and the decode megakernel, which runs only with mvs); mvk's Q4_K sums are its
 # own.  LLAMBA_CUDA_MV picks one.
-INT8_KERNEL = __import__("os").environ.get("LLAMBA_CUDA_MV", "mvk")
+INT8_KERNEL = os.environ.get("LLAMBA_CUDA_MV", "mvk")
 MVP_MIN_CC = 80
 # mvk (qmvk.cuh): weights straight into registers, a persistent grid; the types it has
 # (others take mvs under it).  Its sums are its own (not mvs's), batch invariant like them.
@@ -87,26 +88,26 @@ MVP_MIN_CC = 80
 # their kernel tests and measured faster where MVK_RULES allows them, but the whole GPU
 # suite has not yet been run with them on (LLAMBA_MVK_TYPES=Q4_K,Q6_K,Q4_0 to do so).
 MVK_TYPES = {GGMLType.Q4_K: "mvk4k", GGMLType.Q6_K: "MQ6_K", GGMLType.Q4_0: "MQ4_0"}
-MVK_ON = {GGMLType[t] for t in __import__("os").environ.get("LLAMBA_MVK_TYPES", "Q4_K").split(",") if t}
+MVK_ON = {GGMLType[t] for t in os.environ.get("LLAMBA_MVK_TYPES", "Q4_K").split(",") if t}
 # and of those, by W's shape, where mvk measured faster than mvs (H200, NOTES.md): Q6_K with
 # at most MVK_Q6K_MAX_M rows (1536x8960 +19%, 1024x4096 +4%; 4096x14336 -8%, the outputs
 # 128256x4096 / 151936x1536 -13%); Q4_0 but 4096 x 4096 and smaller at K = 4096 (-13% at
 # 4096x4096; 14336x4096 +0.5%, 4096x14336 +1%, 8960x1536 +7%, 1536x8960 +10%).  MVK_RULES
 # False: every shape of the types on (tests, sweeps).  A property of W alone: batch invariant.
-MVK_RULES = __import__("os").environ.get("LLAMBA_MVK_RULES", "1") != "0"
+MVK_RULES = os.environ.get("LLAMBA_MVK_RULES", "1") != "0"
 MVK_Q6K_MAX_M = 2048
 MVK_WARPS = 4
 # rows a warp for 1-2 rows of x (1 for more: registers); never changes a sum
-MVK_ROWS = int(__import__("os").environ.get("LLAMBA_MVK_R", "2"))
+MVK_ROWS = int(os.environ.get("LLAMBA_MVK_R", "2"))
 # Q6_K's (its per-lane words take twice Q4_K's registers)
-MVK_ROWS6 = int(__import__("os").environ.get("LLAMBA_MVK_R6", "1"))
+MVK_ROWS6 = int(os.environ.get("LLAMBA_MVK_R6", "1"))
 # resident blocks an SM the persistent grid assumes (0: the occupancy the kernel has)
-MVK_BPS = int(__import__("os").environ.get("LLAMBA_MVK_BPS", "0"))
+MVK_BPS = int(os.environ.get("LLAMBA_MVK_BPS", "0"))
 # pipeline stages (S - 1 steps of loads in flight); variant bits: 1 = tasks interleaved
 # over the warps (else a contiguous range a warp), 2 = 2 lanes a Q4_K block (else 4; only
 # where K >= MVK_WIDE_K, since a step is then 16 blocks of a row)
-MVK_STAGES = int(__import__("os").environ.get("LLAMBA_MVK_S", "2"))
-MVK_V = int(__import__("os").environ.get("LLAMBA_MVK_V", "1"))
+MVK_STAGES = int(os.environ.get("LLAMBA_MVK_S", "2"))
+MVK_V = int(os.environ.get("LLAMBA_MVK_V", "1"))
 MVK_WIDE_K = 4096
 
 
