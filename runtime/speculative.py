@@ -502,12 +502,17 @@ class Drafter:
         drafts, qs, per_draft, first = self._propose(history, k, sampler, rng)
         t1 = time.perf_counter()
         base = len(seq)
-        logits = eng.step([seq], [[pending] + drafts], all_logits=True)
+        # greedy without penalties: the target's argmax per row is all the check needs
+        best = sampler.p.argmax_only
+        logits = eng.step([seq], [[pending] + drafts], all_logits=True, argmax=best)
         t2 = time.perf_counter()
         out = []
         hist = list(history)
         for i, d in enumerate(drafts):
-            if sampler.p.greedy:
+            if best:
+                t = int(logits[i])
+                ok = t == d
+            elif sampler.p.greedy:
                 t = sampler.sample(logits[i], hist)
                 ok = t == d
             else:
@@ -517,7 +522,7 @@ class Drafter:
             if not ok:
                 break
         else:
-            out.append(sampler.sample(logits[k], hist))
+            out.append(int(logits[k]) if best else sampler.sample(logits[k], hist))
         n_acc = len(out) - 1
         eng.cache.truncate(seq, base + 1 + n_acc)
         # the draft holds history + drafts[:k-1]; keep what the target accepted
