@@ -42,5 +42,6 @@ class Gemma3:
             b.glu(g, u, "gelu")
             f = b.matmul(g, L["ffn_down"])
             b.add(x, b.rmsnorm(f, L["post_ffw_norm"], cfg.rms_eps))
+            b.end_layer()
         x = b.rmsnorm(b.rows(x, step.logit_rows), self.output_norm, cfg.rms_eps)
         return b.logits(x, self.output)

@@ -42,6 +42,7 @@ class Llama:
             g, u = b.matmuls(h, (L["ffn_gate"], L["ffn_up"]))
             b.glu(g, u, "silu")
             b.matmul_add(g, L["ffn_down"], x)
+            b.end_layer()
         x = b.rmsnorm(b.rows(x, step.logit_rows), self.output_norm, cfg.rms_eps)
         return b.logits(x, self.output)
 

@@ -1,7 +1,8 @@
 """The CPU backend: numpy arrays, Numba kernels, quantized matmuls from quant/.
 
-Every op writes into buffers from a per-step arena: the same sequence of ops asks
-for the same buffers in the same order each step, so a decode step allocates
+Every op writes into buffers from an arena whose order restarts at each layer
+(the model calls `end_layer`): every layer asks for the same buffers in the same
+order, so one layer's worth of memory serves the whole step, and a step allocates
 nothing once warm.
 """
 from __future__ import annotations
@@ -21,10 +22,18 @@ from . import hugepages
 
 
 class _Arena:
-    """Step-scoped buffers, handed out in call order and reused across steps."""
+    """Layer-scoped buffers, handed out in call order; the order restarts at every
+    layer (and step), so slot k serves the k-th buffer of every layer: a layer's
+    buffers are dead once the next layer starts (only the residual stream, which
+    is not from here, crosses layers).  Each slot keeps the largest buffer asked
+    of it and hands out views of it, so a prompt step after decode steps (or the
+    reverse) allocates nothing: with one buffer per op of every layer, a
+    Qwen2.5-1.5B prompt of 512 tokens held 1.4 GB of activations and re-faulted
+    it in after decoding (pp512 after tg128 ran 15% slower)."""
 
     def __init__(self):
-        self.bufs: list[np.ndarray] = []
+        self.flat: list[np.ndarray] = []     # per slot, bytes
+        self.views: list[np.ndarray] = []    # per slot, the view handed out last
         self.i = 0
 
     def reset(self):
@@ -33,15 +42,24 @@ class _Arena:
     def get(self, shape, dtype=np.float32) -> np.ndarray:
         i = self.i
         self.i += 1
-        if i < len(self.bufs):
-            b = self.bufs[i]
-            if b.shape == shape and b.dtype == dtype:
-                return b
-            b = self.bufs[i] = np.empty(shape, dtype)
-            return b
-        b = np.empty(shape, dtype)
-        self.bufs.append(b)
-        return b
+        if i < len(self.views):
+            v = self.views[i]
+            if v.shape == shape and v.dtype == dtype:
+                return v
+        else:
+            self.flat.append(np.empty(0, np.uint8))
+            self.views.append(self.flat[i])
+        dt = np.dtype(dtype)
+        n = dt.itemsize
+        for d in shape:
+            n *= d
+        if self.flat[i].nbytes < n:
+            self.flat[i] = np.empty(n, np.uint8)
+        v = self.views[i] = self.flat[i][:n].view(dt).reshape(shape)
+        return v
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.flat)
 
 
 CACHE_TYPES = ("f16", "q8_0")
@@ -135,6 +153,10 @@ class CPUBackend:
     def forward_argmax(self, model, step) -> np.ndarray:
         """The step's greedy next tokens: np.argmax of each logits row (int64 [rows])."""
         return np.argmax(self.forward(model, step), axis=-1)
+
+    def end_layer(self):
+        """The model finished a layer: its buffers are free for the next one."""
+        self.arena.reset()
 
     # ---- ops ----------------------------------------------------------------
     def embed(self, W, ids, scale: float = 1.0):

@@ -735,6 +735,10 @@ class CUDABackend:
                                             np.int32(d), np.int32(half), np.int32(1 if neox else 0),
                                             np.float32(pos_scale)))
 
+    def end_layer(self):
+        """Nothing: every op keeps its own buffers, at the addresses the captured
+        decode graph was recorded with."""
+
     def rows(self, x, idx):
         self._flush()
         self._check(x)

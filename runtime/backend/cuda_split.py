@@ -153,6 +153,10 @@ class SplitBackend:
             return self._to(out, False)
 
     # ---- ops: each runs where its weight lives -----------------------------------
+    def end_layer(self):
+        self.cpu.end_layer()
+        self.gpu.end_layer()
+
     def embed(self, W, ids, scale: float = 1.0):
         if self._w_dev(W):
             return self.gpu.embed(W, self.cp.asarray(np.asarray(ids, np.int32)), scale)
