@@ -18,6 +18,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from .ir import _fn
+
 F32 = np.float32
 
 
@@ -45,13 +47,6 @@ _i32 = ir.IntType(32)
 _v16f32 = ir.VectorType(_f32, 16)
 _v16i32 = ir.VectorType(_i32, 16)
 _v16i8 = ir.VectorType(ir.IntType(8), 16)
-
-
-def _decl(builder, name, ret, args):
-    try:
-        return builder.module.get_global(name)
-    except KeyError:
-        return ir.Function(builder.module, ir.FunctionType(ret, args), name)
 
 
 @intrinsic
@@ -89,18 +84,18 @@ def q8_block(typingctx, L, src, so, dst, dst4, s16, s32, do, do16, do32):
 
         vs = [builder.load(builder.bitcast(at(sp, sov, 16 * k), _v16f32.as_pointer()), align=4)
               for k in range(n // 16)]
-        smax = _decl(builder, "llvm.smax.v16i32", _v16i32, [_v16i32, _v16i32])
+        smax = _fn(builder, "llvm.smax.v16i32", _v16i32, [_v16i32, _v16i32])
         bits = [builder.and_(builder.bitcast(v, _v16i32), ir.Constant(_v16i32, [0x7FFFFFFF] * 16)) for v in vs]
         while len(bits) > 1:
             bits = [builder.call(smax, [bits[i], bits[i + 1]]) for i in range(0, len(bits), 2)]
-        m = builder.call(_decl(builder, "llvm.vector.reduce.smax.v16i32", _i32, [_v16i32]), [bits[0]])
+        m = builder.call(_fn(builder, "llvm.vector.reduce.smax.v16i32", _i32, [_v16i32]), [bits[0]])
         amax = builder.bitcast(m, _f32)
         nz = builder.fcmp_ordered("!=", amax, ir.Constant(_f32, 0.0))
         idv = builder.select(nz, builder.fdiv(ir.Constant(_f32, 127.0), amax), ir.Constant(_f32, 0.0))
         sv = builder.insert_element(ir.Constant(_v16f32, ir.Undefined), idv, ir.Constant(_i32, 0))
         sv = builder.shuffle_vector(sv, sv, ir.Constant(_v16i32, [0] * 16))
-        rint = _decl(builder, "llvm.rint.v16f32", _v16f32, [_v16f32])
-        radd = _decl(builder, "llvm.vector.reduce.add.v16i32", _i32, [_v16i32])
+        rint = _fn(builder, "llvm.rint.v16f32", _v16f32, [_v16f32])
+        radd = _fn(builder, "llvm.vector.reduce.add.v16i32", _i32, [_v16i32])
         sums = []
         for k, v in enumerate(vs):
             c = builder.fptosi(builder.call(rint, [builder.fmul(v, sv)]), _v16i32)

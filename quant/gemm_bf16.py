@@ -29,7 +29,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .dequant import deq_row
-from .vnni import _c, _data, _fn, _i16, _i32, _i64, _load_half, _load_vec, _splat, _v16f32, _v16i32, cpu_has
+from .ir import _c, _data, _fn, _i16, _i32, _i64, _load_half, _load_vec, _splat, _v16f32, _v16i32, cpu_has
 
 TILE = 32        # W rows per packed tile (two zmm of fp32 lanes)
 ROWS = 8         # x rows per kernel call

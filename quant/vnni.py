@@ -27,8 +27,6 @@ int16 kernels' in the last bits (different float summation order).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -36,179 +34,24 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .act_quant import _grp_r as _grp_r_nb, group_q8_32, quantize_q8_256_i8, quantize_q8_32_i8
+from .ir import HAVE_VNNI  # noqa: F401  (this module's flag for its users: matmul_cpu, tests)
+from .ir import (_c, _data, _f32, _fma_t, _fn, _i1, _i16, _i32, _i64, _literal, _load_vec, _shuf, _splat,
+                 _v8f32, _v8i32, _v16f32, _v16i8, _v16i32, _v32i8, _v64i8, _vpdpbusd, _vpdpbusd512)
+from .vnni_kq import kq_rows, kq_span1
 
-
-
-# The kernels declare LLVM's x86 intrinsics with the operand types of recent
-# LLVM (vpdpwssd on <32 x i16>, vdpbf16ps on <32 x bfloat>); older LLVMs declared
-# them on i32 vectors and would reject the IR.  Tested with LLVM 22 (llvmlite 0.50).
-MIN_LLVM = (20,)
-
-
-def llvm_ok() -> bool:
-    try:
-        from llvmlite import binding
-        return tuple(binding.llvm_version_info) >= MIN_LLVM
-    except Exception:
-        return False
-
-
-def cpu_has(env: str, *features: str) -> bool:
-    """Whether this CPU, and the LLVM Numba compiles with, can run kernels that
-    need AVX-512 (F, BW, VL) plus `features`; the environment variable env=0
-    turns them off."""
-    if os.environ.get(env, "1") == "0" or not llvm_ok():
-        return False
-    try:
-        from llvmlite import binding
-        f = binding.get_host_cpu_features()
-        return all(f.get(k, False) for k in ("avx512f", "avx512bw", "avx512vl") + features)
-    except Exception:
-        return False
-
-
-HAVE_VNNI = cpu_has("LLAMBA_QUANT_VNNI", "avx512vnni")
-# GFNI (Ice Lake, Zen4 and later; not Cascade Lake) unpacks Q4_K's high nibbles in one instruction
-HAVE_GFNI = HAVE_VNNI and cpu_has("LLAMBA_QUANT_GFNI", "gfni")
 F32 = np.float32
-_i1 = ir.IntType(1)
-_i8 = ir.IntType(8)
-_i16 = ir.IntType(16)
-_i32 = ir.IntType(32)
-_i64 = ir.IntType(64)
-_f32 = ir.FloatType()
-_v32i8 = ir.VectorType(_i8, 32)
-_v16i8 = ir.VectorType(_i8, 16)
-_v8i32 = ir.VectorType(_i32, 8)
-_v8f32 = ir.VectorType(_f32, 8)
 
 # legacy kinds: (block bytes, min offset or -1, qh offset or -1, qs offset, code kind, offset)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 4
 _LEG = {Q4_0: (18, -1, -1, 2, "nib", 8), Q4_1: (20, 2, -1, 4, "nib", 0),
         Q5_0: (22, -1, 2, 6, "nib5", 16), Q5_1: (24, 2, 4, 8, "nib5", 0),
         Q8_0: (34, -1, -1, 2, "i8", 128)}
-Q4_K, Q6_K = 0, 1
-
-
-def _fn(builder, name, ret, args):
-    mod = builder.module
-    try:
-        return mod.get_global(name)
-    except KeyError:
-        return ir.Function(mod, ir.FunctionType(ret, args), name)
-
-
-def _data(context, builder, ty, val):
-    return context.make_array(ty)(context, builder, val).data
-
-
-def _ptr(builder, base, off, elt):
-    """base (elt-typed array data pointer) + off elements, cast to elt*."""
-    return builder.gep(base, [off])
-
-
-def _load_vec(builder, base_i8, off, vt):
-    p = builder.gep(base_i8, [off])
-    return builder.load(builder.bitcast(p, vt.as_pointer()), align=1)
-
-
-def _load_half(builder, base_i8, off):
-    p = builder.bitcast(builder.gep(base_i8, [off]), ir.IntType(16).as_pointer())
-    h = builder.load(p, align=1)
-    return builder.fpext(builder.bitcast(h, ir.HalfType()), _f32)
-
-
-def prefetch(builder, ptr, locality):
-    """llvm.prefetch for reading (locality 3: into L1 ... 1: far)."""
-    i8p = _i8.as_pointer()
-    fn = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p, _i32, _i32, _i32])
-    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(_i32, 0), ir.Constant(_i32, locality),
-                      ir.Constant(_i32, 1)])
-
-
-def _splat(builder, v, vt):
-    one = builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(_i32, 0))
-    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_i32, vt.count), [0] * vt.count))
-
-
-def _c(v, t=_i64):
-    return ir.Constant(t, v)
-
-
-def _vpdpbusd(builder, acc, u8, s8):
-    fn = _fn(builder, "llvm.x86.avx512.vpdpbusd.256", _v8i32, [_v8i32, _v8i32, _v8i32])
-    return builder.call(fn, [acc, builder.bitcast(u8, _v8i32), builder.bitcast(s8, _v8i32)])
-
-
-def _fma(builder, a, b, c):
-    fn = _fn(builder, f"llvm.fma.{'v8f32' if a.type == _v8f32 else 'f32'}", a.type, [a.type] * 3)
-    return builder.call(fn, [a, b, c])
-
-
-def _hsum8f(builder, v):
-    """Fixed-order halving tree over 8 float lanes."""
-    n = 8
-    while n > 1:
-        h = n // 2
-        a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, h), list(range(h))))
-        b = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, h), list(range(h, n))))
-        v = builder.fadd(a, b)
-        n = h
-    return builder.extract_element(v, _c(0, _i32))
-
-
-def _hsum8i(builder, v):
-    n = 8
-    while n > 1:
-        h = n // 2
-        a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, h), list(range(h))))
-        b = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, h), list(range(h, n))))
-        v = builder.add(a, b)
-        n = h
-    return builder.extract_element(v, _c(0, _i32))
 
 
 def _nibbles(builder, q16):
     lo = builder.and_(q16, ir.Constant(_v16i8, [15] * 16))
     hi = builder.lshr(q16, ir.Constant(_v16i8, [4] * 16))
     return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
-
-
-def _literal(t):
-    return isinstance(t, types.IntegerLiteral)
-
-
-_v64i8 = ir.VectorType(_i8, 64)
-_v16i32 = ir.VectorType(_i32, 16)
-_v16f32 = ir.VectorType(_f32, 16)
-_v2f32 = ir.VectorType(_f32, 2)
-
-
-def _vpdpbusd512(builder, acc, u8, s8):
-    fn = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", _v16i32, [_v16i32, _v16i32, _v16i32])
-    return builder.call(fn, [acc, builder.bitcast(u8, _v16i32), builder.bitcast(s8, _v16i32)])
-
-
-def _fma_t(builder, a, b, c):
-    t = a.type
-    name = f"llvm.fma.v{t.count}f32" if isinstance(t, ir.VectorType) else "llvm.fma.f32"
-    return builder.call(_fn(builder, name, t, [t] * 3), [a, b, c])
-
-
-def _hsumf(builder, v):
-    """Fixed-order halving tree over the float lanes of v."""
-    n = v.type.count
-    while n > 1:
-        h = n // 2
-        a = _shuf(builder, v, list(range(h)))
-        b = _shuf(builder, v, list(range(h, n)))
-        v = builder.fadd(a, b)
-        n = h
-    return builder.extract_element(v, _c(0, _i32))
-
-
-def _shuf(builder, v, idx):
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, len(idx)), idx))
 
 
 # ---------------------------------------------------------------- legacy rows
@@ -492,16 +335,6 @@ def _codes32(builder, w, wo, k):
     return u
 
 
-def _gf_bits(builder, v64, moves):
-    """vgf2p8affineqb: in each byte of the i-th 8 bytes of v64, result bit b = source
-    bit moves[i][b], the other bits 0 (result bit b is the parity of the source AND
-    byte 7-b of that 8-byte matrix)."""
-    qwords = [sum((1 << src) << (8 * (7 - dst)) for dst, src in m.items()) for m in moves]
-    fn = _fn(builder, "llvm.x86.vgf2p8affineqb.512", _v64i8, [_v64i8, _v64i8, _i8])
-    matrix = builder.bitcast(ir.Constant(ir.VectorType(_i64, 8), qwords), _v64i8)
-    return builder.call(fn, [v64, matrix, ir.Constant(_i8, 0)])
-
-
 def _lanes(builder, p, base, t, elt):
     """<8 x elt>: p[base + j] in lanes j < t, 0 elsewhere (nothing read past them).
     p is read as elt, as vec8 reads it (the kernels are typed with one array
@@ -776,4 +609,3 @@ def matvec_grp_leg(kind, x, w, xq, xd, xsum, xs, xg, xdg, xsumg, xsg, out, res, 
     _grp_any(kind, w, xg, xdg, xsumg, xsg, out, res, n, K, 0, w.shape[0])
 
 
-from .vnni_kq import kq_rows, kq_span1  # noqa: E402  (it builds on the helpers above)

@@ -41,9 +41,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .vnni import (HAVE_GFNI, Q4_K, Q6_K, _c, _gf_bits, _data, _fma_t, _fn, _hsumf, _i8, _i16, _i32, _i64, _literal,
-                   _load_half, _load_vec, _shuf, _splat, _v8f32, _v16f32, _v16i32, _v32i8, _v64i8,
-                   _vpdpbusd512, prefetch)
+from .ir import (HAVE_GFNI, _c, _gf_bits, _data, _fma_t, _fn, _hsumf, _i8, _i16, _i32, _i64, _literal,
+                 _load_half, _load_vec, _shuf, _splat, _v8f32, _v16f32, _v16i32, _v32i8, _v64i8,
+                 _vpdpbusd512, prefetch)
+
+Q4_K, Q6_K = 0, 1       # the kernel's kinds (literal arguments)
 
 _v32i16 = ir.VectorType(_i16, 32)
 _v16i16 = ir.VectorType(_i16, 16)
