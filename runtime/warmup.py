@@ -20,17 +20,21 @@ import platformdirs
 from . import __version__
 
 
+def _cache_dir() -> str:
+    """Where Numba caches the compiled kernels: beside this install's sources
+    unless NUMBA_CACHE_DIR says otherwise."""
+    import os
+    return os.environ.get("NUMBA_CACHE_DIR") or str(Path(__file__).resolve().parent.parent)
+
+
 def _marker(engine) -> Path:
     import llvmlite.binding as llvm
     import numba
     import hashlib
-    import os
     cpu = llvm.get_host_cpu_name().replace("/", "_")
-    # the compiled kernels live where Numba caches them: beside this install's
-    # sources unless NUMBA_CACHE_DIR says otherwise, so a second install (or
-    # another cache dir) on the same machine starts cold and needs its own marker
-    where = os.environ.get("NUMBA_CACHE_DIR") or str(Path(__file__).resolve().parent.parent)
-    tag = hashlib.sha1(where.encode()).hexdigest()[:10]
+    # a second install (or another cache dir) on the same machine starts cold
+    # and needs its own marker
+    tag = hashlib.sha1(_cache_dir().encode()).hexdigest()[:10]
     types = sorted({str(getattr(t, "qtype", "")) for t in engine.loaded.tensors.values()})
     kinds = hashlib.sha1(",".join(types).encode()).hexdigest()[:8]
     name = f"kernels-ok-{__version__}-{numba.__version__}-{cpu}-{tag}-{engine.backend.name}-{kinds}"
@@ -38,7 +42,16 @@ def _marker(engine) -> Path:
 
 
 def first_run(engine) -> bool:
-    return not _marker(engine).exists()
+    """No marker, or a marker whose kernel cache was deleted since (a cleared
+    cache dir recompiles everything: the marker alone would let that happen
+    inside the first answer)."""
+    if not _marker(engine).exists():
+        return True
+    root = Path(_cache_dir())
+    for sub in (root / "quant" / "__pycache__", root):      # the usual place first
+        if sub.is_dir() and next(sub.rglob("*.nbi"), None) is not None:
+            return False
+    return True
 
 
 # Row counts that reach every kernel path: a prompt (many rows: dequantize-tile +

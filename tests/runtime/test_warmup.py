@@ -58,3 +58,22 @@ def test_marker_per_weight_types(model_path, tmp_path, monkeypatch):
     assert warmup.warm_up(a) > 0
     assert not warmup.first_run(a) and warmup.first_run(b)
     assert warmup.warm_up(a) == 0.0                            # done once
+
+
+def test_cleared_kernel_cache_warms_up_again(model_path, tmp_path, monkeypatch):
+    """A marker whose kernel cache was deleted since does not skip the warm-up:
+    otherwise everything would compile inside the first answer."""
+    from runtime.engine import Engine
+    from runtime import warmup
+    monkeypatch.setattr(warmup.platformdirs, "user_cache_dir", lambda *a, **k: str(tmp_path / "markers"))
+    cache = tmp_path / "numba-cache"
+    cache.mkdir()
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(cache))
+    e = Engine(str(model_path("smollm2-135m")), n_ctx=64)
+    m = warmup._marker(e)
+    m.parent.mkdir(parents=True)
+    m.touch()
+    assert warmup.first_run(e)                     # a marker, but no compiled kernels there
+    (cache / "some" / "dir").mkdir(parents=True)
+    (cache / "some" / "dir" / "k.nbi").touch()
+    assert not warmup.first_run(e)
