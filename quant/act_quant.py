@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .ir import _fn
+from .ir import _f32, _fn, _i32, _v16f32, _v16i8, _v16i32
 
 F32 = np.float32
 
@@ -42,11 +42,6 @@ def _quantize_block(xr, o, L, q, qo):
 
 # the order of the 32-code chunks of a 256-block in Q4_K_ORDER (self-inverse)
 _Q4K_CHUNKS = np.array([0, 2, 1, 3, 4, 6, 5, 7], np.int64)
-_f32 = ir.FloatType()
-_i32 = ir.IntType(32)
-_v16f32 = ir.VectorType(_f32, 16)
-_v16i32 = ir.VectorType(_i32, 16)
-_v16i8 = ir.VectorType(ir.IntType(8), 16)
 
 
 @intrinsic

@@ -52,7 +52,9 @@ _v32i8 = ir.VectorType(_i8, 32)
 _v16i8 = ir.VectorType(_i8, 16)
 _v8i32 = ir.VectorType(_i32, 8)
 _v8f32 = ir.VectorType(_f32, 8)
-
+_v64i8 = ir.VectorType(_i8, 64)
+_v16i32 = ir.VectorType(_i32, 16)
+_v16f32 = ir.VectorType(_f32, 16)
 
 
 def _fn(builder, name, ret, args):
@@ -65,11 +67,6 @@ def _fn(builder, name, ret, args):
 
 def _data(context, builder, ty, val):
     return context.make_array(ty)(context, builder, val).data
-
-
-def _ptr(builder, base, off, elt):
-    """base (elt-typed array data pointer) + off elements, cast to elt*."""
-    return builder.gep(base, [off])
 
 
 def _load_vec(builder, base_i8, off, vt):
@@ -105,42 +102,8 @@ def _vpdpbusd(builder, acc, u8, s8):
     return builder.call(fn, [acc, builder.bitcast(u8, _v8i32), builder.bitcast(s8, _v8i32)])
 
 
-def _fma(builder, a, b, c):
-    fn = _fn(builder, f"llvm.fma.{'v8f32' if a.type == _v8f32 else 'f32'}", a.type, [a.type] * 3)
-    return builder.call(fn, [a, b, c])
-
-
-def _hsum8f(builder, v):
-    """Fixed-order halving tree over 8 float lanes."""
-    n = 8
-    while n > 1:
-        h = n // 2
-        a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, h), list(range(h))))
-        b = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, h), list(range(h, n))))
-        v = builder.fadd(a, b)
-        n = h
-    return builder.extract_element(v, _c(0, _i32))
-
-
-def _hsum8i(builder, v):
-    n = 8
-    while n > 1:
-        h = n // 2
-        a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, h), list(range(h))))
-        b = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, h), list(range(h, n))))
-        v = builder.add(a, b)
-        n = h
-    return builder.extract_element(v, _c(0, _i32))
-
-
 def _literal(t):
     return isinstance(t, types.IntegerLiteral)
-
-
-_v64i8 = ir.VectorType(_i8, 64)
-_v16i32 = ir.VectorType(_i32, 16)
-_v16f32 = ir.VectorType(_f32, 16)
-_v2f32 = ir.VectorType(_f32, 2)
 
 
 def _vpdpbusd512(builder, acc, u8, s8):
