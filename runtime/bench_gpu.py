@@ -58,14 +58,19 @@ def matvec_bandwidth(cp, qc, qtype, M, K, reps=50) -> float:
     Ws = [qc.upload(QTensor("w", qtype, (M, K), raw)) for _ in range(4)]
     x = cp.asarray(np.random.default_rng(0).standard_normal((1, K)).astype(np.float32))
     y = cp.empty((1, M), cp.float32)
+    return Ws[0].nbytes / _graph_seconds(cp, lambda i: qc.matmul(x, [Ws[i]], [y]), len(Ws), reps)
+
+
+def _graph_seconds(cp, launch, n_bufs, reps) -> float:
+    """Seconds per launch(i) (i: which of n_bufs buffers, in turn), replayed from a
+    CUDA graph: Python's launch overhead would otherwise be what we time."""
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        for W in Ws:
-            qc.matmul(x, [W], [y])
-        # replayed from a graph: Python's launch overhead would otherwise be what we time
+        for j in range(n_bufs):
+            launch(j)
         stream.begin_capture()
         for i in range(reps):
-            qc.matmul(x, [Ws[i % 4]], [y])
+            launch(i % n_bufs)
         graph = stream.end_capture()
         graph.launch(stream)
         s, e = cp.cuda.Event(), cp.cuda.Event()
@@ -73,8 +78,7 @@ def matvec_bandwidth(cp, qc, qtype, M, K, reps=50) -> float:
         graph.launch(stream)
         e.record(stream)
         e.synchronize()
-    t = cp.cuda.get_elapsed_time(s, e) / 1e3 / reps
-    return Ws[0].nbytes / t
+    return cp.cuda.get_elapsed_time(s, e) / 1e3 / reps
 
 
 _READ = r"""
@@ -98,22 +102,7 @@ def read_bandwidth(cp, nbytes, reps=50) -> float:
     n = nbytes // 16
     sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
     grid = (min((n + 255) // 256, sms * 8),)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        for b in bufs:
-            f(grid, (256,), (b, np.int64(n), out))
-        stream.begin_capture()
-        for i in range(reps):
-            f(grid, (256,), (bufs[i % 4], np.int64(n), out))
-        graph = stream.end_capture()
-        graph.launch(stream)
-        s, e = cp.cuda.Event(), cp.cuda.Event()
-        s.record(stream)
-        graph.launch(stream)
-        e.record(stream)
-        e.synchronize()
-    t = cp.cuda.get_elapsed_time(s, e) / 1e3 / reps
-    del bufs
+    t = _graph_seconds(cp, lambda i: f(grid, (256,), (bufs[i], np.int64(n), out)), len(bufs), reps)
     return nbytes / t
 
 
