@@ -49,12 +49,17 @@ def copy_bandwidth(cp, nbytes=4 << 30, reps=10) -> float:
     return 2 * nbytes / statistics.median(ts)
 
 
+_RAW = {}
+
+
 def matvec_bandwidth(cp, qc, qtype, M, K, reps=50) -> float:
     """One decode matvec alone (weights read once), bytes of W per second; rotates
     over enough weights to defeat the L2."""
     from quant import QTensor
     from runtime.backend.cuda_synth import _Noise, random_weight
-    raw = random_weight(qtype, (M, K), _Noise(1))
+    raw = _RAW.get((qtype, M, K))
+    if raw is None:                     # made once a run: variants compare the same bytes
+        raw = _RAW[(qtype, M, K)] = random_weight(qtype, (M, K), _Noise(1))
     Ws = [qc.upload(QTensor("w", qtype, (M, K), raw)) for _ in range(4)]
     x = cp.asarray(np.random.default_rng(0).standard_normal((1, K)).astype(np.float32))
     y = cp.empty((1, M), cp.float32)
@@ -90,13 +95,25 @@ extern "C" __global__ void read16(const uint4* __restrict__ a, long long n, unsi
     }
     if (acc == 0x12345678u) out[0] = acc;
 }
+// the same with the loads mvk makes (L1::no_allocate) and a .L2::256B prefetch size
+extern "C" __global__ void read16p(const uint4* __restrict__ a, long long n, unsigned* out) {
+    unsigned acc = 0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        uint4 v;
+        asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a + i));
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u) out[0] = acc;
+}
 """
 
 
-def read_bandwidth(cp, nbytes, reps=50) -> float:
+def read_bandwidth(cp, nbytes, reps=50, kernel="read16") -> float:
     """A read-only streaming kernel over nbytes (4 buffers in turn, past the L2), bytes
-    per second: what a matvec of that size could read at best."""
-    f = cp.RawKernel(_READ, "read16")
+    per second: what a matvec of that size could read at best.  kernel: read16
+    (ld.global.cs), read16p (ld.global.nc.L1::no_allocate.L2::256B, sm_80+)."""
+    f = cp.RawKernel(_READ, kernel)
     bufs = [cp.ones(nbytes // 4, cp.uint32) for _ in range(4)]
     out = cp.zeros(1, cp.uint32)
     n = nbytes // 16
@@ -347,6 +364,13 @@ def main(argv=None):
     ap.add_argument("--hf", action="store_true", help="also HF transformers bf16 on the same GPU")
     ap.add_argument("--micro", action="store_true", help="matvec bandwidth of single kernels")
     ap.add_argument("--micro-types", default="", help="only these weight types in --micro (e.g. Q6_K,Q4_0)")
+    ap.add_argument("--micro-shapes", default="", help="only these matvecs in --micro (e.g. Q4_K:14336x4096,Q6_K:4096x14336)")
+    ap.add_argument("--micro-reps", type=int, default=1,
+                    help="--micro: the variants measured this many times in turn (v1, v2, .., v1, v2, ..); "
+                         "each variant's GB/s the mean")
+    ap.add_argument("--model-variants", default="",
+                    help="variants for the whole-model runs (default: --variants); 'best': the --micro variant "
+                         "with the highest geometric mean GB/s other than the first")
     ap.add_argument("--rpw", default="", help="float matvec rows-per-block values to compare (e.g. 2,4,8)")
     ap.add_argument("--rpw-int8", default="", help="integer matvec rows-per-warp values to compare (e.g. 1,2,4)")
     ap.add_argument("--ncu-kernel", action="store_true", help="run one Q4_K matvec eagerly (for ncu) and exit")
@@ -355,7 +379,9 @@ def main(argv=None):
                          "mvk (integer matvec with weights straight into registers, persistent grid; mvk4: for Q4_K "
                          "alone, mvkr: for Q4_K, Q6_K, Q4_0 where MVK_RULES allows, mvkall: every shape of them), mega "
                          "(the decode megakernel, LLAMBA_CUDA_MEGA=1), mvp (int8 with the cp.async-pipelined "
-                         "matvec, sm_80+), float")
+                         "matvec, sm_80+), float; any of them @HINTS: with the weight loads' cache hints "
+                         "(quant.cuda.W_HINT / W_PF), HINTS '+'-joined of 256 (.L2::256B), 128 (.L2::128B), ef "
+                         "(L2 evict_first), 256ef / 128ef (both), h0 (none), pfN (mvk: prefetch.global.L2 N steps ahead), e.g. int8@256+pf4")
     ap.add_argument("--mvk-sweep", default="",
                     help="mvk configs R:BPS[:S[:NA]],... (rows a warp : blocks an SM, 0 = occupancy : stages : "
                          "weights past L1) timed on Q4_K matvecs")
@@ -401,8 +427,20 @@ def main(argv=None):
     import runtime.backend.cuda_mega as cm
     int8_default, kernel_default, mega_default = qc.INT8_MATVEC, qc.INT8_KERNEL, cm.ENABLED
     mvk_on_default, rules_default = set(qc.MVK_ON), qc.MVK_RULES
+    hints_default = (qc.W_HINT, qc.W_PF)
+    hint_codes = {"256": 1, "128": 2, "ef": 3, "256ef": 4, "128ef": 5}
 
     def use(variant):
+        variant, _, hints = variant.partition("@")
+        h, pf = hints_default
+        for tok in [t for t in hints.split("+") if t]:
+            if tok.startswith("pf"):
+                pf = int(tok[2:])
+            elif tok == "h0":
+                h = 0
+            else:
+                h = hint_codes[tok]
+        qc.set_weight_hints(h, pf)
         # mvk: mvk for the default types (qc.MVK_ON); mvk4: for Q4_K alone; mvkr: for all of
         # qc.MVK_TYPES where MVK_RULES allows; mvkall: every shape of all of them
         qc.INT8_MATVEC = variant in ("int8", "mvp", "mvk", "mvkr", "mvkall", "mvk4", "mvs", "mega")
@@ -440,14 +478,16 @@ def main(argv=None):
         qc.INT8_MATVEC = int8_default
         qc.set_int8_kernel(kernel_default)
     if args.micro:
-        for nbytes in (33030144, 8257536, 1 << 30):
-            g = read_bandwidth(cp, nbytes) / 1e9
-            log(f"read-only kernel {nbytes} bytes: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)")
-            result.setdefault("read", []).append({"bytes": nbytes, "GBps": g})
+        for kern in ("read16", "read16p") if int(info["cc"]) >= 80 else ("read16",):
+            for nbytes in (33030144, 8257536, 1 << 30):
+                g = read_bandwidth(cp, nbytes, kernel=kern) / 1e9
+                log(f"read-only kernel {kern} {nbytes} bytes: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)")
+                result.setdefault("read", []).append({"kernel": kern, "bytes": nbytes, "GBps": g})
         # single matvecs: the megakernel's are mvs's (variant int8)
-        for variant in dict.fromkeys("int8" if v == "mega" else v for v in args.variants.split(",")):
+        for variant in [v for _ in range(args.micro_reps)
+                        for v in dict.fromkeys("int8" if v == "mega" else v for v in args.variants.split(","))]:
             use(variant)
-            for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q4_K, 4096, 14336),
+            for qt, M, K in [(GGMLType.Q4_K, 14336, 4096), (GGMLType.Q4_K, 4096, 14336), (GGMLType.Q4_K, 4096, 4096),
                              (GGMLType.Q6_K, 4096, 14336), (GGMLType.Q4_0, 14336, 4096),
                              (GGMLType.Q8_0, 14336, 4096), (GGMLType.Q4_K, 8960, 1536),
                              (GGMLType.Q6_K, 151936, 1536), (GGMLType.Q6_K, 128256, 4096),
@@ -456,14 +496,42 @@ def main(argv=None):
                              (GGMLType.Q4_0, 8960, 1536), (GGMLType.Q4_0, 1536, 8960)]:
                 if args.micro_types and qt.name not in args.micro_types.split(","):
                     continue
+                if args.micro_shapes and f"{qt.name}:{M}x{K}" not in args.micro_shapes.split(","):
+                    continue
                 g = matvec_bandwidth(cp, qc, qt, M, K) / 1e9
                 result["micro"].append({"variant": variant, "type": qt.name, "M": M, "K": K, "GBps": g,
                                         "of_copy": g / (bw / 1e9)})
-                log(f"{variant} matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)")
+                kn = qc._int8_name(qt, 1, M, K)
+                bps = qc._bps.get((kn, qc.W_HINT, qc.W_PF))
+                log(f"{variant} matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)  "
+                    f"[{kn}{f', {bps} blocks an SM' if bps else ''}]")
         qc.INT8_MATVEC = int8_default
         qc.set_int8_kernel(kernel_default)
         qc.MVK_ON, qc.MVK_RULES = set(mvk_on_default), rules_default
+        qc.set_weight_hints(*hints_default)
         cm.ENABLED = mega_default
+        # each variant against the first over the same matvecs: geometric mean of the ratios
+        names = list(dict.fromkeys(r["variant"] for r in result["micro"]))
+        if names:
+            mean = {}                         # (variant, matvec) -> GB/s runs
+            for r in result["micro"]:
+                mean.setdefault((r["variant"], r["type"], r["M"], r["K"]), []).append(r["GBps"])
+            mean = {k: statistics.mean(v) for k, v in mean.items()}
+            result["micro_mean"] = [dict(zip(("variant", "type", "M", "K"), k), GBps=g, of_copy=g / (bw / 1e9))
+                                    for k, g in mean.items()]
+            if args.micro_reps > 1:
+                for (v, t, M, K), g in mean.items():
+                    log(f"mean of {args.micro_reps}: {v} matvec {t} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.1f}% of copy)")
+            gm = {}
+            for v in names:
+                rs = [g / mean[(names[0],) + k[1:]] for k, g in mean.items() if k[0] == v]
+                gm[v] = float(np.exp(np.mean(np.log(rs))))
+                log(f"micro {v}: geometric mean {gm[v]:.4f} x {names[0]} over {len(rs)} matvecs")
+            result["micro_gmean"] = gm
+            result["best"] = max(names[1:], key=gm.get) if len(names) > 1 else names[0]
+            log(f"best micro variant: {result['best']}")
+    model_variants = [result.get("best", v) if v == "best" else v
+                      for v in (args.model_variants or args.variants).split(",")]
     sweep = [tuple(int(v) for v in c.split(":")) for c in args.mega_sweep.split(",") if c]
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -474,7 +542,7 @@ def main(argv=None):
             t = time.perf_counter()
             write_random_gguf(path, mix=mix, **spec)
             log(f"{path.name}: written in {time.perf_counter() - t:.1f}s, {path.stat().st_size / 2**30:.2f} GiB")
-            for variant in args.variants.split(","):
+            for variant in model_variants:
                 use(variant)
                 try:
                     row = bench_ours(path, args.repetitions, args.n_prompt, args.n_gen,
@@ -496,6 +564,8 @@ def main(argv=None):
                 result["runs"].append(row)
             qc.INT8_MATVEC = int8_default
             qc.set_int8_kernel(kernel_default)
+            qc.MVK_ON, qc.MVK_RULES = set(mvk_on_default), rules_default
+            qc.set_weight_hints(*hints_default)
             cm.ENABLED = mega_default
             path.unlink()
             if args.out:

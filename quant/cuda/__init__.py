@@ -19,7 +19,8 @@ embed_rows(W, ids, out) rows of W (token ids on the device) as float32
 CUDA sources: qblocks.cuh (each type's block decoder), qint8.cuh (the integer path)
 and qkernels.cu.  Kernels are
 compiled by NVRTC through cupy.RawModule, one module per type on first use, with no
-architecture-specific code beyond what sm_75 has.
+architecture-specific code beyond what sm_75 has (except the weight loads' L2 cache hints,
+W_HINT, which compile to plain loads below sm_80).
 """
 from __future__ import annotations
 
@@ -109,6 +110,18 @@ MVK_BPS = int(os.environ.get("LLAMBA_MVK_BPS", "0"))
 MVK_STAGES = int(os.environ.get("LLAMBA_MVK_S", "2"))
 MVK_V = int(os.environ.get("LLAMBA_MVK_V", "1"))
 MVK_WIDE_K = 4096
+# cache hints on the matvecs' weight loads (mvs, mvk; qint8.cuh ldg_w; sm_80+, the plain
+# load below): W_HINT 0 none, 1 .L2::256B prefetch size, 2 .L2::128B, 3 L2 evict_first,
+# 4 both 1 and 3, 5 both 2 and 3 (LLAMBA_CUDA_WHINT); W_PF > 0: mvk prefetches
+# (prefetch.global.L2) each warp's weights that many steps ahead (LLAMBA_CUDA_WPF).
+# Neither changes a sum.  Default 5 (H200, NOTES.md 2026-12-01: decode graph L8 Q4_K_M
+# 2.562 -> 2.425 ms, Q15 1.378 -> 1.267 ms; Q4_K 14336x4096 2487 -> 2553 GB/s); W_PF
+# measured 9-12% slower at 2-8 steps, off.
+W_HINT = int(os.environ.get("LLAMBA_CUDA_WHINT", "5"))
+W_PF = int(os.environ.get("LLAMBA_CUDA_WPF", "0"))
+# compile each kernel on first use in a module of its own instead of a type's whole set
+# at once (LLAMBA_CUDA_LAZY=1: sweeps and tests on a fresh machine compile far less)
+COMPILE_LAZY = os.environ.get("LLAMBA_CUDA_LAZY", "0") == "1"
 
 
 class DeviceWeight:
@@ -157,6 +170,24 @@ def kernel_source() -> str:
     return source(_DIR / "qkernels.cu", _DIR / "qblocks.cuh", _DIR / "qint8.cuh", _DIR / "qmvk.cuh")
 
 
+def _options():
+    """NVRTC options of the matvec modules (the weight-load hints as defines)."""
+    return _OPTIONS + ((f"-DLLAMBA_WHINT={W_HINT}",) if W_HINT else ()) + ((f"-DLLAMBA_WPF={W_PF}",) if W_PF else ())
+
+
+class _Lazy(dict):
+    """A type's kernels compiled one at a time on first use (COMPILE_LAZY)."""
+
+    def __init__(self, options):
+        super().__init__()
+        self.options = options
+
+    def __missing__(self, name):
+        mod = cp.RawModule(code=kernel_source(), options=self.options, name_expressions=[name])
+        f = self[name] = mod.get_function(name)
+        return f
+
+
 class _Modules:
     """One compiled module per weight type, built on first use."""
 
@@ -166,8 +197,10 @@ class _Modules:
 
     def get(self, qtype):
         key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS, MVK_ROWS6, MVK_STAGES, MVK_V, MVK_RULES,
-               tuple(sorted(t.value for t in MVK_ON)))
+               tuple(sorted(t.value for t in MVK_ON)), W_HINT, W_PF, COMPILE_LAZY)
         m = self.by_type.get(key)
+        if m is None and COMPILE_LAZY:
+            m = self.by_type[key] = _Lazy(_options())
         if m is None:
             s = STRUCT[qtype]
             names = ([f"mv<{s},{r},{_rpw(r)},0>" for r in range(1, MV_MAX_ROWS + 1)]
@@ -177,7 +210,7 @@ class _Modules:
                      + [f"mv<{s},{r},{_rpw(r)},{p}>" for r in range(1, PROLOGUE_MAX_ROWS + 1) for p in (1, 2, 3)]
                      + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
             src = kernel_source()
-            mod = cp.RawModule(code=src, options=_OPTIONS, name_expressions=names)
+            mod = cp.RawModule(code=src, options=_options(), name_expressions=names)
             m = self.by_type[key] = {n: mod.get_function(n) for n in names}
         return m
 
@@ -241,7 +274,8 @@ def _mvk_blocks(f, name) -> int:
         _sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
     if MVK_BPS:
         return _sms * MVK_BPS
-    b = _bps.get(name)
+    key = (name, W_HINT, W_PF)           # the hints change the kernel's registers
+    b = _bps.get(key)
     if b is None:
         try:
             from cupy.cuda import driver
@@ -249,7 +283,7 @@ def _mvk_blocks(f, name) -> int:
         except Exception:
             regs = max(32, int(getattr(f, "num_regs", 128)))
             b = max(1, 65536 // (((regs * 32 + 255) // 256) * 256 * MVK_WARPS))
-        b = _bps[name] = max(1, min(b, 16))
+        b = _bps[key] = max(1, min(b, 16))
     return _sms * b
 
 
@@ -281,6 +315,13 @@ def set_int8_kernel(name: str) -> None:
     if name != INT8_KERNEL:
         INT8_KERNEL = name
         _mods.by_type.clear()
+
+
+def set_weight_hints(hint: int, pf: int = 0) -> None:
+    """Select the weight loads' cache hints (W_HINT) and mvk's L2 prefetch distance (W_PF);
+    modules are keyed on them (compiled on next use)."""
+    global W_HINT, W_PF
+    W_HINT, W_PF = int(hint), int(pf)
 
 
 def set_int8_rows_per_warp(n: int) -> None:

@@ -13,6 +13,70 @@
 
 DEV int vsub(u32 a, u32 b) { return (int)__vsub4(a, b); }
 
+// Cache hints on the matvecs' weight loads (read once, streamed), chosen at compile time
+// (quant/cuda/__init__.py W_HINT, default 5, -DLLAMBA_WHINT=n; the sums never change;
+// undefined, e.g. in the megakernel's module: 0):
+//   0: none (plain ld.global.nc)   1: .L2::256B prefetch size   2: .L2::128B
+//   3: L2 evict_first policy (weights leave L2 first: activations / KV stay)   4: 1 and 3
+//   5: 2 and 3
+// The hints need sm_80+; below that every value is the plain load.  LLAMBA_WPF > 0: mvk
+// prefetches (prefetch.global.L2) each warp's weights that many steps ahead (qmvk.cuh).
+#ifndef LLAMBA_WHINT
+#define LLAMBA_WHINT 0
+#endif
+#ifndef LLAMBA_WPF
+#define LLAMBA_WPF 0
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && LLAMBA_WHINT > 0
+#define LLAMBA_WH LLAMBA_WHINT
+#else
+#define LLAMBA_WH 0
+#endif
+#if LLAMBA_WH == 1 || LLAMBA_WH == 4
+#define LLAMBA_WPS ".L2::256B"
+#elif LLAMBA_WH == 2 || LLAMBA_WH == 5
+#define LLAMBA_WPS ".L2::128B"
+#else
+#define LLAMBA_WPS ""
+#endif
+#if LLAMBA_WH >= 3
+#define LLAMBA_WCH ".L2::cache_hint"
+DEV unsigned long long l2_evict_first() {
+    unsigned long long pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+#endif
+// a weight word, 16-byte aligned; NA: kept out of L1 (L1::no_allocate)
+template <int NA>
+DEV uint4 ldg_w(const void* p) {
+    uint4 v;
+#if LLAMBA_WH == 0
+    if constexpr (NA == 1)
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    else
+        v = *(const uint4*)p;
+#elif LLAMBA_WH >= 3
+    const unsigned long long pol = l2_evict_first();
+    if constexpr (NA == 1)
+        asm volatile("ld.global.nc.L1::no_allocate" LLAMBA_WCH LLAMBA_WPS ".v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+    else
+        asm volatile("ld.global.nc" LLAMBA_WCH LLAMBA_WPS ".v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+#else
+    if constexpr (NA == 1)
+        asm volatile("ld.global.nc.L1::no_allocate" LLAMBA_WPS ".v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    else
+        asm volatile("ld.global.nc" LLAMBA_WPS ".v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
+    return v;
+}
+DEV void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // N 32-bit words from a 2-byte-aligned address: N + 1 aligned loads and funnel shifts
 // instead of 2N 16-bit loads.  Reads up to 4 bytes past the N words (the matvec's
 // shared-memory rows are padded for it).
@@ -442,7 +506,7 @@ __global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
             const int j = lane + 32 * i, r = j / NV, v = j - r * NV;
             const long long s = base + r * row_bytes + (long long)c * CB, a = s & ~15LL;
             uint4 val = make_uint4(0u, 0u, 0u, 0u);
-            if (r < nrows && a + 16 * v < s + cb) val = *(const uint4*)(W + a + 16 * v);
+            if (r < nrows && a + 16 * v < s + cb) val = ldg_w<0>(W + a + 16 * v);
             buf[i] = val;
         }
         const int gp = c * 32 + lane;

@@ -25,6 +25,9 @@ DEV int dp4a_us(u32 a, int b, int c) {     // unsigned bytes of a . signed bytes
 }
 template <int NA>
 DEV uint4 ldg_stream(const void* p) {       // weights: read once (NA: kept out of L1)
+#if LLAMBA_WH > 0
+    return ldg_w<NA>(p);                     // with the cache hints (qint8.cuh)
+#else
     uint4 v;
     if constexpr (NA == 1)
         asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -33,7 +36,52 @@ DEV uint4 ldg_stream(const void* p) {       // weights: read once (NA: kept out 
         asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
                      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
+#endif
 }
+
+// LLAMBA_WPF > 0: the warp's weights LLAMBA_WPF steps past the one it loads, prefetched
+// into L2 (prefetch.global.L2, no registers held): a cursor over the warp's steps like
+// the load cursor; each step's R row pieces (UB * BPS bytes a row) as 128-byte lines,
+// a lane a line.  task(t, sel, m0) as in the kernels.
+template <int R, int UB, int BPS>
+struct MvkPf {
+    static constexpr int NL = (UB * BPS + 127) / 128 + 1;   // lines a row piece can touch
+    int t, it, rows;
+    const u8* p;
+};
+#define MVK_PF_DEFS(PF_R, PF_UB, PF_BPS)                                                           \
+    MvkPf<PF_R, PF_UB, PF_BPS> pf{t_beg, 0, 0, nullptr};                                           \
+    auto pset = [&]() {                                                                            \
+        int sel, m0;                                                                               \
+        task(pf.t, sel, m0);                                                                       \
+        const u8* W = sel == 0 ? W0 : (sel == 1 ? W1 : W2);                                        \
+        const int M = sel == 0 ? M0 : (sel == 1 ? M1 : M2);                                        \
+        pf.p = W + (long long)m0 * row_bytes;                                                      \
+        pf.rows = min(PF_R, M - m0);                                                               \
+    };                                                                                             \
+    auto padvance = [&]() {                                                                        \
+        if (++pf.it == nst) {                                                                      \
+            pf.it = 0;                                                                             \
+            pf.t += t_step;                                                                        \
+            if (pf.t < t_end) pset();                                                              \
+        }                                                                                          \
+    };                                                                                             \
+    auto prefetch = [&]() {                                                                        \
+        if (pf.t < t_end) {                                                                        \
+            constexpr int NL = MvkPf<PF_R, PF_UB, PF_BPS>::NL;                                     \
+            const int b0 = pf.it * PF_BPS;                                                         \
+            const int len = min(PF_BPS, nb - b0) * PF_UB;                                          \
+            for (int i = lane; i < pf.rows * NL; i += 32) {                                        \
+                const int r = i / NL, l = i - r * NL;                                              \
+                const u8* s0 = pf.p + r * row_bytes + b0 * PF_UB;                                  \
+                const u8* a = (const u8*)(((size_t)s0 & ~(size_t)127) + 128 * l);                  \
+                if (a < s0 + len) prefetch_l2(a);                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    };                                                                                             \
+    pset();                                                                                        \
+    for (int k = 0; k < S - 1; k++) padvance();       /* the steps loaded before the loop */       \
+    for (int k = 0; k < LLAMBA_WPF; k++) { prefetch(); padvance(); }
 
 // per lane and row: a block's header and its 8 / LPB qs words j + LPB i
 template <int LPB>
@@ -244,6 +292,9 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
     Stage buf[S];
     int ct = t_beg, cit = 0;                          // step to compute
     lset();
+#if LLAMBA_WPF > 0
+    MVK_PF_DEFS(R, 144, BPS)
+#endif
 #pragma unroll
     for (int k = 0; k < S - 1; k++)
         if (lt < t_end) { load(buf[k]); ladvance(); }
@@ -251,6 +302,9 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
 #pragma unroll
         for (int k = 0; k < S; k++) {
             if (ct < t_end) {
+#if LLAMBA_WPF > 0
+                if (lt < t_end) { prefetch(); padvance(); }
+#endif
                 if (lt < t_end) { load(buf[(k + S - 1) % S]); ladvance(); }
                 compute(buf[k], ct, cit);
                 if (++cit == nst) { cit = 0; ct += t_step; }
@@ -513,6 +567,9 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvkt(
     Stage buf[S];
     int ct = t_beg, cit = 0;
     lset();
+#if LLAMBA_WPF > 0
+    MVK_PF_DEFS(R, Ty::UB, BPS)
+#endif
 #pragma unroll
     for (int k = 0; k < S - 1; k++)
         if (lt < t_end) { load(buf[k]); ladvance(); }
@@ -520,6 +577,9 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvkt(
 #pragma unroll
         for (int k = 0; k < S; k++) {
             if (ct < t_end) {
+#if LLAMBA_WPF > 0
+                if (lt < t_end) { prefetch(); padvance(); }
+#endif
                 if (lt < t_end) { load(buf[(k + S - 1) % S]); ladvance(); }
                 compute(buf[k], ct, cit);
                 if (++cit == nst) { cit = 0; ct += t_step; }

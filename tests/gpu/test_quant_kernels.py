@@ -353,3 +353,47 @@ def test_int8_mvk(qtype):
         qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_V, qc.MVK_ROWS6, qc.MVK_ON, qc.MVK_RULES = old[1:]
         qc._mods.by_type.clear()
         qc._bps.clear()
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q4_0, GGMLType.Q6_K, GGMLType.Q8_0], ids=lambda t: t.name)
+def test_int8_weight_hints_same_bits(qtype):
+    """The weight loads' cache hints (W_HINT: .L2::256B / .L2::128B prefetch size, L2
+    evict_first) and mvk's L2 prefetch of its own weights ahead (W_PF, across tasks and
+    weights: a grid of one block an SM so warps walk many tasks) change no bit of the
+    result: mvk4k (Q4_K), mvkt (Q4_0, Q6_K with every type on), mvs (Q8_0); partial
+    steps, a 3-weight launch with a partial last task.  Kernels compiled one at a time."""
+    import cupy as cp
+    import quant.cuda as qc
+    old = (qc.INT8_KERNEL, set(qc.MVK_ON), qc.MVK_RULES, qc.MVK_BPS, qc.W_HINT, qc.W_PF, qc.COMPILE_LAZY)
+    try:
+        qc.COMPILE_LAZY = True
+        qc.set_int8_kernel("mvk")
+        qc.MVK_ON, qc.MVK_RULES = set(qc.MVK_TYPES), False
+        K = 4352 if _block(qtype) == 256 else 2304
+        Ms = (qc.INT8_SMALL_M + 37, 77, 33)
+        Ws = [qc.upload(_weight(qtype, M, K, 80 + i)) for i, M in enumerate(Ms)]
+        rng = np.random.default_rng(3)
+        ns = (1, 3) if qtype == GGMLType.Q4_K else (1,)
+        xs = {n: cp.asarray(rng.standard_normal((n, K)).astype(np.float32)) for n in ns}
+        ref = None
+        for hint, pf, bps in ((0, 0, 0), (4, 0, 0), (1, 4, 0), (0, 8, 1)):
+            qc.set_weight_hints(hint, pf)
+            qc.MVK_BPS = bps
+            qc._bps.clear()
+            got = []
+            for n in ns:
+                outs = [cp.full((n, M), np.nan, cp.float32) for M in Ms]
+                qc.matmul(xs[n], Ws, outs)
+                got += [o.get() for o in outs]
+            if ref is None:
+                ref = got
+                assert all(np.all(np.isfinite(g)) for g in got)
+            for a, b in zip(got, ref):
+                assert np.array_equal(a, b), (qtype.name, hint, pf, bps, float(np.abs(a - b).max()))
+    finally:
+        qc.set_int8_kernel(old[0])
+        qc.MVK_ON, qc.MVK_RULES, qc.MVK_BPS = old[1], old[2], old[3]
+        qc.set_weight_hints(old[4], old[5])
+        qc.COMPILE_LAZY = old[6]
+        qc._mods.by_type.clear()
+        qc._bps.clear()
