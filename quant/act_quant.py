@@ -144,9 +144,9 @@ def quantize_q8_256(x, xq, xd, xb):
 
 @njit(cache=True)
 def quantize_q8_32_i8(x, xq, xd, xsum, xs):
-    """For the VNNI kernels: x f32 [n, K] -> xq int8 [n*K] (flat), and flat
-    [n*K/32] xd steps, xsum int32 code sums, xs = xd * xsum.  Same codes and
-    steps as quantize_q8_32."""
+    """For the VNNI kernels: x f32 [n, K] -> xq int8 [n*K] (flat, in pair order:
+    pair_pos), and flat [n*K/32] xd steps, xsum int32 code sums, xs = xd * xsum.
+    Same codes and steps as quantize_q8_32."""
     n, K = x.shape
     nb = K // 32
     for r in range(n):
@@ -156,6 +156,36 @@ def quantize_q8_32_i8(x, xq, xd, xsum, xs):
             d = q8_block(32, xr, b * 32, xq, None, None, xsum, o, 0, r * nb + b)
             xd[r * nb + b] = d
             xs[r * nb + b] = d * F32(xsum[r * nb + b])
+        # pair order: codes 16-31 of block 2p trade places with codes 0-15 of 2p+1
+        for p in range(nb // 2):
+            o = r * K + 64 * p
+            for i in range(16):
+                t = xq[o + 16 + i]
+                xq[o + 16 + i] = xq[o + 32 + i]
+                xq[o + 32 + i] = t
+
+
+@njit(inline="always")
+def pair_pos(nb, i):
+    """Where code i of a row (natural order) lies in quantize_q8_32_i8's pair
+    order: blocks 2p and 2p+1 as [2p: 0-15 | 2p+1: 0-15 | 2p: 16-31 | 2p+1: 16-31]
+    (the one-row VNNI kernel dots both blocks' low-nibble codes in one register,
+    then both high ones), the last block of an odd count as it is."""
+    b = i // 32
+    if b >= 2 * (nb // 2):
+        return i
+    e = i - 32 * b
+    return 64 * (b // 2) + 32 * (e // 16) + 16 * (b % 2) + e % 16
+
+
+def pair_order(K: int) -> np.ndarray:
+    """For rows of K codes: the natural index of the code at each position of
+    quantize_q8_32_i8's pair order (tests, debugging)."""
+    nb = K // 32
+    out = np.empty(K, np.int64)
+    for i in range(K):
+        out[pair_pos.py_func(nb, i)] = i
+    return out
 
 
 # Q4_K_ORDER[i]: the weight (within its 256-block) whose code lies at byte i of
@@ -191,7 +221,7 @@ def _grp_r(n):
 
 @njit(inline="always")
 def _group_codes(xq, n, K, xg):
-    """Flat int8 codes [n*K] -> row groups of 16 (the last of R = 4, 8 or 16
+    """Flat int8 codes [n*K] (pair order) -> row groups of 16 (the last of R = 4, 8 or 16
     rows), group gi at xg[gi*16*K:]: chunk c of a group (64 bytes) holds
     codes c*4G..c*4G+4G-1 of each of its R rows, G = 16 // R."""
     ng = (n + 15) // 16
@@ -204,9 +234,9 @@ def _group_codes(xq, n, K, xg):
                 row = gi * 16 + r
                 o = base + c * 64 + r * 4 * G
                 if row < n:
-                    src = row * K + c * 4 * G
+                    src = c * 4 * G
                     for t in range(4 * G):
-                        xg[o + t] = xq[src + t]
+                        xg[o + t] = xq[row * K + pair_pos(K // 32, src + t)]
                 else:
                     for t in range(4 * G):
                         xg[o + t] = 0
