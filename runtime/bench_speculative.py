@@ -18,7 +18,7 @@ import time
 from .engine import Engine
 from .generate import Generation
 from .sampling import SamplingParams
-from .speculative import DEFAULT_DRAFT_VOCAB, Drafter
+from .speculative import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, Drafter
 
 DEFAULT_PROMPTS = ("def quicksort(arr):", "class LRUCache:", "def binary_search(arr, target):")
 
@@ -46,7 +46,8 @@ def run_spec_bench(args) -> int:
     say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     target = Engine(args.model, device=args.device, n_ctx=args.ctx_size, threads=args.threads, announce=say)
     vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
-    drafter = Drafter.load(args.draft_model, target, k=args.draft_n, adaptive=True, draft_vocab=vocab,
+    dq = DEFAULT_DRAFT_QUANT if args.draft_quant is None else args.draft_quant
+    drafter = Drafter.load(args.draft_model, target, k=args.draft_n, adaptive=True, draft_vocab=vocab, draft_quant=dq,
                            announce=say)
     sweep = [int(k) for k in (args.draft_sweep or "").split(",") if k.strip()]
     prompts = args.spec_prompt or list(DEFAULT_PROMPTS)
@@ -111,13 +112,14 @@ def run_spec_bench(args) -> int:
     fixed = [e for e in summary if e["k"]]
     best = max(fixed, key=lambda e: e["speedup_median"]) if fixed else None
     report = {"target": str(target.loaded.path.name), "draft": str(drafter.draft.loaded.path.name),
-              "draft_vocab": vocab, "n_gen": n, "repetitions": args.repetitions, "prompts": prompts,
+              "draft_vocab": vocab, "draft_quant": dq, "n_gen": n, "repetitions": args.repetitions, "prompts": prompts,
               "threads": getattr(target.backend, "threads", None), "summary": summary,
               "best_k": best["k"] if best else None, "runs": runs}
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"\n{report['target']} drafted by {report['draft']} (draft vocab {vocab or 'all'}), greedy, "
+    print(f"\n{report['target']} drafted by {report['draft']} (draft vocab {vocab or 'all'}, "
+          f"draft matrices {dq or 'none'}), greedy, "
           f"{n} tokens, {len(prompts)} prompts x {args.repetitions} reps, {report['threads']} threads")
     print(f"{'config':28} {'t/s':>8} {'speedup':>8} {'cpu t/s':>8} {'speedup':>8} {'accept':>7} "
           f"{'tok/fwd':>8} {'identical':>10}   (medians; speedups are per-pair ratios)")

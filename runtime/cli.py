@@ -48,6 +48,9 @@ def _add_draft(p):
     p.add_argument("--draft-fixed", action="store_true", help="always draft exactly --draft-n tokens")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="draft only among the first N token ids (cheaper draft output layer; 0: all)")
+    p.add_argument("--draft-quant", default=None, metavar="TYPE",
+                   help="re-encode the draft's layer matrices as TYPE where theirs is larger "
+                        "(default q4_0; none: as in the file)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,11 +128,12 @@ def _engine(args):
 def _drafter(args, eng):
     if not getattr(args, "draft_model", None):
         return None
-    from .speculative import DEFAULT_DRAFT_VOCAB, Drafter
+    from .speculative import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, Drafter
     vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
+    dq = DEFAULT_DRAFT_QUANT if args.draft_quant is None else args.draft_quant
     from .warmup import warm_up
     d = Drafter.load(args.draft_model, eng, k=args.draft_n, adaptive=not args.draft_fixed,
-                     draft_vocab=vocab, announce=_say)
+                     draft_vocab=vocab, draft_quant=dq, announce=_say)
     warm_up(d.draft, notice=_say)
     return d
 

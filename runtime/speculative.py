@@ -18,7 +18,9 @@ The draft can be made cheaper than the model file alone allows: `draft_vocab=N`
 keeps only the first N rows of its output layer (BPE ids are roughly ordered by
 merge frequency, so low ids cover most text) plus the end-of-generation ids.
 That only changes what the draft proposes; the target still checks every token
-over the full vocabulary, so exactness is unaffected.
+over the full vocabulary, so exactness is unaffected.  For the same reason the
+draft's layer matrices may be re-encoded in a smaller type at load
+(`draft_quant`, default Q4_0): a draft step streams fewer bytes.
 
 k adapts to the measured acceptance and costs (see `KController`); when no k
 beats plain decoding the Drafter falls back to it and says so in its stats.
@@ -41,6 +43,9 @@ VOCAB_SIZE_SLACK = 128
 # default --draft-vocab: the first 32768 ids cover ~95% of the tokens of Python code
 # for Qwen2.5's BPE and cut the 0.5B draft's output layer to a fifth
 DEFAULT_DRAFT_VOCAB = 32768
+# default --draft-quant: the draft's layer matrices re-encoded as Q4_0 where their
+# own type takes more bytes a weight (Qwen2.5-0.5B's Q5_0, Q6_K and Q8_0 ones)
+DEFAULT_DRAFT_QUANT = "q4_0"
 
 
 class VocabMismatch(ValueError):
@@ -134,6 +139,37 @@ def restrict_draft_vocab(engine: Engine, n_first: int, always=()) -> np.ndarray 
     data = W.data[:n_first] if not extra else np.ascontiguousarray(W.data[ids])
     model.output = QTensor(W.name + f"[:{n_first}]", W.qtype, (ids.size, W.shape[1]), data)
     return ids
+
+
+def requantize_draft(lm, qtype: str | None) -> tuple[int, int, int]:
+    """Re-encode the layer matrices (blk.*) of a loaded draft model as `qtype`
+    (e.g. "q4_0") where their own type takes more bytes a weight and the row
+    length allows it.  Returns (matrices re-encoded, bytes before, bytes after)."""
+    if not qtype or qtype.lower() == "none":
+        return 0, 0, 0
+    from quant import TYPE_INFO, GGMLType, dequantize
+    from quant.encode import ENCODERS, quantize
+    try:
+        t = GGMLType[qtype.upper()]
+    except KeyError:
+        t = None
+    if t not in ENCODERS:
+        raise ValueError(f"--draft-quant {qtype}: choose none or one of "
+                         f"{', '.join(e.name.lower() for e in ENCODERS)}")
+    per, nbytes = TYPE_INFO[t]
+    n = before = after = 0
+    for name, W in lm.tensors.items():
+        if not (name.startswith("blk.") and len(W.shape) == 2 and isinstance(W, QTensor)):
+            continue
+        wper, wbytes = TYPE_INFO[W.qtype]
+        if W.shape[1] % per or wbytes / wper <= nbytes / per:
+            continue
+        data = quantize(dequantize(W), t)
+        lm.tensors[name] = QTensor(W.name, t, W.shape, data)
+        n += 1
+        before += W.nbytes
+        after += data.nbytes
+    return n, before, after
 
 
 # ---- choosing k ------------------------------------------------------------------------
@@ -352,10 +388,16 @@ class Drafter:
 
     @classmethod
     def load(cls, draft_model: str, target: Engine, k: int = 4, adaptive: bool = True,
-             draft_vocab: int = 0, announce=None) -> "Drafter":
+             draft_vocab: int = DEFAULT_DRAFT_VOCAB, draft_quant: str | None = DEFAULT_DRAFT_QUANT,
+             announce=None) -> "Drafter":
         from .loader import load_model
         lm = load_model(draft_model)
         check_same_vocab(lm, target.loaded)   # before building an engine for nothing
+        t0 = time.perf_counter()
+        n, before, after = requantize_draft(lm, draft_quant)
+        if n and announce:
+            announce(f"draft: {n} matrices re-encoded as {draft_quant.upper()} "
+                     f"({before / 2**20:.0f} -> {after / 2**20:.0f} MiB, {time.perf_counter() - t0:.1f} s)")
         eng = Engine(lm, device=target.backend.name, n_ctx=target.n_ctx, announce=announce)
         return cls(eng, target, k=k, adaptive=adaptive, draft_vocab=draft_vocab)
 

@@ -13,7 +13,7 @@ from runtime.engine import Engine
 from runtime.generate import Generation
 from runtime.sampling import Sampler, SamplingParams
 from runtime.speculative import (Drafter, KController, VocabMismatch, accept_or_resample,
-                                 check_same_vocab)
+                                 check_same_vocab, requantize_draft)
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -238,6 +238,43 @@ def test_sampling_first_token_distribution_matches_target(smol_pair):
     chi2, tv = _fit(counts, p, n)
     assert chi2 < _chi2_critical(len(p[0]) - 1), (chi2, counts)
     assert _released(target, seq_t) == 0 and _released(draft_eng, seq_d) == 0
+
+
+def test_requantized_draft_keeps_greedy_output(smol, smol_pair):
+    """--draft-quant: the draft's Q4_1 layer matrices re-encoded as Q4_0 (smaller);
+    its proposals change a little, the target's greedy output not at all."""
+    from quant import GGMLType, dequantize
+    from runtime.loader import load_model
+    target, _ = smol_pair
+    lm = load_model(str(smol))
+    orig = dict(lm.tensors)
+    n, before, after = requantize_draft(lm, "q4_0")
+    mats = [k for k, t in orig.items() if k.startswith("blk.") and len(t.shape) == 2]
+    assert n == len(mats) == 30 * 7 and after < before
+    for k in mats[:7]:
+        W, R = orig[k], lm.tensors[k]
+        assert W.qtype == GGMLType.Q4_1 and R.qtype == GGMLType.Q4_0 and R.shape == W.shape
+        a, b = dequantize(W), dequantize(R)
+        # Q4_0's error: half a step (absmax / 8 a block of 32), a whole one where a value
+        # of the other sign than the block's extreme clips at +7
+        step = np.abs(a).reshape(a.shape[0], -1, 32).max(-1, keepdims=True) / 8
+        err = np.abs(a - b).reshape(step.shape[:2] + (32,))
+        assert np.all(err <= 1.01 * step + 1e-6), k
+        assert np.mean(err <= 0.51 * step + 1e-6) > 0.95, k
+    assert lm.tensors["token_embd.weight"] is orig["token_embd.weight"]      # layers only
+    assert requantize_draft(lm, "q4_0")[0] == 0          # nothing larger than Q4_0 is left
+    assert requantize_draft(lm, "none") == (0, 0, 0)
+    with pytest.raises(ValueError, match="--draft-quant q3_x"):
+        requantize_draft(lm, "q3_x")
+    draft = Engine(lm, n_ctx=256)
+    prompt = "def quicksort(arr):"
+    plain = _generate(target, prompt, GREEDY, 24)
+    drafter = Drafter(draft, target, k=4, adaptive=False)
+    spec = _generate(target, prompt, GREEDY, 24, drafter)
+    assert spec.ids == plain.ids
+    assert spec.stats.speculative["acceptance_rate"] > 0.5, spec.stats.speculative
+    assert _released(target, plain.seq, spec.seq) == 0
+    drafter.release()
 
 
 # ---- the real pair -----------------------------------------------------------------------
