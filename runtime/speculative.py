@@ -141,34 +141,46 @@ def restrict_draft_vocab(engine: Engine, n_first: int, always=()) -> np.ndarray 
     return ids
 
 
+def _draft_type(qtype: str | None):
+    """The GGMLType --draft-quant names (None for none)."""
+    if not qtype or qtype.lower() == "none":
+        return None
+    from quant import GGMLType
+    from quant.encode import ENCODERS
+    t = GGMLType.__members__.get(qtype.upper())
+    if t not in ENCODERS:
+        raise ValueError(f"--draft-quant {qtype}: choose none or one of "
+                         f"{', '.join(e.name.lower() for e in ENCODERS)}")
+    return t
+
+
+def _reencoded(W, t) -> QTensor | None:
+    """W as type t, where W's own type takes more bytes a weight and its rows fit
+    t's blocks; else None."""
+    from quant import TYPE_INFO, dequantize
+    from quant.encode import quantize
+    per, nbytes = TYPE_INFO[t]
+    wper, wbytes = TYPE_INFO[W.qtype]
+    if not isinstance(W, QTensor) or len(W.shape) != 2 or W.shape[1] % per or wbytes / wper <= nbytes / per:
+        return None
+    return QTensor(W.name, t, W.shape, quantize(dequantize(W), t))
+
+
 def requantize_draft(lm, qtype: str | None) -> tuple[int, int, int]:
     """Re-encode the layer matrices (blk.*) of a loaded draft model as `qtype`
     (e.g. "q4_0") where their own type takes more bytes a weight and the row
     length allows it.  Returns (matrices re-encoded, bytes before, bytes after)."""
-    if not qtype or qtype.lower() == "none":
-        return 0, 0, 0
-    from quant import TYPE_INFO, GGMLType, dequantize
-    from quant.encode import ENCODERS, quantize
-    try:
-        t = GGMLType[qtype.upper()]
-    except KeyError:
-        t = None
-    if t not in ENCODERS:
-        raise ValueError(f"--draft-quant {qtype}: choose none or one of "
-                         f"{', '.join(e.name.lower() for e in ENCODERS)}")
-    per, nbytes = TYPE_INFO[t]
+    t = _draft_type(qtype)
     n = before = after = 0
+    if t is None:
+        return n, before, after
     for name, W in lm.tensors.items():
-        if not (name.startswith("blk.") and len(W.shape) == 2 and isinstance(W, QTensor)):
-            continue
-        wper, wbytes = TYPE_INFO[W.qtype]
-        if W.shape[1] % per or wbytes / wper <= nbytes / per:
-            continue
-        data = quantize(dequantize(W), t)
-        lm.tensors[name] = QTensor(W.name, t, W.shape, data)
-        n += 1
-        before += W.nbytes
-        after += data.nbytes
+        R = _reencoded(W, t) if name.startswith("blk.") else None
+        if R is not None:
+            lm.tensors[name] = R
+            n += 1
+            before += W.nbytes
+            after += R.nbytes
     return n, before, after
 
 
@@ -399,7 +411,14 @@ class Drafter:
             announce(f"draft: {n} matrices re-encoded as {draft_quant.upper()} "
                      f"({before / 2**20:.0f} -> {after / 2**20:.0f} MiB, {time.perf_counter() - t0:.1f} s)")
         eng = Engine(lm, device=target.backend.name, n_ctx=target.n_ctx, announce=announce)
-        return cls(eng, target, k=k, adaptive=adaptive, draft_vocab=draft_vocab)
+        d = cls(eng, target, k=k, adaptive=adaptive, draft_vocab=draft_vocab)
+        t = _draft_type(draft_quant)
+        if t is not None and d.vocab_ids is not None:
+            # the output layer's kept rows too (its full table stays for embeddings)
+            R = _reencoded(eng.model.output, t)
+            if R is not None:
+                eng.model.output = R
+        return d
 
     def release(self) -> None:
         if self.dseq is not None:
