@@ -87,12 +87,19 @@ def mix_type(mix: str, name: str, n_layers: int) -> GGMLType:
     return GGMLType[mix]
 
 
+# K-quants need rows of whole 256-blocks; llama.cpp's types for narrower ones
+_K_FALLBACK = {GGMLType.Q4_K: GGMLType.Q5_0, GGMLType.Q5_K: GGMLType.Q5_1, GGMLType.Q6_K: GGMLType.Q8_0}
+
+
 SHAPES = {
     # the issue's benchmark shapes
     "Q15": dict(arch="qwen2", n_layers=28, d_model=1536, d_ff=8960, n_heads=12, n_kv_heads=2,
                 vocab=151936, tied=True, rope_theta=1e6),
     "L8": dict(arch="llama", n_layers=32, d_model=4096, d_ff=14336, n_heads=32, n_kv_heads=8,
                vocab=128256, tied=False, rope_theta=5e5),
+    # Q15's draft in the speculative pair (Qwen2.5-Coder-0.5B)
+    "Q05": dict(arch="qwen2", n_layers=24, d_model=896, d_ff=4864, n_heads=14, n_kv_heads=2,
+                vocab=151936, tied=False, rope_theta=1e6),
 }
 
 
@@ -115,6 +122,8 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
 
     def mat(name, rows, cols):
         t = mix_type(mix, name, n_layers)
+        if cols % 256 and t in _K_FALLBACK:     # as llama.cpp quantizes such rows (Qwen2.5-0.5B: 896)
+            t = _K_FALLBACK[t]
         w.add_tensor(name, random_weight(t, (rows, cols), noise), raw_dtype=gguf.GGMLQuantizationType(int(t)))
 
     def vec(name, n, value=None):
