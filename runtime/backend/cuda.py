@@ -57,6 +57,11 @@ def probe() -> dict:
     return {"name": name, "cc": cc, "free": int(free), "total": int(total)}
 
 
+# most tokens of one sequence a step replayed from a CUDA graph has (speculative
+# verify: k + 1 rows); longer steps (prompts) run op by op
+GRAPH_ROWS = 16
+
+
 class _Arena:
     """Step buffers handed out in call order: a ring of RING buffers per (capacity,
     dtype), cursors reset every step, so a step sees the same buffers each time
@@ -198,26 +203,31 @@ def _views(buf, layout):
 
 
 def _decode_fill_views(host, layout):
-    """Views into a decode graph's packed host buffer (_pack_step's layout, one token of
-    one sequence) for the fields that change from token to token."""
+    """Views into a decode graph's packed host buffer (_pack_step's layout, n tokens of
+    one sequence) for the fields that change from step to step."""
     v = _views(host, layout)
-    return v["tokens"], v["positions"], v["slots"][:, 0], v["tables"][:, 0, :]
+    return v["tokens"], v["positions"], v["slots"], v["tables"][:, 0, :]
 
 
 def _fill_decode(fill, step):
-    """Write a one-token step into a decode graph's host buffer in place: what _pack_step
-    would write, without building a new array (seq_of_token and logit_rows are 0 for every
-    such step and stay as packed).  Table entries past a group's width are zeroed: a
-    table can shrink (a rollback) within one graph width."""
+    """Write a step of one sequence (a decode token, or a verify step's rows) into its
+    graph's host buffer in place: what _pack_step would write, without building a new
+    array (seq_of_token, all 0, and logit_rows, part of the graph's key, stay as
+    packed).  Table entries past a group's width are zeroed: a table can shrink (a
+    rollback) within one graph width."""
     tokens, positions, slots, tables = fill
-    tokens[0] = step.tokens[0]
-    positions[0] = step.positions[0]
+    if tokens.shape[0] == 1:
+        tokens[0] = step.tokens[0]
+        positions[0] = step.positions[0]
+    else:
+        tokens[:] = step.tokens
+        positions[:] = step.positions
     group_slots = getattr(step, "group_slots", None)
     if group_slots is None:
-        slots[0] = step.slots[0]
+        slots[0] = step.slots
         group_tables = [step.block_tables]
     else:
-        slots[:] = group_slots[:, 0]
+        slots[:] = group_slots
         group_tables = step.group_tables or [step.block_tables]
     for g, t in enumerate(group_tables):
         w = t.shape[1]
@@ -359,8 +369,11 @@ class CUDABackend:
             self.profile_next = False
             self.last_profile = self.profile_step(model, step)
         with self.stream:
-            graphable = (self.use_graphs and n == 1 and len(step.logit_rows) == 1
-                         and step.block_tables.shape[0] == 1)
+            # one-token decode steps, and speculative verify steps (up to GRAPH_ROWS
+            # tokens of one sequence, logits for every row): each shape its own graph
+            graphable = (self.use_graphs and step.block_tables.shape[0] == 1
+                         and (n == 1 and len(step.logit_rows) == 1
+                              or 1 < n <= GRAPH_ROWS and len(step.logit_rows) == n and self.host_path != "old"))
             if graphable:
                 if self.host_path == "old":
                     return self._forward_graph_old(model, step)
@@ -435,7 +448,7 @@ class CUDABackend:
         is writing its token, position, slots and block tables into that buffer, one
         graph launch and one wait."""
         MB = self._graph_width(step.block_tables.shape[1])
-        key = (id(model), MB, "ids" if argmax else "logits")
+        key = (id(model), MB, len(step.tokens), "ids" if argmax else "logits")
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._new_decode_graph(model, step, MB, argmax)
@@ -464,7 +477,7 @@ class CUDABackend:
         host = np.frombuffer(cp.cuda.alloc_pinned_memory(flat.nbytes), np.int32, flat.size)
         host[:] = flat
         dev = cp.empty(flat.size, cp.int32)
-        dstep = _DevStep(step, _views(dev, layout), self._splits(1, MB * step.block_size, model))
+        dstep = _DevStep(step, _views(dev, layout), self._splits(len(step.tokens), MB * step.block_size, model))
         return {"host": host, "dev": dev, "dstep": dstep, "graph": None, "argmax": argmax,
                 "fill": _decode_fill_views(host, layout), "host_out": None, "mega": None}
 

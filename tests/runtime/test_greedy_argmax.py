@@ -117,8 +117,8 @@ def test_bench_tg_takes_the_greedy_seam(smol):
 
 
 def test_decode_fill_in_place_equals_pack(model_path):
-    """The CUDA decode graph writes each one-token step into its packed host buffer in
-    place (_fill_decode); the buffer must then hold what _pack_step packs for that step,
+    """The CUDA decode graph writes each one-token step (and a verify graph each step of
+    its k rows) into its packed host buffer in place (_fill_decode); the buffer must then hold what _pack_step packs for that step,
     whatever step was there before: block tables that grow, shrink (rollback) and, with
     gemma3, two layer groups (global and sliding window)."""
     from runtime.backend.cuda import _decode_fill_views, _fill_decode, _pack_step, CUDABackend
@@ -138,7 +138,23 @@ def test_decode_fill_in_place_equals_pack(model_path):
         eng.cache.truncate(seq, 30)                  # back across a block edge
         for t in range(20):
             eng.step([seq], [[70 + t]])
+        for k in (3, 4, 4, 3):                      # speculative verify steps, rolled back
+            base = len(seq)
+            eng.step([seq], [list(range(90 + k, 90 + 2 * k))], all_logits=True)
+            eng.cache.truncate(seq, base + 1)
         eng.release(seq)
+        for k in (3, 4):                            # a verify step's graph: k rows in place
+            ks = [s for s in steps if len(s.tokens) == k]
+            assert len(ks) == 2 and list(ks[0].logit_rows) == list(range(k))
+            mb = CUDABackend._graph_width(max(s.block_tables.shape[1] for s in ks))
+            flat, layout = _pack_step(ks[-1], mb)
+            host = flat.copy()
+            fill = _decode_fill_views(host, layout)
+            for s in ks:
+                want, lay = _pack_step(s, mb)
+                assert lay == layout
+                _fill_decode(fill, s)
+                np.testing.assert_array_equal(host, want)
         one = [s for s in steps if len(s.tokens) == 1]
         assert len(one) == 26
         if name == "gemma3-270m":
