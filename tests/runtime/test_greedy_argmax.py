@@ -116,12 +116,27 @@ def test_bench_tg_takes_the_greedy_seam(smol):
     assert seen == [1] * 5
 
 
+def _fill_each_equals_pack(steps):
+    """Fill one graph buffer (starting as another step's) with each step in turn: it
+    must then hold what _pack_step packs for that step."""
+    from runtime.backend.cuda import _decode_fill_views, _fill_decode, _pack_step, CUDABackend
+    mb = CUDABackend._graph_width(max(s.block_tables.shape[1] for s in steps))
+    flat, layout = _pack_step(steps[-1], mb)
+    host = flat.copy()
+    fill = _decode_fill_views(host, layout)
+    for s in steps:
+        want, lay = _pack_step(s, mb)
+        assert lay == layout
+        _fill_decode(fill, s)
+        np.testing.assert_array_equal(host, want)
+
+
 def test_decode_fill_in_place_equals_pack(model_path):
     """The CUDA decode graph writes each one-token step (and a verify graph each step of
-    its k rows) into its packed host buffer in place (_fill_decode); the buffer must then hold what _pack_step packs for that step,
-    whatever step was there before: block tables that grow, shrink (rollback) and, with
-    gemma3, two layer groups (global and sliding window)."""
-    from runtime.backend.cuda import _decode_fill_views, _fill_decode, _pack_step, CUDABackend
+    its k rows) into its packed host buffer in place (_fill_decode); the buffer must then
+    hold what _pack_step packs for that step, whatever step was there before: block
+    tables that grow, shrink (rollback) and, with gemma3, two layer groups (global and
+    sliding window)."""
     for name in ("smollm2-135m", "gemma3-270m"):
         eng = Engine(str(model_path(name)), n_ctx=512, threads=2)
         steps = []
@@ -146,25 +161,9 @@ def test_decode_fill_in_place_equals_pack(model_path):
         for k in (3, 4):                            # a verify step's graph: k rows in place
             ks = [s for s in steps if len(s.tokens) == k]
             assert len(ks) == 2 and list(ks[0].logit_rows) == list(range(k))
-            mb = CUDABackend._graph_width(max(s.block_tables.shape[1] for s in ks))
-            flat, layout = _pack_step(ks[-1], mb)
-            host = flat.copy()
-            fill = _decode_fill_views(host, layout)
-            for s in ks:
-                want, lay = _pack_step(s, mb)
-                assert lay == layout
-                _fill_decode(fill, s)
-                np.testing.assert_array_equal(host, want)
+            _fill_each_equals_pack(ks)
         one = [s for s in steps if len(s.tokens) == 1]
         assert len(one) == 26
         if name == "gemma3-270m":
             assert len(one[0].group_tables) == 2
-        mb = CUDABackend._graph_width(max(s.block_tables.shape[1] for s in one))
-        flat, layout = _pack_step(one[-1], mb)      # the buffer starts as another step's
-        host = flat.copy()
-        fill = _decode_fill_views(host, layout)
-        for s in one:
-            want, lay = _pack_step(s, mb)
-            assert lay == layout
-            _fill_decode(fill, s)
-            np.testing.assert_array_equal(host, want)
+        _fill_each_equals_pack(one)
