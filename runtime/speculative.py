@@ -159,9 +159,11 @@ def _reencoded(W, t) -> QTensor | None:
     t's blocks; else None."""
     from quant import TYPE_INFO, dequantize
     from quant.encode import quantize
+    if not isinstance(W, QTensor) or len(W.shape) != 2:
+        return None
     per, nbytes = TYPE_INFO[t]
     wper, wbytes = TYPE_INFO[W.qtype]
-    if not isinstance(W, QTensor) or len(W.shape) != 2 or W.shape[1] % per or wbytes / wper <= nbytes / per:
+    if W.shape[1] % per or wbytes / wper <= nbytes / per:
         return None
     return QTensor(W.name, t, W.shape, quantize(dequantize(W), t))
 

@@ -56,7 +56,7 @@ DEV uint4 ldg_w(const void* p) {
         asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     else
-        v = *(const uint4*)p;
+        v = __ldg((const uint4*)p);
 #elif LLAMBA_WH >= 3
     const unsigned long long pol = l2_evict_first();
     if constexpr (NA == 1)

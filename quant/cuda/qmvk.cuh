@@ -23,22 +23,6 @@ DEV int dp4a_us(u32 a, int b, int c) {     // unsigned bytes of a . signed bytes
     asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
-template <int NA>
-DEV uint4 ldg_stream(const void* p) {       // weights: read once (NA: kept out of L1)
-#if LLAMBA_WH > 0
-    return ldg_w<NA>(p);                     // with the cache hints (qint8.cuh)
-#else
-    uint4 v;
-    if constexpr (NA == 1)
-        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    else
-        asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-#endif
-}
-
 // LLAMBA_WPF > 0: the warp's weights LLAMBA_WPF steps past the one it loads, prefetched
 // into L2 (prefetch.global.L2, no registers held): a cursor over the warp's steps like
 // the load cursor; each step's R row pieces (UB * BPS bytes a row) as 128-byte lines,
@@ -230,9 +214,9 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
 #pragma unroll
         for (int r = 0; r < R; r++) {
             const u8* pr = p + (r < lrows ? r : lrows - 1) * row_bytes;
-            st.w[r].h = ldg_stream<1>(pr);
+            st.w[r].h = ldg_w<1>(pr);
 #pragma unroll
-            for (int i = 0; i < NW; i++) st.w[r].q[i] = ldg_stream<1>(pr + 16 + 16 * (j + LPB * i));
+            for (int i = 0; i < NW; i++) st.w[r].q[i] = ldg_w<1>(pr + 16 + 16 * (j + LPB * i));
         }
         if constexpr (XP) {
 #pragma unroll
@@ -331,7 +315,7 @@ struct MQ4_0 {
     struct X { int w[16]; int m8[2]; float d[2]; };
     DEV void load(W& B, const u8* u, int j) {
 #pragma unroll
-        for (int i = 0; i < 3; i++) B.v[i] = ldg_stream<NA>(u + 32 * j + 16 * i);
+        for (int i = 0; i < 3; i++) B.v[i] = ldg_w<NA>(u + 32 * j + 16 * i);
     }
     DEV void load_x(X& X_, const signed char* __restrict__ xq, const float* __restrict__ xd,
                            const u32* __restrict__, int u, int j, bool ok) {
@@ -395,8 +379,8 @@ struct MQ6_K {
         const u8* a = (const u8*)((size_t)u & ~(size_t)15);
 #pragma unroll
         for (int r = 0; r < 4; r++) {
-            B.v[2 * r] = ldg_stream<NA>(a + off[r]);
-            B.v[2 * r + 1] = ldg_stream<NA>(a + off[r] + 16);
+            B.v[2 * r] = ldg_w<NA>(a + off[r]);
+            B.v[2 * r + 1] = ldg_w<NA>(a + off[r] + 16);
         }
         B.o = (u32)(size_t)u & 15u;
     }

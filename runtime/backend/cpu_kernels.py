@@ -15,6 +15,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 from quant.half import bits_to_f32, f16_to_f32, f32_to_f16
+from quant.ir import prefetch
 
 _JIT = dict(cache=True, nogil=True, fastmath=True)
 # no ZeroDivisionError check (its branch keeps a loop with a division scalar)
@@ -287,11 +288,7 @@ def prefetch_l2(typingctx, arr, i):
 
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        i8p = ir.IntType(8).as_pointer()
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), i8p)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-            ir.VoidType(), [i8p, _I32, _I32, _I32]), "llvm.prefetch.p0i8")
-        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+        prefetch(builder, builder.gep(data, [args[1]]), 2)
         return context.get_dummy_value()
     return types.void(arr, types.intp), codegen
 

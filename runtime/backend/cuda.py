@@ -58,7 +58,8 @@ def probe() -> dict:
 
 
 # most tokens of one sequence a step replayed from a CUDA graph has (speculative
-# verify: k + 1 rows); longer steps (prompts) run op by op
+# verify: k + 1 rows; longer steps, prompts, run op by op), and of a step whose
+# attention is split by the graph's table width (_split_ctx)
 GRAPH_ROWS = 16
 
 
@@ -216,12 +217,8 @@ def _fill_decode(fill, step):
     packed).  Table entries past a group's width are zeroed: a table can shrink (a
     rollback) within one graph width."""
     tokens, positions, slots, tables = fill
-    if tokens.shape[0] == 1:
-        tokens[0] = step.tokens[0]
-        positions[0] = step.positions[0]
-    else:
-        tokens[:] = step.tokens
-        positions[:] = step.positions
+    tokens[:] = step.tokens
+    positions[:] = step.positions
     group_slots = getattr(step, "group_slots", None)
     if group_slots is None:
         slots[0] = step.slots
@@ -424,7 +421,7 @@ class CUDABackend:
         sums whether replayed from a graph or run eagerly: with the integer path's
         rounding, a different summation order can flip an activation code, and logits
         would move by 1e-3 between the two."""
-        if len(step.tokens) <= 16:
+        if len(step.tokens) <= GRAPH_ROWS:
             return self._graph_width(step.block_tables.shape[1]) * step.block_size
         return int(np.max(step.positions)) + 1
 
