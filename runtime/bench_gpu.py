@@ -287,6 +287,7 @@ def bench_ours(path, reps, n_prompt, n_gen, sweep=None, profile=False, host_path
            "graph_replay_ms": replay, "graph_tg": 1e3 / replay, "graph_GBps": per_tok / replay / 1e6,
            "host_ms_per_token": main["host_ms_per_token"], "host_path": main_path, "by_host": by_host, "graph_parts_us": parts_us,
            "profile_ms": prof, "profile_total_ms": sum(t for _, t in prof)}
+    row["pdl"] = eng.backend.use_pdl
     mega = eng.backend._megas.get(id(eng.model))
     row["mega"] = (mega[1].config() if mega and not isinstance(mega[1], str) else (mega[1] if mega else None))
     for p, r in by_host.items():
@@ -381,7 +382,8 @@ def main(argv=None):
                          "(the decode megakernel, LLAMBA_CUDA_MEGA=1), mvp (int8 with the cp.async-pipelined "
                          "matvec, sm_80+), float; any of them @HINTS: with the weight loads' cache hints "
                          "(quant.cuda.W_HINT / W_PF), HINTS '+'-joined of 256 (.L2::256B), 128 (.L2::128B), ef "
-                         "(L2 evict_first), 256ef / 128ef (both), h0 (none), pfN (mvk: prefetch.global.L2 N steps ahead), e.g. int8@256+pf4")
+                         "(L2 evict_first), 256ef / 128ef (both), h0 (none), pfN (mvk: prefetch.global.L2 N steps ahead), "
+                         "pdlN (captured steps with programmatic dependent launch, quant/cuda/pdl.py MODE N), e.g. int8@256+pf4")
     ap.add_argument("--mvk-sweep", default="",
                     help="mvk configs R:BPS[:S[:NA]],... (rows a warp : blocks an SM, 0 = occupancy : stages : "
                          "weights past L1) timed on Q4_K matvecs")
@@ -428,13 +430,17 @@ def main(argv=None):
     int8_default, kernel_default, mega_default = qc.INT8_MATVEC, qc.INT8_KERNEL, cm.ENABLED
     mvk_on_default, rules_default = set(qc.MVK_ON), qc.MVK_RULES
     hints_default = (qc.W_HINT, qc.W_PF)
+    pdl_default = qc.pdl.MODE
     hint_codes = {"256": 1, "128": 2, "ef": 3, "256ef": 4, "128ef": 5}
 
     def use(variant):
         variant, _, hints = variant.partition("@")
         h, pf = hints_default
+        qc.pdl.MODE = pdl_default
         for tok in [t for t in hints.split("+") if t]:
-            if tok.startswith("pf"):
+            if tok.startswith("pdl"):
+                qc.pdl.MODE = int(tok[3:])
+            elif tok.startswith("pf"):
                 pf = int(tok[2:])
             elif tok == "h0":
                 h = 0

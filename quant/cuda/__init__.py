@@ -20,7 +20,8 @@ CUDA sources: qblocks.cuh (each type's block decoder), qint8.cuh (the integer pa
 and qkernels.cu.  Kernels are
 compiled by NVRTC through cupy.RawModule, one module per type on first use, with no
 architecture-specific code beyond what sm_75 has (except the weight loads' L2 cache hints,
-W_HINT, which compile to plain loads below sm_80).
+W_HINT, which compile to plain loads below sm_80, and the programmatic-dependent-launch
+waits of pdl.cuh, nothing below sm_90).
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ from ..tensor import QTensor
 from ..types import QK_K, GGMLType
 
 import cupy as cp
+
+from . import pdl
 
 _DIR = Path(__file__).resolve().parent
 MV_MAX_ROWS = 8
@@ -167,12 +170,13 @@ def source(path: Path, *headers: Path) -> str:
 
 def kernel_source() -> str:
     """qkernels.cu with its headers' hash."""
-    return source(_DIR / "qkernels.cu", _DIR / "qblocks.cuh", _DIR / "qint8.cuh", _DIR / "qmvk.cuh")
+    return source(_DIR / "qkernels.cu", _DIR / "qblocks.cuh", _DIR / "qint8.cuh", _DIR / "qmvk.cuh", _DIR / "pdl.cuh")
 
 
 def _options():
     """NVRTC options of the matvec modules (the weight-load hints as defines)."""
-    return _OPTIONS + ((f"-DLLAMBA_WHINT={W_HINT}",) if W_HINT else ()) + ((f"-DLLAMBA_WPF={W_PF}",) if W_PF else ())
+    return (_OPTIONS + ((f"-DLLAMBA_WHINT={W_HINT}",) if W_HINT else ()) + ((f"-DLLAMBA_WPF={W_PF}",) if W_PF else ())
+            + pdl.options())
 
 
 class _Lazy(dict):
@@ -184,7 +188,7 @@ class _Lazy(dict):
 
     def __missing__(self, name):
         mod = cp.RawModule(code=kernel_source(), options=self.options, name_expressions=[name])
-        f = self[name] = mod.get_function(name)
+        f = self[name] = pdl.Kernel(mod.get_function(name))
         return f
 
 
@@ -197,7 +201,7 @@ class _Modules:
 
     def get(self, qtype):
         key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS, MVK_ROWS6, MVK_STAGES, MVK_V, MVK_RULES,
-               tuple(sorted(t.value for t in MVK_ON)), W_HINT, W_PF, COMPILE_LAZY)
+               tuple(sorted(t.value for t in MVK_ON)), W_HINT, W_PF, COMPILE_LAZY, pdl.MODE)
         m = self.by_type.get(key)
         if m is None and COMPILE_LAZY:
             m = self.by_type[key] = _Lazy(_options())
@@ -211,15 +215,15 @@ class _Modules:
                      + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
             src = kernel_source()
             mod = cp.RawModule(code=src, options=_options(), name_expressions=names)
-            m = self.by_type[key] = {n: mod.get_function(n) for n in names}
+            m = self.by_type[key] = {n: pdl.Kernel(mod.get_function(n)) for n in names}
         return m
 
     def fn(self, name):
         if self.misc is None:
             src = kernel_source()
             names = [f"q8_act<{bs},{p}>" for bs in (32, 256) for p in range(4)]
-            self.misc = cp.RawModule(code=src, options=_OPTIONS, name_expressions=names)
-        return self.misc.get_function(name)
+            self.misc = cp.RawModule(code=src, options=_OPTIONS + pdl.options(), name_expressions=names)
+        return pdl.Kernel(self.misc.get_function(name))
 
 
 _mods = _Modules()

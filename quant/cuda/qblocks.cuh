@@ -16,6 +16,7 @@
 // 16-byte aligned and read with 16-byte loads.  Only plain CUDA C: sm_75 up.
 #pragma once
 #include <cuda_fp16.h>
+#include "pdl.cuh"
 
 typedef unsigned char u8;
 typedef unsigned short u16;

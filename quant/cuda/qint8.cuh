@@ -308,6 +308,7 @@ __global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int l
                                               const float* __restrict__ pu, float eps, int K,
                                               signed char* __restrict__ xq, float* __restrict__ xd,
                                               float* __restrict__ xs, short* __restrict__ xi) {
+    PDL_ENTER();
     const int n = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float* xr = x + (long long)n * ldx;
     float rn = 1.f;
@@ -474,6 +475,7 @@ __global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
         int M0, int M1, int M2,
         int K, long long row_bytes, const signed char* __restrict__ xq, const float* __restrict__ xd,
         const float* __restrict__ xs, int ldy0, int ldy1, int ldy2, int mode) {
+    PDL_EARLY_TRIGGER();
     constexpr int CB = MVS_CW / T::QK * T::BB;        // bytes of a row's full chunk
     constexpr int NV = (CB + 30) / 16;                // 16-byte words covering them at any alignment
     constexpr int LPL = (R * NV + 31) / 32;           // loads a lane
@@ -499,8 +501,9 @@ __global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
     uint4 buf[LPL];
     MvsX<T, NR> xa;
     // issue chunk c: its R row pieces as 16-byte words, and this lane's activations
-    auto issue = [&](int c) {
+    auto issue = [&](int c, bool weights = true, bool acts = true) {
         const int cb = min(MVS_CW, K - c * MVS_CW) / T::QK * T::BB;
+        if (weights) {
 #pragma unroll
         for (int i = 0; i < LPL; i++) {
             const int j = lane + 32 * i, r = j / NV, v = j - r * NV;
@@ -509,8 +512,9 @@ __global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
             if (r < nrows && a + 16 * v < s + cb) val = ldg_w<0>(W + a + 16 * v);
             buf[i] = val;
         }
+        }
         const int gp = c * 32 + lane;
-        if (gp < nparts) mvs_load_x<T, NR>(xa, xq, xd, xs, K, gp / T::PPB, gp % T::PPB);
+        if (acts && gp < nparts) mvs_load_x<T, NR>(xa, xq, xd, xs, K, gp / T::PPB, gp % T::PPB);
     };
 
     float acc[R][NR];
@@ -519,7 +523,10 @@ __global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
 #pragma unroll
         for (int n = 0; n < NR; n++) acc[r][n] = 0.f;
 
-    issue(0);
+    issue(0, true, false);                            // weights before the wait (no kernel writes them)
+    PDL_WAIT();
+    PDL_LATE_TRIGGER();
+    issue(0, false, true);
     for (int c = 0; c < nch; c++) {
         __syncwarp();                                 // the last chunk's reads are done
 #pragma unroll
@@ -584,6 +591,7 @@ __global__ void __launch_bounds__(32 * MVS_WARPS) mvp(
         int M0, int M1, int M2,
         int K, long long row_bytes, const signed char* __restrict__ xq, const float* __restrict__ xd,
         const float* __restrict__ xs, int ldy0, int ldy1, int ldy2, int mode) {
+    PDL_ENTER();
     using Sh = MvpShape<T, R>;
     constexpr int CB = Sh::CB, NV = Sh::NV, S = Sh::S, WORDS = Sh::WORDS;
     constexpr int LPL = (R * NV + 31) / 32;

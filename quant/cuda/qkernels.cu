@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(128) mv(
         int M0, int M1, int M2,
         int K, long long row_bytes, const float* __restrict__ x, int ldx, int ldy0, int ldy1, int ldy2, int mode,
         const float* __restrict__ pw, const float* __restrict__ pu, float eps) {
+    PDL_ENTER();
     const int wsel = blockIdx.y;
     const u8* W = wsel == 0 ? W0 : (wsel == 1 ? W1 : W2);
     float* y = wsel == 0 ? y0 : (wsel == 1 ? y1 : y2);
@@ -177,6 +178,7 @@ __global__ void __launch_bounds__(128) mv(
 // W rows [0, M) -> fp16 [M, K] (for the tensor-core GEMM of prompt processing).
 template <class T>
 __global__ void deq_f16(const u8* __restrict__ W, int M, int K, long long row_bytes, __half* out) {
+    PDL_ENTER();
     const int nparts = (K / T::QK) * T::PPB;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)M * nparts) return;
@@ -199,6 +201,7 @@ __global__ void deq_f16(const u8* __restrict__ W, int M, int K, long long row_by
 template <class T>
 __global__ void deq_rows(const u8* __restrict__ W, const int* __restrict__ ids, int n, int K,
                          long long row_bytes, float scale, float* out) {
+    PDL_ENTER();
     const int nparts = (K / T::QK) * T::PPB;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n * nparts) return;
@@ -216,12 +219,14 @@ __global__ void deq_rows(const u8* __restrict__ W, const int* __restrict__ ids, 
 
 // float32 -> fp16 (activations entering the tensor-core GEMM)
 extern "C" __global__ void f32_to_f16(const float* __restrict__ x, __half* __restrict__ y, long long n) {
+    PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = __float2half_rn(x[i]);
 }
 
 // y[r, m] += bias[m] (after a GEMM)
 extern "C" __global__ void add_bias(float* __restrict__ y, const float* __restrict__ bias, int n, int M, int ldy) {
+    PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n * M) return;
     int r = (int)(i / M), m = (int)(i % M);

@@ -160,6 +160,7 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
         int M0, int M1, int M2,
         int K, long long row_bytes, const signed char* __restrict__ xq, const float* __restrict__ xd,
         const float* __restrict__ xs, int ldy0, int ldy1, int ldy2, int mode) {
+    PDL_EARLY_TRIGGER();
     static_assert(R * NR <= 32, "a lane per output");
     constexpr int LPB = (V & 2) ? 2 : 4, BPS = 32 / LPB, NW = 8 / LPB;
     constexpr bool IL = V & 1;
@@ -209,7 +210,7 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
         mvk_load_x<LPB>(X, xq + (long long)n * K, xd + (long long)n * (K / 256), xi + (long long)n * (K / 32),
                         min(blk, nb - 1), j, blk < nb);
     };
-    auto load = [&](Stage& st) {
+    auto load_w = [&](Stage& st) {
         const u8* p = lp + min(lit * BPS + q, nb - 1) * 144;
 #pragma unroll
         for (int r = 0; r < R; r++) {
@@ -218,6 +219,9 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
 #pragma unroll
             for (int i = 0; i < NW; i++) st.w[r].q[i] = ldg_w<1>(pr + 16 + 16 * (j + LPB * i));
         }
+    };
+    auto load = [&](Stage& st) {
+        load_w(st);
         if constexpr (XP) {
 #pragma unroll
             for (int n = 0; n < NR; n++) load_x(st.x[n], n, lit);
@@ -279,9 +283,21 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
 #if LLAMBA_WPF > 0
     MVK_PF_DEFS(R, 144, BPS)
 #endif
+    // the first S - 1 steps' weights before the wait (they are no kernel's output),
+    // their activations after it
+    int lits[S > 1 ? S - 1 : 1], nfirst = 0;
 #pragma unroll
     for (int k = 0; k < S - 1; k++)
-        if (lt < t_end) { load(buf[k]); ladvance(); }
+        if (lt < t_end) { lits[k] = lit; load_w(buf[k]); ladvance(); nfirst = k + 1; }
+    PDL_WAIT();
+    PDL_LATE_TRIGGER();
+    if constexpr (XP) {
+#pragma unroll
+        for (int k = 0; k < S - 1; k++)
+            if (k < nfirst)
+#pragma unroll
+                for (int n = 0; n < NR; n++) load_x(buf[k].x[n], n, lits[k]);
+    }
     while (ct < t_end) {
 #pragma unroll
         for (int k = 0; k < S; k++) {
@@ -459,6 +475,7 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvkt(
         int M0, int M1, int M2,
         int K, long long row_bytes, const signed char* __restrict__ xq, const float* __restrict__ xd,
         const float* __restrict__ xs, int ldy0, int ldy1, int ldy2, int mode) {
+    PDL_EARLY_TRIGGER();
     static_assert(R * NR <= 32, "a lane per output");
     constexpr int BPS = 8;
     constexpr bool XP = NR <= 2;                       // x a step ahead with the weights
@@ -502,10 +519,13 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvkt(
         Ty::load_x(X_, xq + (long long)n * K, xd + (long long)n * (K / 256) * Ty::XDR, xi + (long long)n * (K / 32),
                    min(blk, nb - 1), j, blk < nb);
     };
-    auto load = [&](Stage& st) {
+    auto load_w = [&](Stage& st) {
         const u8* p = lp + min(lit * BPS + q, nb - 1) * Ty::UB;
 #pragma unroll
         for (int r = 0; r < R; r++) Ty::load(st.w[r], p + (r < lrows ? r : lrows - 1) * row_bytes, j);
+    };
+    auto load = [&](Stage& st) {
+        load_w(st);
         if constexpr (XP) {
 #pragma unroll
             for (int n = 0; n < NR; n++) load_x(st.x[n], n, lit);
@@ -554,9 +574,21 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvkt(
 #if LLAMBA_WPF > 0
     MVK_PF_DEFS(R, Ty::UB, BPS)
 #endif
+    // the first S - 1 steps' weights before the wait (they are no kernel's output),
+    // their activations after it
+    int lits[S > 1 ? S - 1 : 1], nfirst = 0;
 #pragma unroll
     for (int k = 0; k < S - 1; k++)
-        if (lt < t_end) { load(buf[k]); ladvance(); }
+        if (lt < t_end) { lits[k] = lit; load_w(buf[k]); ladvance(); nfirst = k + 1; }
+    PDL_WAIT();
+    PDL_LATE_TRIGGER();
+    if constexpr (XP) {
+#pragma unroll
+        for (int k = 0; k < S - 1; k++)
+            if (k < nfirst)
+#pragma unroll
+                for (int n = 0; n < NR; n++) load_x(buf[k].x[n], n, lits[k]);
+    }
     while (ct < t_end) {
 #pragma unroll
         for (int k = 0; k < S; k++) {

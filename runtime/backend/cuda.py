@@ -268,6 +268,9 @@ class CUDABackend:
         self.cp, self.qc = cp, qc
         info = probe()
         self.device_info = info
+        self._pdl = qc.pdl
+        # captured decode steps launch their kernels with programmatic dependent launch
+        self.use_pdl = qc.pdl.available(info["cc"])
         self.device_name = (f"{info['name']} (sm_{info['cc']}, {format_bytes(info['total'])}, "
                             f"CuPy {cp.__version__})")
         self.threads = 1
@@ -458,7 +461,8 @@ class CUDABackend:
             res = g["host_out"].copy()
             self.stream.begin_capture()
             try:
-                self._decode_body(model, g, capture=True)
+                with self._pdl.capturing(self.use_pdl):
+                    self._decode_body(model, g, capture=True)
             finally:
                 g["graph"] = self.stream.end_capture()
         else:
@@ -610,20 +614,24 @@ class CUDABackend:
     @staticmethod
     def _src():
         from quant.cuda import source
-        return source(_SRC, _SRC.parent / "cuda_attn.cuh")
+        from quant.cuda import pdl
+        return source(_SRC, _SRC.parent / "cuda_attn.cuh", Path(pdl.__file__).with_name("pdl.cuh"))
 
     def _fn(self, name):
         if self._mod is None:
-            self._mod = self.cp.RawModule(code=self._src(), options=("-std=c++17", f"-I{_SRC.parent}"))
-        return self._mod.get_function(name)
+            self._mod = self.cp.RawModule(code=self._src(), options=self._options())
+        return self._pdl.Kernel(self._mod.get_function(name))
 
     def _attn_fn(self, hd, g, name):
         key = (hd, g)
         mod = self._attn_mods.get(key)
         if mod is None:
             mod = self._attn_mods[key] = self.cp.RawModule(
-                code=self._src(), options=("-std=c++17", f"-I{_SRC.parent}", f"-DATT_HD={hd}", f"-DATT_G={g}"))
-        return mod.get_function(name)
+                code=self._src(), options=self._options() + (f"-DATT_HD={hd}", f"-DATT_G={g}"))
+        return self._pdl.Kernel(mod.get_function(name))
+
+    def _options(self):
+        return ("-std=c++17", f"-I{_SRC.parent}", f"-I{Path(self._pdl.__file__).parent}") + self._pdl.options()
 
     def _launch(self, name, n, args, block=256):
         self._fn(name)(((n + block - 1) // block,), (block,), args)
@@ -707,6 +715,7 @@ class CUDABackend:
             self._check(src)
         if not src.flags.c_contiguous:
             src = self.cp.ascontiguousarray(src)
+            self._pdl.fence()
         outs = [acc] if acc is not None else [self._buf((n, W.shape[0])) for W in Ws]
         self.qc.matmul(src, list(Ws), outs, biases, accumulate=acc is not None, ws=self.ws, prologue=prologue)
         if prologue is not None:

@@ -1,10 +1,12 @@
 // The non-matmul ops of a transformer step on the GPU (the matmuls are in quant/cuda).
 // Plain CUDA C for sm_75 and newer; float32 activations, fp16 KV cache.
 #include "cuda_attn.cuh"
+#include "pdl.cuh"
 
 // out[r] = x[r] / rms(x[r]) * w; one block per row (rows may be heads)
 extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __restrict__ w, float eps,
                                    float* __restrict__ out, int D) {
+    PDL_ENTER();
     __shared__ float red[32];
     const float* xr = x + (long long)blockIdx.x * D;
     float* o = out + (long long)blockIdx.x * D;
@@ -26,6 +28,7 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __r
 // rotate x [N, H, D] in place by each token's position; angles in double, as the CPU does
 extern "C" __global__ void rope(float* x, const int* __restrict__ positions, const float* __restrict__ inv_freq,
                                 int N, int H, int D, int half, int neox, float pos_scale) {
+    PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)N * H * half) return;
     const int k = (int)(i % half);
@@ -41,11 +44,13 @@ extern "C" __global__ void rope(float* x, const int* __restrict__ positions, con
 }
 
 extern "C" __global__ void silu_mul(float* g, const float* __restrict__ u, long long n) {
+    PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) { float v = g[i]; g[i] = v / (1.0f + expf(-v)) * u[i]; }
 }
 
 extern "C" __global__ void gelu_mul(float* g, const float* __restrict__ u, long long n) {
+    PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         const float c = 0.7978845608028654f;
@@ -55,6 +60,7 @@ extern "C" __global__ void gelu_mul(float* g, const float* __restrict__ u, long 
 }
 
 extern "C" __global__ void add_inplace(float* x, const float* __restrict__ y, long long n) {
+    PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
@@ -62,6 +68,7 @@ extern "C" __global__ void add_inplace(float* x, const float* __restrict__ y, lo
 // out[i, :] = x[idx[i], :]
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const int* __restrict__ idx, int n, int D,
                                        float* __restrict__ out) {
+    PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n * D) return;
     const int r = (int)(i / D), j = (int)(i % D);
@@ -71,6 +78,7 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const int* _
 // the new tokens' K and V (float32 [N, KVH*D]) into the fp16 pools at their slots
 extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __restrict__ v,
                                     __half* kp, __half* vp, const int* __restrict__ slots, int N, int row) {
+    PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)N * row) return;
     const int t = (int)(i / row), j = (int)(i % row);
@@ -104,6 +112,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
         const int* __restrict__ positions, int block_size, int window, float scale, int n_splits, int kvh,
         float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc,
         float* __restrict__ out) {
+    PDL_ENTER();
     __shared__ float sm_m[ATT_WARPS * ATT_G], sm_l[ATT_WARPS * ATT_G];
     __shared__ float sm_acc[ATT_WARPS * ATT_G * ATT_HD];
     const int sp = blockIdx.x, kh = blockIdx.y, t = blockIdx.z;
@@ -123,6 +132,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
 extern "C" __global__ void attn_merge(const float* __restrict__ part_m, const float* __restrict__ part_l,
                                       const float* __restrict__ part_acc, int n_splits, int kvh,
                                       float* __restrict__ out) {
+    PDL_ENTER();
     const int H = kvh * ATT_G;
     attn_merge_head<ATT_HD, ATT_G, false>(part_m, part_l, part_acc, n_splits, kvh, blockIdx.x / H, blockIdx.x % H,
                                           out, threadIdx.x, blockDim.x);
@@ -136,6 +146,7 @@ extern "C" __global__ void rope_qk_kv_write(float* q, float* k, const float* __r
                                             __half* kp, __half* vp, const int* __restrict__ slots,
                                             const int* __restrict__ positions, const float* __restrict__ inv_freq,
                                             int N, int H, int KVH, int D, int neox, float pos_scale) {
+    PDL_ENTER();
     const int half = D / 2;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)N * (H + KVH) * half) return;
@@ -169,6 +180,7 @@ extern "C" __global__ void rope_qk_kv_write(float* q, float* k, const float* __r
 // busy-wait ~cycles clocks: keeps the GPU busy while the host enqueues the next op,
 // so events around that op time its kernels, not the host's launch gap (profiling only)
 extern "C" __global__ void spin(long long cycles) {
+    PDL_ENTER();
     const long long t0 = clock64();
     while (clock64() - t0 < cycles) { }
 }
@@ -193,6 +205,7 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, unsigned int i
 
 extern "C" __global__ void argmax_rows(const float* __restrict__ x, int n, long long stride,
                                        unsigned long long* best, unsigned int* count, int* out) {
+    PDL_ENTER();
     __shared__ unsigned long long red[32];
     __shared__ bool last;
     const int r = blockIdx.y;
