@@ -383,7 +383,8 @@ def main(argv=None):
                          "matvec, sm_80+), float; any of them @HINTS: with the weight loads' cache hints "
                          "(quant.cuda.W_HINT / W_PF), HINTS '+'-joined of 256 (.L2::256B), 128 (.L2::128B), ef "
                          "(L2 evict_first), 256ef / 128ef (both), h0 (none), pfN (mvk: prefetch.global.L2 N steps ahead), "
-                         "pdlN (captured steps with programmatic dependent launch, quant/cuda/pdl.py MODE N), e.g. int8@256+pf4")
+                         "pdlN (captured steps with programmatic dependent launch, quant/cuda/pdl.py MODE N), stN (mvk pipeline stages), "
+                         "e.g. int8@256+pf4")
     ap.add_argument("--mvk-sweep", default="",
                     help="mvk configs R:BPS[:S[:NA]],... (rows a warp : blocks an SM, 0 = occupancy : stages : "
                          "weights past L1) timed on Q4_K matvecs")
@@ -431,15 +432,19 @@ def main(argv=None):
     mvk_on_default, rules_default = set(qc.MVK_ON), qc.MVK_RULES
     hints_default = (qc.W_HINT, qc.W_PF)
     pdl_default = qc.pdl.MODE
+    stages_default = qc.MVK_STAGES
     hint_codes = {"256": 1, "128": 2, "ef": 3, "256ef": 4, "128ef": 5}
 
     def use(variant):
         variant, _, hints = variant.partition("@")
         h, pf = hints_default
         qc.pdl.MODE = pdl_default
+        qc.MVK_STAGES = stages_default
         for tok in [t for t in hints.split("+") if t]:
             if tok.startswith("pdl"):
                 qc.pdl.MODE = int(tok[3:])
+            elif tok.startswith("st"):
+                qc.MVK_STAGES = int(tok[2:])
             elif tok.startswith("pf"):
                 pf = int(tok[2:])
             elif tok == "h0":
