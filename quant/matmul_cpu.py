@@ -93,6 +93,15 @@ class Scratch:
         self._flat: dict[tuple[str, type], np.ndarray] = {}
         self._views: dict[tuple, np.ndarray] = {}
         self._sets: dict[tuple, tuple] = {}     # per-kernel bundles of views (_buffers)
+        self.rec: list | None = None            # kernel calls of a step being recorded
+
+    def call(self, fn, *args):
+        """fn(*args): every kernel the small-batch path runs goes through here, so a
+        decode step's calls can be recorded once and replayed (runtime/backend/cpu_plan.py)."""
+        r = fn(*args)
+        if self.rec is not None:
+            self.rec.append((fn, args, r))
+        return r
 
     def get(self, name: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         key = (name, shape, dtype)
@@ -138,13 +147,13 @@ def _kernel_view(W: QTensor) -> np.ndarray:
     return v
 
 
-def _q8_activations(x, block, bufs, acts):
+def _q8_activations(scratch, x, block, bufs, acts):
     """x rounded to 8-bit blocks of `block` elements into bufs[:3] (done once
     per activation: matmul_multi shares it through acts)."""
     a = acts.get(block)
     if a is None:
         a = acts[block] = bufs[:3]
-        (quantize_q8_32 if block == 32 else quantize_q8_256)(x, *a)
+        scratch.call(quantize_q8_32 if block == 32 else quantize_q8_256, x, *a)
     return a
 
 
@@ -212,7 +221,7 @@ def _vnni_grouped(kind, n):
     return kind < 10 and n >= 2
 
 
-def _vnni_activations(x, kind, bufs, acts):
+def _vnni_activations(scratch, x, kind, bufs, acts):
     """(xq, xd, xs1, xs2) as vnni.rows_any wants them for this kind, or for
     the row-group kernels (n >= 2, _vnni_grouped) (xg, xdg, xa, xb) as
     vnni.grp_rows wants them."""
@@ -220,12 +229,12 @@ def _vnni_activations(x, kind, bufs, acts):
     if ("v", kk) not in acts:
         acts[("v", kk)] = True
         if kk:
-            quantize_q8_256_i8(x, bufs[0], bufs[5], *bufs[1:4], bufs[6])
+            scratch.call(quantize_q8_256_i8, x, bufs[0], bufs[5], *bufs[1:4], bufs[6])
         else:
-            quantize_q8_32_i8(x, *bufs[:4])
+            scratch.call(quantize_q8_32_i8, x, *bufs[:4])
         if _vnni_grouped(kind, x.shape[0]):
             n, K = x.shape
-            KV.group_q8_32(n, K, *bufs[:4], *bufs[5:9])
+            scratch.call(KV.group_q8_32, n, K, *bufs[:4], *bufs[5:9])
     if _vnni_grouped(kind, x.shape[0]):
         return bufs[5:9]
     if not kk:
@@ -244,19 +253,19 @@ def _small_batch_vnni(x, W, out, scratch, acts, kind):
     if M * K >= PARALLEL_MIN_ELEMS and _nthreads() > 1:
         nch = min(M, 8 * _nthreads())
         bufs = _vnni_buffers(scratch, kk, n, K, nch)
-        xa = _vnni_activations(x, kind, bufs, acts)
-        _run_parallel(KV.grp_par if grouped else KV.par_any, kind, w, *xa, out, bufs[4], n, K, nch)
+        xa = _vnni_activations(scratch, x, kind, bufs, acts)
+        _run_parallel(scratch, KV.grp_par if grouped else KV.par_any, kind, w, *xa, out, bufs[4], n, K, nch)
         return
     bufs = _vnni_buffers(scratch, kk, n, K, 1)
     fresh = ("v", kk) not in acts
     acts[("v", kk)] = True
     if grouped:
-        KV.matvec_grp_leg(kind, x, w, *bufs[:4], *bufs[5:9], out, bufs[4][0], fresh)
+        scratch.call(KV.matvec_grp_leg, kind, x, w, *bufs[:4], *bufs[5:9], out, bufs[4][0], fresh)
         return
     if kk:
-        KV.matvec_k(kind, x, w, bufs[0], bufs[5], bufs[1], bufs[2], bufs[3], bufs[6], out, bufs[4][0], fresh)
+        scratch.call(KV.matvec_k, kind, x, w, bufs[0], bufs[5], bufs[1], bufs[2], bufs[3], bufs[6], out, bufs[4][0], fresh)
     else:
-        KV.matvec_leg(kind, x, w, bufs[0], bufs[1], bufs[2], bufs[3], out, bufs[4][0], fresh)
+        scratch.call(KV.matvec_leg, kind, x, w, bufs[0], bufs[1], bufs[2], bufs[3], out, bufs[4][0], fresh)
 
 
 def _nthreads() -> int:
@@ -271,7 +280,7 @@ _FAMILY = {t: 0 for t in _K} | {t: 1 for t in _LEGACY} | {GGMLType.F32: 2, GGMLT
                                                           GGMLType.BF16: 2}
 
 
-def _run_parallel(kernel, *args):
+def _run_parallel(scratch, kernel, *args):
     # chunks of W rows are handed out one at a time instead of split evenly up
     # front, so a thread that the OS deschedules holds back one chunk, not half
     # the matrix.  The setting is per calling thread and every parallel kernel
@@ -281,7 +290,14 @@ def _run_parallel(kernel, *args):
     if not getattr(_local, "chunk1", False):
         numba.set_parallel_chunksize(1)
         _local.chunk1 = True
-    kernel(*args)
+    scratch.call(kernel, *args)
+
+
+def parallel_chunks_one() -> None:
+    """The chunk size _run_parallel sets, for a caller that runs recorded kernels itself."""
+    if not getattr(_local, "chunk1", False):
+        numba.set_parallel_chunksize(1)
+        _local.chunk1 = True
 
 
 def _small_batch(x, W, out, scratch, acts):
@@ -304,30 +320,30 @@ def _small_batch(x, W, out, scratch, acts):
     fam = _FAMILY[qt]
     bufs = _buffers(scratch, fam, n, K, nch)
     if fam == 0:
-        xq, xd, xb = _q8_activations(x, 256, bufs, acts)
+        xq, xd, xb = _q8_activations(scratch, x, 256, bufs, acts)
         rows, par = _K[qt]
         if nch > 1:
-            _run_parallel(par, w, xq, xd, xb, out, bufs[3], bufs[4], bufs[5], nch)
+            _run_parallel(scratch, par, w, xq, xd, xb, out, bufs[3], bufs[4], bufs[5], nch)
         else:
-            rows(w, xq, xd, xb, out, bufs[3][0], bufs[4][0], bufs[5][0], 0, M)
+            scratch.call(rows, w, xq, xd, xb, out, bufs[3][0], bufs[4][0], bufs[5][0], 0, M)
     elif fam == 1:
-        xq, xd, xs = _q8_activations(x, 32, bufs, acts)
+        xq, xd, xs = _q8_activations(scratch, x, 32, bufs, acts)
         rows, par = _LEGACY[qt]
         if nch > 1:
-            _run_parallel(par, w, xq, xd, xs, out, bufs[3], bufs[4], bufs[5], nch)
+            _run_parallel(scratch, par, w, xq, xd, xs, out, bufs[3], bufs[4], bufs[5], nch)
         else:
-            rows(w, xq, xd, xs, out, bufs[3][0], bufs[4][0], bufs[5][0], 0, M)
+            scratch.call(rows, w, xq, xd, xs, out, bufs[3][0], bufs[4][0], bufs[5][0], 0, M)
     elif qt == GGMLType.F32:
         if nch > 1:
-            _run_parallel(KF.par_f32, x, w, out, nch)
+            _run_parallel(scratch, KF.par_f32, x, w, out, nch)
         else:
-            KF.rows_f32(x, w, out, 0, M)
+            scratch.call(KF.rows_f32, x, w, out, 0, M)
     else:
         bf16 = qt == GGMLType.BF16
         if nch > 1:
-            _run_parallel(KF.par_f16, x, w, out, bufs[0], bf16, nch)
+            _run_parallel(scratch, KF.par_f16, x, w, out, bufs[0], bf16, nch)
         else:
-            KF.rows_f16(x, w, out, bufs[0][0], bf16, 0, M)
+            scratch.call(KF.rows_f16, x, w, out, bufs[0][0], bf16, 0, M)
 
 
 def pool_sgemm():
@@ -358,7 +374,7 @@ def _gemm_bf16(xb, n, W, out, scratch):
     by _pack_bf16: twice the float32 peak."""
     nt = numba.config.NUMBA_NUM_THREADS
     K = W.shape[-1]
-    _run_parallel(GB.gemm_bf16_tiles, int(W.qtype), W.data, xb, n, out,
+    _run_parallel(scratch, GB.gemm_bf16_tiles, int(W.qtype), W.data, xb, n, out,
                   scratch.get("bf16f", (nt, GB.TILE, GB.chunk_cols(K))),
                   scratch.get("bf16w", (nt, K // 2, GB.TILE), np.uint32),
                   scratch.get("bf16c", (nt, GB.ROWS, GB.TILE)),
@@ -377,7 +393,7 @@ def _matmul_large(x, W, out, scratch, bf16: bool = True):
         nthr = _nthreads()
         tile = tile_rows(M, nthr)
         wbuf = scratch.get("wtiles", (numba.config.NUMBA_NUM_THREADS, tile, K))
-        _run_parallel(gemm_tiles, sg[0], sg[1], int(W.qtype), W.data, x, out, wbuf, tile)
+        _run_parallel(scratch, gemm_tiles, sg[0], sg[1], int(W.qtype), W.data, x, out, wbuf, tile)
         return out
     if W.qtype == GGMLType.F32:
         np.matmul(x, _kernel_view(W).T, out=out)
@@ -553,8 +569,8 @@ def _fused(x, Ws, outs, scratch) -> bool:
         kinds_a = scratch._sets.get(key)
         if kinds_a is None:
             kinds_a = scratch._sets[key] = np.array([_VNNI_KIND[W.qtype] for W in Ws], np.int64)
-        quantize_q8_256_i8(x, bufs[0], bufs[5], *bufs[1:4], bufs[6])
-        _run_parallel(KV.multi_kq, kinds_a, tuple(W.data for W in Ws), bufs[0], bufs[5], bufs[1], bufs[6], bufs[3],
+        scratch.call(quantize_q8_256_i8, x, bufs[0], bufs[5], *bufs[1:4], bufs[6])
+        _run_parallel(scratch, KV.multi_kq, kinds_a, tuple(W.data for W in Ws), bufs[0], bufs[5], bufs[1], bufs[6], bufs[3],
                       tuple(outs), bufs[4], n, K,
                       cw, c0, c1)
         return True
@@ -562,14 +578,14 @@ def _fused(x, Ws, outs, scratch) -> bool:
     if kind is not None:
         kk = kind >= 10
         bufs = _vnni_buffers(scratch, kk, n, K, nch)
-        xa = _vnni_activations(x, kind, bufs, {})
-        _run_parallel(KV.grp_multi if _vnni_grouped(kind, n) else KV.multi_any, kind, tuple(W.data for W in Ws), *xa, tuple(outs), bufs[4], n, K,
+        xa = _vnni_activations(scratch, x, kind, bufs, {})
+        _run_parallel(scratch, KV.grp_multi if _vnni_grouped(kind, n) else KV.multi_any, kind, tuple(W.data for W in Ws), *xa, tuple(outs), bufs[4], n, K,
                       cw, c0, c1)
         return True
     fam = _FAMILY[qt]
     bufs = _buffers(scratch, fam, n, K, nch)
-    xa = _q8_activations(x, 256 if fam == 0 else 32, bufs, {})
-    _run_parallel(fn, tuple(W.data for W in Ws), *xa, tuple(outs), bufs[3], bufs[4], bufs[5], cw, c0, c1)
+    xa = _q8_activations(scratch, x, 256 if fam == 0 else 32, bufs, {})
+    _run_parallel(scratch, fn, tuple(W.data for W in Ws), *xa, tuple(outs), bufs[3], bufs[4], bufs[5], cw, c0, c1)
     return True
 
 
@@ -595,9 +611,9 @@ def matmul_float_fma(x, W, out, scratch):
     nch = min(M, 8 * nthr) if nthr > 1 and M * K >= PARALLEL_MIN_ELEMS else 1
     bufs = scratch.get("fmarow", (nch, K))
     if nch > 1:
-        _run_parallel(KF.par_dequant_fma, int(W.qtype), x, w, out, bufs, 32, nch)
+        _run_parallel(scratch, KF.par_dequant_fma, int(W.qtype), x, w, out, bufs, 32, nch)
     else:
-        KF.rows_dequant_fma(int(W.qtype), x, w, out, bufs[0], 32, 0, M)
+        scratch.call(KF.rows_dequant_fma, int(W.qtype), x, w, out, bufs[0], 32, 0, M)
     return out
 
 

@@ -121,6 +121,13 @@ def accept_or_resample(p: tuple[np.ndarray, np.ndarray], q: tuple[np.ndarray, np
 
 
 # ---- a cheaper draft: output layer on a subset of the vocabulary ------------------------
+def _weights_changed(engine: Engine) -> None:
+    """A model's weights were swapped: recorded steps (CPU plans, CUDA graphs) hold the old ones."""
+    drop = getattr(engine.backend, "invalidate_plans", None)
+    if drop is not None:
+        drop()
+
+
 def restrict_draft_vocab(engine: Engine, n_first: int, always=()) -> np.ndarray | None:
     """Make the draft engine's output layer compute logits only for ids < n_first
     plus `always` (e.g. the end-of-generation ids).  Returns the token id of each
@@ -131,6 +138,7 @@ def restrict_draft_vocab(engine: Engine, n_first: int, always=()) -> np.ndarray 
     if not isinstance(W, QTensor):
         return None
     model.full_output = W           # so a later Drafter on this engine can choose again
+    _weights_changed(engine)
     if n_first <= 0 or n_first >= W.shape[0]:
         model.output = W
         return None
@@ -420,6 +428,7 @@ class Drafter:
             R = _reencoded(eng.model.output, t)
             if R is not None:
                 eng.model.output = R
+                _weights_changed(eng)
         return d
 
     def release(self) -> None:

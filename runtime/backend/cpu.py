@@ -15,10 +15,12 @@ import numpy as np
 import quant
 from quant import QTensor
 from quant.blas_threads import set_blas_threads
+from quant.dequant import deq_rows_kernel
 from quant.matmul_cpu import matmul_into, matmul_multi_into, pool_sgemm
+from quant.types import GGMLType
 
 from . import cpu_kernels as K
-from . import hugepages
+from . import cpu_plan, hugepages
 
 
 class _Arena:
@@ -123,6 +125,11 @@ class CPUBackend:
         set_blas_threads(1 if pool_sgemm() else self.threads)
         self.arena = _Arena()
         self.scratch = quant.Scratch()   # matmul work buffers (the engine's thread only)
+        # every kernel an op runs goes through self.scratch.call, so small steps can be
+        # recorded once and replayed (cpu_plan.py)
+        self.plans = cpu_plan.Plans() if cpu_plan.ENABLED else None
+        self.plan_ok = True             # False: an op of the step being recorded ran outside call()
+        self._resid = np.empty(0, np.float32)   # the residual stream (lives across layers: not the arena's)
         self.kv: CPUKVStorage | None = None
         self.hugepages = hugepages.HugePageArena() if hugepages.available() else None
         self.device_name = f"CPU ({os.cpu_count()} cores, {self.threads} threads)"
@@ -143,16 +150,35 @@ class CPUBackend:
 
     def alloc_kv(self, n_layers, n_slots, n_kv_heads, head_dim, cache_type="f16"):
         self.kv = CPUKVStorage(n_layers, n_slots, n_kv_heads, head_dim, cache_type)
+        self.invalidate_plans()
         return self.kv
 
-    def forward(self, model, step) -> np.ndarray:
-        """Run the model's forward for one step; logits come back as a host array."""
+    def invalidate_plans(self) -> None:
+        """Forget the recorded steps: call after changing a model's weights or the KV pools."""
+        if self.plans is not None:
+            self.plans.clear()
+
+    def plain_forward(self, model, step) -> np.ndarray:
         self.arena.reset()
         return model.forward(self, step)
 
+    def _planned(self, model, step):
+        return self.plans.run(self, model, step) if self.plans is not None else None
+
+    def forward(self, model, step) -> np.ndarray:
+        """Run the model's forward for one step; logits come back as a host array
+        (the caller's own).  Small steps replay a recording (cpu_plan.py)."""
+        out = self._planned(model, step)
+        if out is not None:
+            return out.copy()
+        return self.plain_forward(model, step)
+
     def forward_argmax(self, model, step) -> np.ndarray:
         """The step's greedy next tokens: np.argmax of each logits row (int64 [rows])."""
-        return np.argmax(self.forward(model, step), axis=-1)
+        out = self._planned(model, step)
+        if out is None:
+            out = self.plain_forward(model, step)
+        return np.argmax(out, axis=-1)
 
     def end_layer(self):
         """The model finished a layer: its buffers are free for the next one."""
@@ -160,15 +186,30 @@ class CPUBackend:
 
     # ---- ops ----------------------------------------------------------------
     def embed(self, W, ids, scale: float = 1.0):
-        x = quant.dequantize_rows(W, np.asarray(ids))
+        call = self.scratch.call
+        if W.qtype in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+            self.plan_ok = False
+            x = quant.dequantize_rows(W, np.asarray(ids))
+        else:
+            ids = np.asarray(ids)
+            n = len(ids)
+            if n and (ids.min() < 0 or ids.max() >= W.rows):
+                raise IndexError(f"tensor {W.name!r}: row index out of range [0, {W.rows})")
+            rows = self.arena.get((n,), np.int64)
+            call(np.copyto, rows, ids)
+            size = n * W.cols
+            if self._resid.size < size:
+                self._resid = np.empty(size, np.float32)
+            x = self._resid[:size].reshape(n, W.cols)
+            call(deq_rows_kernel, int(W.qtype), W.data, rows, x, 32)
         if scale != 1.0:
-            x *= np.float32(scale)
+            call(np.multiply, x, np.float32(scale), x)
         return x
 
     def rmsnorm(self, x, w, eps):
         out = self.arena.get(x.shape)
         d = x.shape[-1]
-        K.rmsnorm(x.reshape(-1, d), w, np.float32(eps), out.reshape(-1, d))
+        self.scratch.call(K.rmsnorm, x.reshape(-1, d), w, np.float32(eps), out.reshape(-1, d))
         return out
 
     def heads(self, x, n_heads):
@@ -177,64 +218,78 @@ class CPUBackend:
     # matmuls go straight to quant's unchecked entries: the model's shapes were
     # checked at load, and the checks cost a visible share of a small model's token
     def matmul(self, x, W, bias=None):
+        x = self._rows2d(x)
         out = self.arena.get((x.shape[0], W.shape[0]))
-        matmul_into(_rows2d(x), W, out, self.scratch)
+        matmul_into(x, W, out, self.scratch)
         if bias is not None:
-            out += bias
+            self.scratch.call(np.add, out, bias, out)
         return out
 
     def matmuls(self, x, Ws, biases=None):
-        x = _rows2d(x)
+        x = self._rows2d(x)
         outs = [self.arena.get((x.shape[0], W.shape[0])) for W in Ws]
         matmul_multi_into(x, Ws, outs, self.scratch)
         if biases:
             for o, bias in zip(outs, biases):
                 if bias is not None:
-                    o += bias
+                    self.scratch.call(np.add, o, bias, o)
         return outs
 
     def matmul_add(self, x, W, acc):
-        K.add_inplace(acc, self.matmul(x, W))
+        self.scratch.call(K.add_inplace, acc, self.matmul(x, W))
 
     def add(self, x, y):
-        K.add_inplace(x, y)
+        self.scratch.call(K.add_inplace, x, y)
 
     def glu(self, g, u, kind):
-        (K.silu_mul if kind == "silu" else K.gelu_mul)(g, u)
+        self.scratch.call(K.silu_mul if kind == "silu" else K.gelu_mul, g, u)
         return g
 
     def rope(self, x, step, inv_freq, neox, pos_scale=1.0):
-        K.rope(x, step.positions, inv_freq, neox, np.float32(pos_scale))
+        self.scratch.call(K.rope, x, step.positions, inv_freq, neox, np.float32(pos_scale))
 
     def rows(self, x, idx):
-        return x[idx]
+        out = self.arena.get((len(idx),) + x.shape[1:], x.dtype)
+        self.scratch.call(np.take, x, idx, 0, out)
+        return out
 
     def logits(self, x, W):
+        x = self._rows2d(x)
         out = np.empty((x.shape[0], W.shape[0]), np.float32)   # outlives the step: not from the arena
-        matmul_into(_rows2d(x), W, out, self.scratch)
+        matmul_into(x, W, out, self.scratch)
+        return out
+
+    def _rows2d(self, x):
+        x = x.reshape(x.shape[0], -1)
+        if x.flags.c_contiguous:
+            return x
+        out = self.arena.get(x.shape, x.dtype)
+        self.scratch.call(np.copyto, out, x)
         return out
 
     def attention(self, q, k, v, layer, step):
         n, h, d = q.shape
         kv = self.kv
         slots, tables = step.slots_for(layer), step.tables_for(layer)
-        K.kv_write(k, v, kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.quantized, slots)
+        call = self.scratch.call
+        call(K.kv_write, k, v, kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.quantized, slots)
         kvh = k.shape[1]
         g = h // kvh
         splits = step.attn_splits
         tile_t0 = self.arena.get((n,), np.int32)
         tile_n = self.arena.get((n,), np.int32)
+        n_tiles = self.arena.get((1,), np.int32)
         window = step.window(layer)
         # steps of up to 16 tokens (decode, speculative verify) must give each token
         # the arithmetic it would get alone: tiles never mix differently split rows
-        n_tiles = K.attention_tiles(step.seq_of_token, step.positions, ATTN_TILE, tile_t0, tile_n,
-                                    window, splits, step.block_size, n <= EXACT_STEP)
+        call(K.attention_tiles_into, step.seq_of_token, step.positions, ATTN_TILE, tile_t0, tile_n,
+             window, splits, step.block_size, n <= EXACT_STEP, n_tiles)
         pshape = (n, kvh, splits, g) if splits > 1 else (1, 1, 1, 1)
         part_m = self.arena.get(pshape)
         part_l = self.arena.get(pshape)
         part_acc = self.arena.get(pshape + ((d,) if splits > 1 else (1,)))
         out = self.arena.get((n, h, d))
-        K.paged_attention(q, kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.quantized,
+        call(K.paged_attention, q, kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.quantized,
                           step.block_size, tables, step.seq_of_token, step.positions, window,
                           np.float32(step.attn_scale), splits, tile_t0, tile_n, n_tiles,
                           part_m, part_l, part_acc, out)
@@ -246,7 +301,3 @@ ATTN_TILE = 16
 # steps up to this many tokens are batch-invariant (engine._splits' rule)
 EXACT_STEP = 16
 
-
-def _rows2d(x):
-    x = x.reshape(x.shape[0], -1)
-    return x if x.flags.c_contiguous else np.ascontiguousarray(x)

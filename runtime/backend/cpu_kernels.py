@@ -224,6 +224,14 @@ def attention_tiles(seq_of_token, positions, max_tile, tile_t0, tile_n, window=0
     return nt
 
 
+@nb.njit(**_JIT)
+def attention_tiles_into(seq_of_token, positions, max_tile, tile_t0, tile_n, window, n_splits, block_size,
+                         exact, tile_count):
+    """attention_tiles, the tile count written to tile_count[0]."""
+    tile_count[0] = attention_tiles(seq_of_token, positions, max_tile, tile_t0, tile_n, window, n_splits,
+                                    block_size, exact)
+
+
 # ---- 16-float vectors for the attention micro-kernels ----------------------------
 #
 # Plain Numba loops keep an accumulator row in memory (a load and a store around
@@ -670,12 +678,15 @@ def _pv_f16_r(sc, v_pool, voff, acc, r0, cu0, cu1, R):
 
 @nb.njit(parallel=True, **_JIT)
 def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, block_tables,
-                    seq_of_token, positions, window, scale, n_splits, tile_t0, tile_n, n_tiles,
+                    seq_of_token, positions, window, scale, n_splits, tile_t0, tile_n, tile_count,
                     part_m, part_l, part_acc, out):
     """Causal-tiled attention with an online softmax over a paged KV cache.
 
     q [N, H, D]; token t of sequence seq_of_token[t] at position positions[t]
     attends to cache positions max(0, pos-window+1)..pos (window 0 = all).
+
+    Tiles: tile_t0 / tile_n [tile_count[0]] from attention_tiles_into (an array, so a
+    recorded step's kernel calls stay valid for its next tokens).
 
     Work items are (query tile, kv head, context split).  An item holds the
     tile's queries of one GQA group as a [tile*G, Dp] matrix (rows padded to a
@@ -699,6 +710,7 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
     a step of several (speculative verification).
     """
     n, h, d = q.shape
+    n_tiles = tile_count[0]
     kvh = k_pool.shape[1]
     g = h // kvh
     per_tile = kvh * n_splits

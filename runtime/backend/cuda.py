@@ -554,6 +554,11 @@ class CUDABackend:
         g["out"].get(stream=self.stream, out=g["pinned"])
         return g["pinned"].copy()
 
+    def invalidate_plans(self) -> None:
+        """Forget the captured steps (call after changing a model's weights): they hold the old ones."""
+        self._graphs.clear()
+        self._last_graph = None
+
     def mega_for(self, model, dstep):
         """The decode megakernel for this model and step (cuda_mega.py), or None."""
         from . import cuda_mega

@@ -1,0 +1,172 @@
+"""Small steps on the CPU replayed from a recording: the CPU's CUDA graph.
+
+A decode step (or a speculative verify step, up to MAX_ROWS tokens) runs the same
+kernels on the same buffers every time; only the step's inputs (token ids, positions,
+cache slots, block tables) differ.  The first step of a shape runs the model's forward
+while every kernel call is recorded (`Scratch.call`: each Numba kernel and each NumPy
+routine the CPU backend runs goes through it); later steps of that shape copy their
+inputs into the plan's own input arrays and call the recorded kernels in order.  That
+skips the model's Python, the backend's op wrappers and the matmul dispatch: ~1.3 ms of
+a 6 ms SmolLM2-135M step on 2 cores.
+
+Every argument a recorded call got is kept and passed again: the arena and scratch
+buffers, the weights, the KV pools, and scalars fixed by the shape.  So a plan is only
+valid while those are: the key holds everything about a step that a scalar argument
+may depend on (token and sequence counts, rows wanted, table width rounded up, splits,
+block size), and the backend drops its plans when its KV pools or a model's weights
+change (`CPUBackend.invalidate_plans`).  A recording in which a call returned an array
+that none of its arguments is, or a number (a later call may have used it), is
+refused: that step shape keeps running the plain forward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import OrderedDict
+
+import numpy as np
+
+from quant.matmul_cpu import parallel_chunks_one
+
+ENABLED = os.environ.get("LLAMBA_CPU_PLANS", "1") != "0"
+MAX_ROWS = 16           # steps of up to this many tokens (engine._splits keeps their splits fixed)
+MAX_PLANS = 16
+
+
+class Unplannable(Exception):
+    """The step's recording cannot be replayed."""
+
+
+def _width(mb: int) -> int:
+    """Block-table width a plan is recorded at: mb rounded up to a power of two (>= 4),
+    so a growing context re-records a handful of times, not every block."""
+    w = 4
+    while w < mb:
+        w *= 2
+    return w
+
+
+def plan_key(model, step):
+    """The plan a step can use, or None (too many tokens, or a step the plans do not cover)."""
+    n = len(step.tokens)
+    if n == 0 or n > MAX_ROWS or step.block_tables.ndim != 2:
+        return None
+    S, mb = step.block_tables.shape
+    return (id(model), n, S, _width(mb), step.logit_rows.tobytes(), step.attn_splits, step.block_size,
+            len(step.group_tables), step.group_slots is None)
+
+
+def _padded(step, W: int):
+    """A copy of step whose arrays the plan owns: the block tables W entries wide (the
+    entries past a sequence's blocks are never read)."""
+    def table(t):
+        out = np.zeros((t.shape[0], W), np.int32)
+        out[:, :t.shape[1]] = t
+        return out
+    group_tables = [table(t) for t in step.group_tables]
+    if step.group_slots is not None:
+        group_slots = np.array(step.group_slots, np.int32)
+        slots = group_slots[0]
+    else:
+        group_slots, slots = None, np.array(step.slots, np.int32)
+    return dataclasses.replace(
+        step, tokens=np.array(step.tokens, np.int32), positions=np.array(step.positions, np.int32),
+        slots=slots, seq_of_token=np.array(step.seq_of_token, np.int32),
+        block_tables=group_tables[0] if group_tables else table(step.block_tables),
+        logit_rows=np.array(step.logit_rows, np.int64), group_slots=group_slots, group_tables=group_tables)
+
+
+class StepPlan:
+    def __init__(self, model, step, width: int):
+        self.model = model
+        self.step = _padded(step, width)
+        self.calls: list = []
+        self.out = None
+        embd = getattr(model, "tok_embd", None)
+        self.n_ids = getattr(embd, "rows", None)
+        if self.n_ids is None:
+            raise Unplannable("no token embedding to check ids against")
+
+    def record(self, backend) -> np.ndarray:
+        """Run the forward on the plan's inputs, recording its kernel calls; its logits."""
+        sc = backend.scratch
+        calls = sc.rec = []
+        backend.plan_ok = True
+        try:
+            out = backend.plain_forward(self.model, self.step)
+        finally:
+            sc.rec = None
+        if not backend.plan_ok:
+            raise Unplannable("an op ran outside the recorded kernels")
+        for fn, args, r in calls:
+            if r is None or (isinstance(r, np.ndarray) and any(r is a for a in args)):
+                continue
+            raise Unplannable(f"{getattr(fn, '__name__', fn)} returned {type(r).__name__}")
+        self.calls = [(fn, args) for fn, args, _ in calls]
+        self.out = out
+        return out
+
+    def load(self, step) -> None:
+        """The step's inputs into the plan's arrays."""
+        p = self.step
+        ids = step.tokens
+        if ids.min() < 0 or ids.max() >= self.n_ids:
+            raise IndexError(f"token id out of range [0, {self.n_ids})")
+        p.tokens[:] = ids
+        p.positions[:] = step.positions
+        p.seq_of_token[:] = step.seq_of_token
+        if p.group_slots is not None:
+            p.group_slots[:] = step.group_slots
+        else:
+            p.slots[:] = step.slots
+        tables = list(zip(p.group_tables, step.group_tables)) or [(p.block_tables, step.block_tables)]
+        for mine, theirs in tables:
+            mb = theirs.shape[1]
+            mine[:, :mb] = theirs
+            mine[:, mb:] = 0
+
+    def replay(self, step) -> np.ndarray:
+        """Run the recorded kernels on step's inputs; the plan's logits array (reused by
+        the next replay: copy what must outlive it)."""
+        self.load(step)
+        parallel_chunks_one()
+        for fn, args in self.calls:
+            fn(*args)
+        return self.out
+
+
+class Plans:
+    """A backend's step plans, by plan_key, the most recently used kept."""
+
+    def __init__(self):
+        self.plans: OrderedDict = OrderedDict()
+        self.refused: set = set()
+        self.recorded = 0
+        self.replayed = 0
+
+    def clear(self) -> None:
+        self.plans.clear()
+        self.refused.clear()
+
+    def run(self, backend, model, step):
+        """The step's logits through a plan (recorded now if new), or None where no
+        plan applies (the caller runs the plain forward)."""
+        key = plan_key(model, step)
+        if key is None or key in self.refused:
+            return None
+        plan = self.plans.get(key)
+        if plan is not None and plan.model is model:
+            self.plans.move_to_end(key)
+            self.replayed += 1
+            return plan.replay(step)
+        try:
+            plan = StepPlan(model, step, key[3])
+            out = plan.record(backend)
+        except Unplannable:
+            self.refused.add(key)
+            return None
+        self.plans[key] = plan
+        while len(self.plans) > MAX_PLANS:
+            self.plans.popitem(last=False)
+        self.recorded += 1
+        return out

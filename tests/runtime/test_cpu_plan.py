@@ -1,0 +1,86 @@
+"""Recorded small steps on the CPU (runtime/backend/cpu_plan.py): replaying a step's
+kernel calls gives the logits of the model's plain forward, bit for bit, on the three
+architectures (llama, qwen2 with its q/k/v biases, gemma3 with sliding-window layers and
+two block tables), for decode steps across several block-table widths and for
+speculative verify steps; and a plan is dropped when the weights change under it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.engine import Engine
+
+MODELS = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def engine(request, model_path):
+    return Engine(str(model_path(request.param)), threads=2, n_ctx=512)
+
+
+def _walk(eng, prompt, n, planned: bool):
+    """Logits of n greedy decode steps, then of a 4-row and a 3-row verify-like step; and
+    the ids of a last greedy (argmax) step."""
+    be = eng.backend
+    saved = be.plans
+    if not planned:
+        be.plans = None
+    seq = eng.new_sequence()
+    out = []
+    try:
+        eng.prefill(seq, prompt)
+        t = prompt[-1]
+        for _ in range(n):
+            logits = eng.step([seq], [[t]])
+            out.append(logits[0])
+            t = int(np.argmax(logits[0]))
+        out.extend(eng.step([seq], [[t, 11, 12, 13]], all_logits=True))
+        out.extend(eng.step([seq], [[14, 15, 16]], all_logits=True))
+        ids = eng.step([seq], [[17]], argmax=True)
+    finally:
+        eng.release(seq, keep_cached=False)
+        be.plans = saved
+    return np.stack(out), ids
+
+
+def test_replayed_steps_equal_plain_forward(engine):
+    eng = engine
+    plans = eng.backend.plans
+    assert plans is not None
+    prompt = eng.tokenizer.encode("def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n")
+    plain, plain_ids = _walk(eng, prompt, 70, planned=False)
+    r0, p0 = plans.recorded, plans.replayed
+    planned, planned_ids = _walk(eng, prompt, 70, planned=True)
+    # 70 steps past a ~25-token prompt cross block-table widths 4 and 8 (16-token blocks)
+    assert plans.recorded - r0 >= 3 and plans.replayed - p0 >= 60
+    assert not plans.refused
+    np.testing.assert_array_equal(planned, plain)
+    assert planned_ids.tolist() == plain_ids.tolist()
+
+
+def test_plan_dropped_when_weights_change(model_path):
+    """restrict_draft_vocab swaps the output layer: the next step must use the new one."""
+    from runtime.speculative import restrict_draft_vocab
+    eng = Engine(str(model_path("smollm2-135m")), threads=2, n_ctx=256)
+    prompt = eng.tokenizer.encode("The capital of France is")
+    seq = eng.new_sequence()
+    eng.prefill(seq, prompt)
+    for t in (5, 6, 7):
+        full = eng.step([seq], [[t]])
+    assert eng.backend.plans.replayed >= 1
+    restrict_draft_vocab(eng, 1000)
+    n = len(seq)
+    eng.cache.truncate(seq, n - 1)
+    small = eng.step([seq], [[7]])
+    assert small.shape[-1] == 1000
+    np.testing.assert_array_equal(small[0], full[0][:1000])
+
+
+def test_out_of_range_token_is_refused_on_replay(model_path):
+    eng = Engine(str(model_path("smollm2-135m")), threads=2, n_ctx=256)
+    seq = eng.new_sequence()
+    eng.prefill(seq, eng.tokenizer.encode("Hello"))
+    eng.step([seq], [[5]])
+    eng.step([seq], [[6]])                      # recorded, then replayed
+    with pytest.raises(IndexError):
+        eng.step([seq], [[eng.config.vocab_size + 3]])
