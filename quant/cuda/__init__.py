@@ -88,11 +88,11 @@ MVP_MIN_CC = 80
 # (others take mvs under it).  Its sums are its own (not mvs's), batch invariant like them.
 # Q4_K: mvk4k; Q6_K, Q4_0: mvkt<policy> (Q4_0 where K % 256 == 0: 8-block units of 144
 # bytes, 16-byte aligned; other widths take mvs).  MVK_ON: the types mvk takes
-# (LLAMBA_MVK_TYPES, names; the rest take mvs).  Default Q4_K and Q4_0 (under MVK_RULES:
-# Q15 Q4_0 decode graph 1.376 -> 1.150 ms); Q6_K passed its kernel tests but is slower than
-# mvs on the large matrices (LLAMBA_MVK_TYPES=Q4_K,Q6_K,Q4_0 to try it).
+# (LLAMBA_MVK_TYPES, names; the rest take mvs).  Default all three, under MVK_RULES (Q15
+# Q4_0 decode graph 1.376 -> 1.150 ms; Q6_K, once decode steps used programmatic dependent
+# launch: Q4_K_M graph L8 2.2516 -> 2.1958 ms, Q15 1.0793 -> 1.0210).
 MVK_TYPES = {GGMLType.Q4_K: "mvk4k", GGMLType.Q6_K: "MQ6_K", GGMLType.Q4_0: "MQ4_0"}
-MVK_ON = {GGMLType[t] for t in os.environ.get("LLAMBA_MVK_TYPES", "Q4_K,Q4_0").split(",") if t}
+MVK_ON = {GGMLType[t] for t in os.environ.get("LLAMBA_MVK_TYPES", "Q4_K,Q4_0,Q6_K").split(",") if t}
 # and of those, by W's shape, where mvk measured faster than mvs (H200, NOTES.md): Q6_K with
 # at most MVK_Q6K_MAX_M rows (1536x8960 +19%, 1024x4096 +4%; 4096x14336 -8%, the outputs
 # 128256x4096 / 151936x1536 -13%); Q4_0 but 4096 x 4096 and smaller at K = 4096 (-13% at

@@ -115,6 +115,8 @@ class CPUKVStorage:
 
 class CPUBackend:
     name = "cpu"
+    plans_ok = True             # a subclass that overrides an op must route its kernels through
+                                # scratch.call and set this again to keep the plans (cpu_plan.py)
 
     def __init__(self, threads: int | None = None):
         if threads:
@@ -163,7 +165,9 @@ class CPUBackend:
         return model.forward(self, step)
 
     def _planned(self, model, step):
-        return self.plans.run(self, model, step) if self.plans is not None else None
+        if self.plans is None or not (type(self) is CPUBackend or type(self).__dict__.get("plans_ok")):
+            return None
+        return self.plans.run(self, model, step)
 
     def forward(self, model, step) -> np.ndarray:
         """Run the model's forward for one step; logits come back as a host array

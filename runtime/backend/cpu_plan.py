@@ -16,7 +16,11 @@ may depend on (token and sequence counts, rows wanted, table width rounded up, s
 block size), and the backend drops its plans when its KV pools or a model's weights
 change (`CPUBackend.invalidate_plans`).  A recording in which a call returned an array
 that none of its arguments is, or a number (a later call may have used it), is
-refused: that step shape keeps running the plain forward.
+refused: that step shape keeps running the plain forward.  An op that skips
+`Scratch.call` cannot be seen in a recording, so the first replay for each model is
+checked against the plain forward of the same step (bit for bit; the second run writes
+the same K/V again), and a mismatch turns plans off for that model.  Backends derived
+from CPUBackend get no plans unless they say their ops record (`plans_ok`).
 """
 from __future__ import annotations
 
@@ -141,24 +145,37 @@ class Plans:
     def __init__(self):
         self.plans: OrderedDict = OrderedDict()
         self.refused: set = set()
+        self.checked: set = set()       # models whose first replay equalled the plain forward
+        self.broken: set = set()        # models whose did not: no plans
         self.recorded = 0
         self.replayed = 0
 
     def clear(self) -> None:
         self.plans.clear()
         self.refused.clear()
+        self.checked.clear()
 
     def run(self, backend, model, step):
         """The step's logits through a plan (recorded now if new), or None where no
         plan applies (the caller runs the plain forward)."""
         key = plan_key(model, step)
-        if key is None or key in self.refused:
+        if key is None or key in self.refused or id(model) in self.broken:
             return None
         plan = self.plans.get(key)
         if plan is not None and plan.model is model:
             self.plans.move_to_end(key)
             self.replayed += 1
-            return plan.replay(step)
+            out = plan.replay(step)
+            if id(model) not in self.checked:
+                out = out.copy()
+                plain = backend.plain_forward(model, step)
+                if not np.array_equal(out, plain):
+                    self.broken.add(id(model))
+                    for k in [k for k, p in self.plans.items() if p.model is model]:
+                        del self.plans[k]
+                    return plain
+                self.checked.add(id(model))
+            return out
         try:
             plan = StepPlan(model, step, key[3])
             out = plan.record(backend)

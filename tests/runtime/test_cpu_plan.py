@@ -84,3 +84,55 @@ def test_out_of_range_token_is_refused_on_replay(model_path):
     eng.step([seq], [[6]])                      # recorded, then replayed
     with pytest.raises(IndexError):
         eng.step([seq], [[eng.config.vocab_size + 3]])
+
+
+def test_op_outside_the_recording_turns_plans_off(model_path):
+    """An op that bypasses Scratch.call (here: rmsnorm in NumPy, on a backend that claims
+    its ops record) leaves stale buffers in a replay: the first replay's check against the
+    plain forward catches it, plans go off for the model, and every step's logits are the
+    plain forward's."""
+    from runtime.backend.cpu import CPUBackend
+
+    class Sloppy(CPUBackend):
+        plans_ok = True
+
+        def rmsnorm(self, x, w, eps):
+            out = self.arena.get(x.shape)
+            d = x.shape[-1]
+            x2 = x.reshape(-1, d).astype(np.float64)
+            out.reshape(-1, d)[:] = (x2 / np.sqrt((x2 * x2).mean(-1, keepdims=True) + eps) * w).astype(np.float32)
+            return out
+
+    eng = Engine(str(model_path("smollm2-135m")), threads=2, n_ctx=256)
+    prompt = eng.tokenizer.encode("The capital of France is")
+    ref = []
+    seq = eng.new_sequence()
+    eng.backend.__class__ = Sloppy
+    eng.backend.plans = None
+    eng.prefill(seq, prompt)
+    for t in (5, 6, 7, 8):
+        ref.append(eng.step([seq], [[t]])[0])
+    eng.release(seq, keep_cached=False)
+    from runtime.backend.cpu_plan import Plans
+    eng.backend.plans = plans = Plans()
+    seq = eng.new_sequence()
+    eng.prefill(seq, prompt)
+    got = [eng.step([seq], [[t]])[0] for t in (5, 6, 7, 8)]
+    assert plans.broken and not plans.plans
+    np.testing.assert_array_equal(np.stack(got), np.stack(ref))
+
+
+def test_subclass_without_plans_ok_gets_no_plans(model_path):
+    from runtime.backend.cpu import CPUBackend
+
+    class Other(CPUBackend):
+        def add(self, x, y):
+            x += y
+
+    eng = Engine(str(model_path("smollm2-135m")), threads=2, n_ctx=256)
+    eng.backend.__class__ = Other
+    seq = eng.new_sequence()
+    eng.prefill(seq, eng.tokenizer.encode("Hello"))
+    for t in (5, 6, 7):
+        eng.step([seq], [[t]])
+    assert eng.backend.plans.recorded == 0
