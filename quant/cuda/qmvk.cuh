@@ -148,6 +148,27 @@ DEV void mvk_dot(const MvkW<LPB>& B, const MvkX<LPB>& X, int sh, float& acc) {
     acc = fmaf(-(dm * X.d), (float)M, acc);
 }
 
+// The first S - 1 steps of a warp's pipeline: their weights before the PDL wait (no
+// kernel writes weights: they stream while the kernel before finishes), their
+// activations (XP: held in the stage) after it.  lt / lit: the load cursor, which
+// ladvance moves (the kernel's lambdas hold the same variables).
+template <int S, int NR, bool XP, class Stage, class LoadW, class Advance, class LoadX>
+DEV void mvk_first_steps(Stage* buf, int& lt, int& lit, int t_end, LoadW load_w, Advance ladvance, LoadX load_x) {
+    int lits[S > 1 ? S - 1 : 1], nfirst = 0;
+#pragma unroll
+    for (int k = 0; k < S - 1; k++)
+        if (lt < t_end) { lits[k] = lit; load_w(buf[k]); ladvance(); nfirst = k + 1; }
+    PDL_WAIT();
+    PDL_LATE_TRIGGER();
+    if constexpr (XP) {
+#pragma unroll
+        for (int k = 0; k < S - 1; k++)
+            if (k < nfirst)
+#pragma unroll
+                for (int n = 0; n < NR; n++) load_x(buf[k].x[n], n, lits[k]);
+    }
+}
+
 // The launch's tasks (R rows of one of up to three weights) in order W0, W1, W2 over all
 // warps of the grid (V & 1: warp w takes tasks w, w + nw, ...; else a contiguous range);
 // a warp walks its tasks' steps (R rows x 32 / LPB blocks) with S - 1 steps' loads in
@@ -283,21 +304,7 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
 #if LLAMBA_WPF > 0
     MVK_PF_DEFS(R, 144, BPS)
 #endif
-    // the first S - 1 steps' weights before the wait (they are no kernel's output),
-    // their activations after it
-    int lits[S > 1 ? S - 1 : 1], nfirst = 0;
-#pragma unroll
-    for (int k = 0; k < S - 1; k++)
-        if (lt < t_end) { lits[k] = lit; load_w(buf[k]); ladvance(); nfirst = k + 1; }
-    PDL_WAIT();
-    PDL_LATE_TRIGGER();
-    if constexpr (XP) {
-#pragma unroll
-        for (int k = 0; k < S - 1; k++)
-            if (k < nfirst)
-#pragma unroll
-                for (int n = 0; n < NR; n++) load_x(buf[k].x[n], n, lits[k]);
-    }
+    mvk_first_steps<S, NR, XP>(buf, lt, lit, t_end, load_w, ladvance, load_x);
     while (ct < t_end) {
 #pragma unroll
         for (int k = 0; k < S; k++) {
@@ -574,21 +581,7 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvkt(
 #if LLAMBA_WPF > 0
     MVK_PF_DEFS(R, Ty::UB, BPS)
 #endif
-    // the first S - 1 steps' weights before the wait (they are no kernel's output),
-    // their activations after it
-    int lits[S > 1 ? S - 1 : 1], nfirst = 0;
-#pragma unroll
-    for (int k = 0; k < S - 1; k++)
-        if (lt < t_end) { lits[k] = lit; load_w(buf[k]); ladvance(); nfirst = k + 1; }
-    PDL_WAIT();
-    PDL_LATE_TRIGGER();
-    if constexpr (XP) {
-#pragma unroll
-        for (int k = 0; k < S - 1; k++)
-            if (k < nfirst)
-#pragma unroll
-                for (int n = 0; n < NR; n++) load_x(buf[k].x[n], n, lits[k]);
-    }
+    mvk_first_steps<S, NR, XP>(buf, lt, lit, t_end, load_w, ladvance, load_x);
     while (ct < t_end) {
 #pragma unroll
         for (int k = 0; k < S; k++) {
