@@ -30,6 +30,7 @@ import numpy as np
 
 MODE = int(os.environ.get("LLAMBA_CUDA_PDL", "1"))
 MIN_CC = 90
+MIN_DRIVER = 12030      # CUDA 12.3: programmatic launches inside a stream capture
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6     # CUlaunchAttributeID
 
 _on = False
@@ -68,8 +69,9 @@ def _driver():
     return _lib
 
 
-def available(cc: int) -> bool:
-    return MODE > 0 and cc >= MIN_CC
+def available(cc: int, driver: int) -> bool:
+    """Whether captured steps use PDL: on (MODE), the device sm_90+, the driver 12.3+."""
+    return MODE > 0 and cc >= MIN_CC and driver >= MIN_DRIVER
 
 
 def active() -> bool:

@@ -270,7 +270,7 @@ class CUDABackend:
         self.device_info = info
         self._pdl = qc.pdl
         # captured decode steps launch their kernels with programmatic dependent launch
-        self.use_pdl = qc.pdl.available(info["cc"])
+        self.use_pdl = qc.pdl.available(info["cc"], cp.cuda.runtime.driverGetVersion())
         self.device_name = (f"{info['name']} (sm_{info['cc']}, {format_bytes(info['total'])}, "
                             f"CuPy {cp.__version__})")
         self.threads = 1
@@ -459,18 +459,28 @@ class CUDABackend:
             self._decode_body(model, g, capture=False)
             self.stream.synchronize()
             res = g["host_out"].copy()
-            self.stream.begin_capture()
             try:
-                with self._pdl.capturing(self.use_pdl):
-                    self._decode_body(model, g, capture=True)
-            finally:
-                g["graph"] = self.stream.end_capture()
+                self._capture(model, g)
+            except Exception:
+                if not self.use_pdl:
+                    raise
+                self.use_pdl = False    # a driver that refuses programmatic launches in a capture
+                self._capture(model, g)
         else:
             g["graph"].launch(self.stream)
             self.graph_replays += 1
             self.stream.synchronize()
             res = g["host_out"].copy()
         return res.astype(np.int64) if argmax else res   # the caller's own array either way
+
+    def _capture(self, model, g):
+        g["graph"] = None
+        self.stream.begin_capture()
+        try:
+            with self._pdl.capturing(self.use_pdl):
+                self._decode_body(model, g, capture=True)
+        finally:
+            g["graph"] = self.stream.end_capture()
 
     def _new_decode_graph(self, model, step, MB, argmax):
         cp = self.cp
