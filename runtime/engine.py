@@ -90,6 +90,12 @@ class Engine:
     def new_sequence(self) -> Sequence:
         return self.cache.new_sequence()
 
+    @property
+    def setup_events(self) -> int:
+        """How many steps so far paid a backend's one-time cost (a CPU step plan recorded
+        or checked, a CUDA graph captured): timings of those say nothing of later steps."""
+        return getattr(self.backend, "setup_events", 0)
+
     def release(self, seq: Sequence, keep_cached: bool = True) -> None:
         self.cache.release(seq, keep_cached=keep_cached)
 

@@ -245,19 +245,23 @@ class KController:
         return new if old is None else (1 - self.ema) * old + self.ema * new
 
     def observe_round(self, k: int, n_accepted: int, draft_s: float | None, verify_s: float,
-                      catch_s: float | None = None, round_s: float | None = None) -> None:
+                      catch_s: float | None = None, round_s: float | None = None, timed: bool = True) -> None:
         """draft_s: seconds per single-token draft forward this round; catch_s: its
         first forward, which also feeds the draft what it missed; round_s: the
         whole round, drafting and verifying (None: not representative, e.g. the
-        catch-up after the prompt or after a stretch of plain decoding)."""
+        catch-up after the prompt or after a stretch of plain decoding).  timed
+        False: a step of the round paid a one-time cost (Engine.setup_events), so
+        only its acceptance counts."""
         self.rounds += 1
+        # acceptance is geometric: after the first rejection nothing more was tested
+        self.accepted = self.accepted * 0.98 + n_accepted
+        self.tested = self.tested * 0.98 + n_accepted + (1 if n_accepted < k else 0)
+        if not timed:
+            return
         if catch_s is not None:
             self.t_catch = self._avg(self.t_catch, catch_s)
         if round_s is not None:
             self.t_round[k] = self._avg(self.t_round.get(k), round_s)
-        # acceptance is geometric: after the first rejection nothing more was tested
-        self.accepted = self.accepted * 0.98 + n_accepted
-        self.tested = self.tested * 0.98 + n_accepted + (1 if n_accepted < k else 0)
         if draft_s is not None:
             self.t_draft = self._avg(self.t_draft, draft_s)
         self.t_verify[k] = self._avg(self.t_verify.get(k), verify_s)
@@ -516,7 +520,8 @@ class Drafter:
         losing = 0              # consecutive decisions for plain decoding
         rounds = 0
         while True:
-            if rounds == 0 or self.adaptive and rounds % self.PROBE_EVERY == 0:
+            if (rounds == 0 or ctl.t_plain is None and rounds <= 2
+                    or self.adaptive and rounds % self.PROBE_EVERY == 0):
                 k = 0           # time a plain step: the cost model and the speedup need it
             elif off_until > len(history):
                 k = 0
@@ -543,13 +548,15 @@ class Drafter:
             k = max(0, min(k, eng.n_ctx - len(seq) - 1))
             rounds += 1
             if k == 0:
+                ev = eng.setup_events
                 t0 = time.perf_counter()
                 if sampler.p.argmax_only:     # greedy, no penalty: the argmax alone
                     nxt, logits = int(eng.step([seq], [[pending]], argmax=True)[0]), None
                 else:
                     logits = eng.step([seq], [[pending]])[0]
                 dt = time.perf_counter() - t0
-                ctl.observe_plain(dt)
+                if eng.setup_events == ev:    # not a step that recorded a plan or captured a graph
+                    ctl.observe_plain(dt)
                 st.plain_forwards += 1; st.plain_seconds += dt; st.emitted += 1
                 st.t_plain = ctl.t_plain
                 out = [nxt if logits is None else sampler.sample(logits, history)]
@@ -570,6 +577,7 @@ class Drafter:
         tokens to emit (accepted drafts plus the target's own next token)."""
         st = self.stats
         eng = self.target
+        ev = eng.setup_events + self.draft.setup_events
         t0 = time.perf_counter()
         drafts, qs, per_draft, first = self._propose(history, k, sampler, rng)
         t1 = time.perf_counter()
@@ -600,7 +608,8 @@ class Drafter:
         # the draft holds history + drafts[:k-1]; keep what the target accepted
         self.draft.cache.truncate(self.dseq, min(len(self.dseq), len(history) + n_acc))
         ctl.observe_round(k, n_acc, per_draft, t2 - t1, catch_s=first,
-                          round_s=t2 - t0 if first is not None else None)
+                          round_s=t2 - t0 if first is not None else None,
+                          timed=eng.setup_events + self.draft.setup_events == ev)
         st.drafted += k; st.accepted += n_acc
         st.verify_forwards += 1; st.emitted += len(out)
         st.draft_seconds += t1 - t0; st.verify_seconds += t2 - t1

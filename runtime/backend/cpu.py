@@ -131,6 +131,7 @@ class CPUBackend:
         # recorded once and replayed (cpu_plan.py)
         self.plans = cpu_plan.Plans() if cpu_plan.ENABLED else None
         self.plan_ok = True             # False: an op of the step being recorded ran outside call()
+        self.setup_events = 0           # steps that recorded or checked a plan (one-time costs)
         self._resid = np.empty(0, np.float32)   # the residual stream (lives across layers: not the arena's)
         self.kv: CPUKVStorage | None = None
         self.hugepages = hugepages.HugePageArena() if hugepages.available() else None

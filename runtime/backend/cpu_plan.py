@@ -2,8 +2,9 @@
 
 A decode step (or a speculative verify step, up to MAX_ROWS tokens) runs the same
 kernels on the same buffers every time; only the step's inputs (token ids, positions,
-cache slots, block tables) differ.  The first step of a shape runs the model's forward
-while every kernel call is recorded (`Scratch.call`: each Numba kernel and each NumPy
+cache slots, block tables) differ.  The second step of a shape (a one-off shape, such
+as a short prompt's, is never recorded) runs the model's forward while every kernel
+call is recorded (`Scratch.call`: each Numba kernel and each NumPy
 routine the CPU backend runs goes through it); later steps of that shape copy their
 inputs into the plan's own input arrays and call the recorded kernels in order.  That
 skips the model's Python, the backend's op wrappers and the matmul dispatch (2 cores,
@@ -80,14 +81,30 @@ def _padded(step, W: int):
         logit_rows=np.array(step.logit_rows, np.int64), group_slots=group_slots, group_tables=group_tables)
 
 
+_array_types: dict = {}
+
+
+def _numba_type(fn, a):
+    """fn.typeof_pyval(a), remembered per array kind (typing ~6000 arguments one by one
+    took ~25 ms a recording)."""
+    if type(a) is np.ndarray:
+        f = a.flags
+        key = (a.dtype, a.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned)
+        t = _array_types.get(key)
+        if t is None:
+            t = _array_types[key] = fn.typeof_pyval(a)
+        return t
+    return fn.typeof_pyval(a)
+
+
 def _entry(fn, args):
     """A Numba dispatcher's compiled entry point for these arguments (a replay then skips
-    the dispatcher's typing of every argument: ~3% of a SmolLM2 step), else fn itself."""
+    the dispatcher's typing of every argument: ~2.4% of a SmolLM2 step), else fn itself."""
     overloads = getattr(fn, "overloads", None)
     if overloads is None:
         return fn
     try:
-        cres = overloads.get(tuple(fn.typeof_pyval(a) for a in args))
+        cres = overloads.get(tuple(_numba_type(fn, a) for a in args))
     except Exception:           # an argument Numba cannot type here: the dispatcher decides
         return fn
     return cres.entry_point if cres is not None else fn
@@ -158,6 +175,7 @@ class Plans:
     def __init__(self):
         self.plans: OrderedDict = OrderedDict()
         self.refused: set = set()
+        self.seen: set = set()          # keys met once: recorded the second time (a prompt's one-off shape never is)
         self.checked: set = set()       # models whose first replay equalled the plain forward
         self.broken: set = set()        # models whose did not: no plans
         self.recorded = 0
@@ -166,6 +184,7 @@ class Plans:
     def clear(self) -> None:
         self.plans.clear()
         self.refused.clear()
+        self.seen.clear()
         self.checked.clear()
 
     def run(self, backend, model, step):
@@ -180,6 +199,7 @@ class Plans:
             self.replayed += 1
             out = plan.replay(step)
             if id(model) not in self.checked:
+                backend.setup_events += 1
                 out = out.copy()
                 plain = backend.plain_forward(model, step)
                 if not np.array_equal(out, plain):
@@ -189,6 +209,12 @@ class Plans:
                     return plain
                 self.checked.add(id(model))
             return out
+        if key not in self.seen:
+            if len(self.seen) > 1024:
+                self.seen.clear()
+            self.seen.add(key)
+            return None
+        backend.setup_events += 1
         try:
             plan = StepPlan(model, step, key[3])
             out = plan.record(backend)

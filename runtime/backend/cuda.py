@@ -288,6 +288,7 @@ class CUDABackend:
             graphs = os.environ.get("LLAMBA_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = graphs
         self.graph_replays = 0
+        self.setup_events = 0           # steps that captured a graph (one-time costs)
         self._last_graph = None
         self._pnorm = None          # deferred RMSNorm (x, w, eps, out)
         self._pglu = None           # deferred GLU (g, u, kind)
@@ -456,6 +457,7 @@ class CUDABackend:
         _fill_decode(g["fill"], step)
         if g["graph"] is None:
             # eager once (compiles kernels, sizes the arena), then capture for the next tokens
+            self.setup_events += 1
             self._decode_body(model, g, capture=False)
             self.stream.synchronize()
             res = g["host_out"].copy()

@@ -19,7 +19,8 @@ def engine(request, model_path):
 
 
 def _walk(eng, prompt, n, planned: bool):
-    """Logits of n greedy decode steps, then of a 4-row and a 3-row verify-like step; and
+    """Logits of n greedy decode steps, then of three 4-row and three 3-row verify-like
+    steps (a shape is recorded the second time it comes, replayed from the third); and
     the ids of a last greedy (argmax) step."""
     be = eng.backend
     saved = be.plans
@@ -34,8 +35,10 @@ def _walk(eng, prompt, n, planned: bool):
             logits = eng.step([seq], [[t]])
             out.append(logits[0])
             t = int(np.argmax(logits[0]))
-        out.extend(eng.step([seq], [[t, 11, 12, 13]], all_logits=True))
-        out.extend(eng.step([seq], [[14, 15, 16]], all_logits=True))
+        for i in range(3):
+            out.extend(eng.step([seq], [[t + i, 11, 12, 13]], all_logits=True))
+        for i in range(3):
+            out.extend(eng.step([seq], [[14, 15 + i, 16]], all_logits=True))
         ids = eng.step([seq], [[17]], argmax=True)
     finally:
         eng.release(seq, keep_cached=False)
@@ -51,8 +54,9 @@ def test_replayed_steps_equal_plain_forward(engine):
     plain, plain_ids = _walk(eng, prompt, 70, planned=False)
     r0, p0 = plans.recorded, plans.replayed
     planned, planned_ids = _walk(eng, prompt, 70, planned=True)
-    # 70 steps past a ~25-token prompt cross block-table widths 4 and 8 (16-token blocks)
-    assert plans.recorded - r0 >= 3 and plans.replayed - p0 >= 60
+    # 70 steps past a ~25-token prompt cross block-table widths 4 and 8 (16-token blocks),
+    # then the 4- and 3-row shapes
+    assert plans.recorded - r0 >= 4 and plans.replayed - p0 >= 60
     assert not plans.refused
     np.testing.assert_array_equal(planned, plain)
     assert planned_ids.tolist() == plain_ids.tolist()
@@ -136,3 +140,27 @@ def test_subclass_without_plans_ok_gets_no_plans(model_path):
     for t in (5, 6, 7):
         eng.step([seq], [[t]])
     assert eng.backend.plans.recorded == 0
+
+
+def test_setup_events_mark_the_one_time_steps(model_path):
+    """A shape's second step records its plan and its third is checked against the plain
+    forward: Engine.setup_events counts those two, so speculative decoding's cost model
+    (KController) leaves their times out."""
+    eng = Engine(str(model_path("smollm2-135m")), threads=2, n_ctx=256)
+    seq = eng.new_sequence()
+    eng.prefill(seq, eng.tokenizer.encode("The capital of France is"))     # a 5-token step: another shape
+    counts = []
+    for t in (5, 6, 7, 8, 9):
+        eng.step([seq], [[t]])
+        counts.append(eng.setup_events)
+    assert counts == [0, 1, 2, 2, 2]
+
+
+def test_untimed_round_only_counts_acceptance():
+    from runtime.speculative import KController
+    ctl = KController()
+    ctl.observe_plain(0.030)
+    ctl.observe_round(3, 3, 0.008, 0.045, timed=False)
+    assert ctl.t_verify == {} and ctl.t_draft is None and ctl.accepted == 3
+    ctl.observe_round(3, 2, 0.008, 0.045)
+    assert ctl.t_verify[3] == 0.045 and ctl.t_draft == 0.008
