@@ -257,11 +257,16 @@ def dequantize(qt: QTensor) -> np.ndarray:
     return out.reshape(qt.shape)
 
 
+def check_rows(qt: QTensor, rows: np.ndarray) -> None:
+    """IndexError unless every index of rows (an array) is a row of qt."""
+    if rows.size and (rows.min() < 0 or rows.max() >= qt.rows):
+        raise IndexError(f"tensor {qt.name!r}: row index out of range [0, {qt.rows})")
+
+
 def dequantize_rows(qt: QTensor, rows) -> np.ndarray:
     """float32 [len(rows), cols]: only the listed rows are read (embedding lookup)."""
     rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-    if rows.size and (rows.min() < 0 or rows.max() >= qt.rows):
-        raise IndexError(f"tensor {qt.name!r}: row index out of range [0, {qt.rows})")
+    check_rows(qt, rows)
     if qt.qtype in (GGMLType.F32, GGMLType.F16):
         return qt.data[rows].view(_NP_FLOAT[qt.qtype]).astype(np.float32)
     out = np.empty((rows.size, qt.cols), np.float32)

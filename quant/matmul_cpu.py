@@ -287,14 +287,12 @@ def _run_parallel(scratch, kernel, *args):
     # Llamba runs is coarse-grained, so it is set once per thread and left on
     # (setting and restoring it took two Numba calls per matmul, ~100 matmuls a
     # token; calling it inside a kernel makes Numba refuse to cache the kernel).
-    if not getattr(_local, "chunk1", False):
-        numba.set_parallel_chunksize(1)
-        _local.chunk1 = True
+    parallel_chunks_one()
     scratch.call(kernel, *args)
 
 
 def parallel_chunks_one() -> None:
-    """The chunk size _run_parallel sets, for a caller that runs recorded kernels itself."""
+    """The chunk size _run_parallel sets (also for a caller that runs recorded kernels itself)."""
     if not getattr(_local, "chunk1", False):
         numba.set_parallel_chunksize(1)
         _local.chunk1 = True

@@ -170,7 +170,7 @@ def source(path: Path, *headers: Path) -> str:
 
 def kernel_source() -> str:
     """qkernels.cu with its headers' hash."""
-    return source(_DIR / "qkernels.cu", _DIR / "qblocks.cuh", _DIR / "qint8.cuh", _DIR / "qmvk.cuh", _DIR / "pdl.cuh")
+    return source(_DIR / "qkernels.cu", _DIR / "qblocks.cuh", _DIR / "qint8.cuh", _DIR / "qmvk.cuh", pdl.HEADER)
 
 
 def _options():
@@ -197,7 +197,7 @@ class _Modules:
 
     def __init__(self):
         self.by_type = {}
-        self.misc = None
+        self.misc = {}          # pdl.MODE -> the q8_act module (the trigger's place is compiled in)
 
     def get(self, qtype):
         key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS, MVK_ROWS6, MVK_STAGES, MVK_V, MVK_RULES,
@@ -219,11 +219,12 @@ class _Modules:
         return m
 
     def fn(self, name):
-        if self.misc is None:
-            src = kernel_source()
+        mod = self.misc.get(pdl.MODE)
+        if mod is None:
             names = [f"q8_act<{bs},{p}>" for bs in (32, 256) for p in range(4)]
-            self.misc = cp.RawModule(code=src, options=_OPTIONS + pdl.options(), name_expressions=names)
-        return pdl.Kernel(self.misc.get_function(name))
+            mod = self.misc[pdl.MODE] = cp.RawModule(code=kernel_source(), options=_OPTIONS + pdl.options(),
+                                                     name_expressions=names)
+        return pdl.Kernel(mod.get_function(name))
 
 
 _mods = _Modules()

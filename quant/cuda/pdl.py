@@ -26,9 +26,12 @@ import contextlib
 import ctypes
 import os
 
+from pathlib import Path
+
 import numpy as np
 
 MODE = int(os.environ.get("LLAMBA_CUDA_PDL", "1"))
+HEADER = Path(__file__).with_name("pdl.cuh")
 MIN_CC = 90
 MIN_DRIVER = 12030      # CUDA 12.3: programmatic launches inside a stream capture
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6     # CUlaunchAttributeID
@@ -72,10 +75,6 @@ def _driver():
 def available(cc: int, driver: int) -> bool:
     """Whether captured steps use PDL: on (MODE), the device sm_90+, the driver 12.3+."""
     return MODE > 0 and cc >= MIN_CC and driver >= MIN_DRIVER
-
-
-def active() -> bool:
-    return _on
 
 
 @contextlib.contextmanager

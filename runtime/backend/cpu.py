@@ -15,7 +15,7 @@ import numpy as np
 import quant
 from quant import QTensor
 from quant.blas_threads import set_blas_threads
-from quant.dequant import deq_rows_kernel
+from quant.dequant import check_rows, deq_rows_kernel
 from quant.matmul_cpu import matmul_into, matmul_multi_into, pool_sgemm
 from quant.types import GGMLType
 
@@ -130,7 +130,7 @@ class CPUBackend:
         # every kernel an op runs goes through self.scratch.call, so small steps can be
         # recorded once and replayed (cpu_plan.py)
         self.plans = cpu_plan.Plans() if cpu_plan.ENABLED else None
-        self.plan_ok = True             # False: an op of the step being recorded ran outside call()
+        self.recordable = True          # False: an op of the step being recorded ran outside call()
         self.setup_events = 0           # steps that recorded or checked a plan (one-time costs)
         self._resid = np.empty(0, np.float32)   # the residual stream (lives across layers: not the arena's)
         self.kv: CPUKVStorage | None = None
@@ -193,13 +193,12 @@ class CPUBackend:
     def embed(self, W, ids, scale: float = 1.0):
         call = self.scratch.call
         if W.qtype in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
-            self.plan_ok = False
+            self.recordable = False
             x = quant.dequantize_rows(W, np.asarray(ids))
         else:
             ids = np.asarray(ids)
+            check_rows(W, ids)
             n = len(ids)
-            if n and (ids.min() < 0 or ids.max() >= W.rows):
-                raise IndexError(f"tensor {W.name!r}: row index out of range [0, {W.rows})")
             rows = self.arena.get((n,), np.int64)
             call(np.copyto, rows, ids)
             size = n * W.cols
@@ -295,9 +294,9 @@ class CPUBackend:
         part_acc = self.arena.get(pshape + ((d,) if splits > 1 else (1,)))
         out = self.arena.get((n, h, d))
         call(K.paged_attention, q, kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.quantized,
-                          step.block_size, tables, step.seq_of_token, step.positions, window,
-                          np.float32(step.attn_scale), splits, tile_t0, tile_n, n_tiles,
-                          part_m, part_l, part_acc, out)
+             step.block_size, tables, step.seq_of_token, step.positions, window,
+             np.float32(step.attn_scale), splits, tile_t0, tile_n, n_tiles,
+             part_m, part_l, part_acc, out)
         return out.reshape(n, h * d)
 
 

@@ -31,6 +31,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from quant.dequant import check_rows
 from quant.matmul_cpu import parallel_chunks_one
 
 ENABLED = os.environ.get("LLAMBA_CPU_PLANS", "1") != "0"
@@ -61,23 +62,18 @@ def plan_key(model, step):
             len(step.group_tables), step.group_slots is None)
 
 
-def _padded(step, W: int):
-    """A copy of step whose arrays the plan owns: the block tables W entries wide (the
-    entries past a sequence's blocks are never read)."""
-    def table(t):
-        out = np.zeros((t.shape[0], W), np.int32)
-        out[:, :t.shape[1]] = t
-        return out
-    group_tables = [table(t) for t in step.group_tables]
-    if step.group_slots is not None:
-        group_slots = np.array(step.group_slots, np.int32)
-        slots = group_slots[0]
-    else:
-        group_slots, slots = None, np.array(step.slots, np.int32)
+def _own_inputs(step, W: int):
+    """A copy of step with input arrays of the plan's own (StepPlan.load fills them): the
+    block tables W entries wide (the entries past a sequence's blocks are never read)."""
+    def zeros(a):
+        return np.zeros(np.shape(a), np.int32)
+    S = step.block_tables.shape[0]
+    group_tables = [np.zeros((S, W), np.int32) for _ in step.group_tables]
+    group_slots = None if step.group_slots is None else zeros(step.group_slots)
     return dataclasses.replace(
-        step, tokens=np.array(step.tokens, np.int32), positions=np.array(step.positions, np.int32),
-        slots=slots, seq_of_token=np.array(step.seq_of_token, np.int32),
-        block_tables=group_tables[0] if group_tables else table(step.block_tables),
+        step, tokens=zeros(step.tokens), positions=zeros(step.positions),
+        slots=zeros(step.slots) if group_slots is None else group_slots[0], seq_of_token=zeros(step.seq_of_token),
+        block_tables=group_tables[0] if group_tables else np.zeros((S, W), np.int32),
         logit_rows=np.array(step.logit_rows, np.int64), group_slots=group_slots, group_tables=group_tables)
 
 
@@ -113,24 +109,24 @@ def _entry(fn, args):
 class StepPlan:
     def __init__(self, model, step, width: int):
         self.model = model
-        self.step = _padded(step, width)
+        self.embd = getattr(model, "tok_embd", None)
+        if getattr(self.embd, "rows", None) is None:
+            raise Unplannable("no token embedding to check ids against")
+        self.step = _own_inputs(step, width)
+        self.load(step)
         self.calls: list = []
         self.out = None
-        embd = getattr(model, "tok_embd", None)
-        self.n_ids = getattr(embd, "rows", None)
-        if self.n_ids is None:
-            raise Unplannable("no token embedding to check ids against")
 
     def record(self, backend) -> np.ndarray:
         """Run the forward on the plan's inputs, recording its kernel calls; its logits."""
         sc = backend.scratch
         calls = sc.rec = []
-        backend.plan_ok = True
+        backend.recordable = True
         try:
             out = backend.plain_forward(self.model, self.step)
         finally:
             sc.rec = None
-        if not backend.plan_ok:
+        if not backend.recordable:
             raise Unplannable("an op ran outside the recorded kernels")
         for fn, args, r in calls:
             if r is None or (isinstance(r, np.ndarray) and any(r is a for a in args)):
@@ -143,10 +139,8 @@ class StepPlan:
     def load(self, step) -> None:
         """The step's inputs into the plan's arrays."""
         p = self.step
-        ids = step.tokens
-        if ids.min() < 0 or ids.max() >= self.n_ids:
-            raise IndexError(f"token id out of range [0, {self.n_ids})")
-        p.tokens[:] = ids
+        check_rows(self.embd, step.tokens)
+        p.tokens[:] = step.tokens
         p.positions[:] = step.positions
         p.seq_of_token[:] = step.seq_of_token
         if p.group_slots is not None:

@@ -630,9 +630,8 @@ class CUDABackend:
     # ---- kernels -------------------------------------------------------------
     @staticmethod
     def _src():
-        from quant.cuda import source
-        from quant.cuda import pdl
-        return source(_SRC, _SRC.parent / "cuda_attn.cuh", Path(pdl.__file__).with_name("pdl.cuh"))
+        from quant.cuda import pdl, source
+        return source(_SRC, _SRC.parent / "cuda_attn.cuh", pdl.HEADER)
 
     def _fn(self, name):
         if self._mod is None:
@@ -648,7 +647,7 @@ class CUDABackend:
         return self._pdl.Kernel(mod.get_function(name))
 
     def _options(self):
-        return ("-std=c++17", f"-I{_SRC.parent}", f"-I{Path(self._pdl.__file__).parent}") + self._pdl.options()
+        return ("-std=c++17", f"-I{_SRC.parent}", f"-I{self._pdl.HEADER.parent}") + self._pdl.options()
 
     def _launch(self, name, n, args, block=256):
         self._fn(name)(((n + block - 1) // block,), (block,), args)
