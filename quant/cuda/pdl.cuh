@@ -2,7 +2,9 @@
 // programmatic-stream-serialization attribute (quant/cuda/pdl.py) may start while the
 // kernel before it on the stream still runs.  Every kernel therefore calls PDL_WAIT()
 // before it reads anything an earlier kernel writes, and before it writes anything at all;
-// what it does before that may only read memory no kernel writes (the weights).
+// what it does before that may only read memory no kernel of the step writes: the
+// weights and constants, the step's inputs (copied in before its first kernel, which
+// goes out plain: pdl.fence), and KV entries of positions an earlier step wrote.
 // PDL_TRIGGER() lets the next kernel's blocks start (onto free SMs) once every block of
 // this one has passed it; a kernel that never calls it triggers as it exits.
 // Below sm_90 both are nothing, and a kernel launched without the attribute finds its

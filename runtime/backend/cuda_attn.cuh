@@ -62,15 +62,27 @@ ADEV float ldf(const float* p) {
 // in shared memory (sm_m, sm_l [NW][G], sm_acc [NW][G][HD]); with one split the
 // result goes to out, else (max, sum, weighted V) to part_* for attn_merge_head.
 // qf(g, d): query head kh*G+g, dim d (rotated); sync(): barrier of the NW warps.
+// Key j's K and V rows, lane's HD/32 dims of kv head kh (a table entry, then the rows).
+template <int HD>
+ADEV void attn_key(const __half* kp, const __half* vp, const int* table, int j, int block_size, int kvh, int kh,
+                   int lane, float* kn, float* vn) {
+    constexpr int DPL = HD / 32;
+    const long long rowstride = (long long)kvh * HD;
+    const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+    load_h<DPL>(kp + slot * rowstride + kh * HD + lane * DPL, kn);
+    load_h<DPL>(vp + slot * rowstride + kh * HD + lane * DPL, vn);
+}
+
+// attn_split with the warp's first key (j0 + warp, when < j1) already in kn / vn: a
+// caller may load it early (the decode kernel does, before its wait on the kernel ahead).
 template <int HD, int G, int NW, class QF, class SYNC>
-ADEV void attn_split(const QF& qf, const SYNC& sync, const __half* kp, const __half* vp, const int* table,
-                     int j0, int j1, int block_size, int kvh, int kh, int t, int sp, int n_splits, float scale,
-                     float* sm_m, float* sm_l, float* sm_acc, int tid, float* part_m, float* part_l,
-                     float* part_acc, float* out) {
+ADEV void attn_split_from(const QF& qf, const SYNC& sync, const __half* kp, const __half* vp, const int* table,
+                          int j0, int j1, int block_size, int kvh, int kh, int t, int sp, int n_splits, float scale,
+                          float* sm_m, float* sm_l, float* sm_acc, int tid, float* part_m, float* part_l,
+                          float* part_acc, float* out, float (&kn)[HD / 32], float (&vn)[HD / 32]) {
     constexpr int DPL = HD / 32;
     const int warp = tid >> 5, lane = tid & 31;
     const int H = kvh * G;
-    const long long rowstride = (long long)kvh * HD;
     float qr[G][DPL], m[G], l[G], acc[G][DPL];
 #pragma unroll
     for (int g = 0; g < G; g++) {
@@ -80,23 +92,12 @@ ADEV void attn_split(const QF& qf, const SYNC& sync, const __half* kp, const __h
     }
     // the next key's K/V rows are loaded while this key is computed (the walk is a
     // chain of dependent loads: table entry, then the rows)
-    float kn[DPL], vn[DPL];
     int j = j0 + warp;
-    if (j < j1) {
-        const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-        load_h<DPL>(kp + slot * rowstride + kh * HD + lane * DPL, kn);
-        load_h<DPL>(vp + slot * rowstride + kh * HD + lane * DPL, vn);
-    }
     for (; j < j1; j += NW) {
         float kf[DPL], vf[DPL];
 #pragma unroll
         for (int i = 0; i < DPL; i++) { kf[i] = kn[i]; vf[i] = vn[i]; }
-        if (j + NW < j1) {
-            const int jn = j + NW;
-            const long long slot = (long long)table[jn / block_size] * block_size + jn % block_size;
-            load_h<DPL>(kp + slot * rowstride + kh * HD + lane * DPL, kn);
-            load_h<DPL>(vp + slot * rowstride + kh * HD + lane * DPL, vn);
-        }
+        if (j + NW < j1) attn_key<HD>(kp, vp, table, j + NW, block_size, kvh, kh, lane, kn, vn);
 #pragma unroll
         for (int g = 0; g < G; g++) {
             float s = 0.f;
@@ -141,6 +142,18 @@ ADEV void attn_split(const QF& qf, const SYNC& sync, const __half* kp, const __h
             if (d == 0) { part_m[pi] = mx; part_l[pi] = L; }
         }
     }
+}
+
+// One (context split, kv head, token): attn_split_from with the first key loaded here.
+template <int HD, int G, int NW, class QF, class SYNC>
+ADEV void attn_split(const QF& qf, const SYNC& sync, const __half* kp, const __half* vp, const int* table,
+                     int j0, int j1, int block_size, int kvh, int kh, int t, int sp, int n_splits, float scale,
+                     float* sm_m, float* sm_l, float* sm_acc, int tid, float* part_m, float* part_l,
+                     float* part_acc, float* out) {
+    float kn[HD / 32], vn[HD / 32];
+    if (j0 + (tid >> 5) < j1) attn_key<HD>(kp, vp, table, j0 + (tid >> 5), block_size, kvh, kh, tid & 31, kn, vn);
+    attn_split_from<HD, G, NW>(qf, sync, kp, vp, table, j0, j1, block_size, kvh, kh, t, sp, n_splits, scale,
+                               sm_m, sm_l, sm_acc, tid, part_m, part_l, part_acc, out, kn, vn);
 }
 
 // the context splits of (token t, query head h) combined, dims d = tid, tid + nt, ...:

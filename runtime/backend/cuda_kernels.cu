@@ -112,7 +112,6 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
         const int* __restrict__ positions, int block_size, int window, float scale, int n_splits, int kvh,
         float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc,
         float* __restrict__ out) {
-    PDL_ENTER();
     __shared__ float sm_m[ATT_WARPS * ATT_G], sm_l[ATT_WARPS * ATT_G];
     __shared__ float sm_acc[ATT_WARPS * ATT_G * ATT_HD];
     const int sp = blockIdx.x, kh = blockIdx.y, t = blockIdx.z;
@@ -122,10 +121,60 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
     const int j0 = lo + sp * chunk;
     const int j1 = min(pos + 1, j0 + chunk);
     const int* table = tables + (long long)seq_of_token[t] * max_blocks;
+    // The step's inputs (positions, tables) and the K/V rows of positions before the
+    // step's first new token (an earlier step wrote them; a sequence has at most
+    // gridDim.z new tokens) are read before the wait (pdl.cuh): the table walk and the
+    // warp's first key overlap the kernel ahead.
+    const int jf = j0 + (threadIdx.x >> 5);
+    float kn[ATT_HD / 32], vn[ATT_HD / 32];
+    const bool early = jf < j1 && jf <= pos - (int)gridDim.z;
+    if (early) attn_key<ATT_HD>(kp, vp, table, jf, block_size, kvh, kh, threadIdx.x & 31, kn, vn);
+    PDL_ENTER();
+    if (!early && jf < j1) attn_key<ATT_HD>(kp, vp, table, jf, block_size, kvh, kh, threadIdx.x & 31, kn, vn);
     const QMem qf{q + ((long long)t * kvh * ATT_G + kh * ATT_G) * ATT_HD};
-    attn_split<ATT_HD, ATT_G, ATT_WARPS>(qf, BlockSync{}, kp, vp, table, j0, j1, block_size, kvh, kh, t, sp,
-                                         n_splits, scale, sm_m, sm_l, sm_acc, threadIdx.x, part_m, part_l,
-                                         part_acc, out);
+    attn_split_from<ATT_HD, ATT_G, ATT_WARPS>(qf, BlockSync{}, kp, vp, table, j0, j1, block_size, kvh, kh, t, sp,
+                                              n_splits, scale, sm_m, sm_l, sm_acc, threadIdx.x, part_m, part_l,
+                                              part_acc, out, kn, vn);
+}
+
+// attn_merge_head's sums for up to MERGE_MAX splits in two trips to memory: every
+// split's (max, sum) at once, one thread a split, and each split's weight
+// exp(m - max) computed once into shared memory; then every split's part of a dim at
+// once.  The float operations and their order are attn_merge_head's.
+#define MERGE_MAX 64
+template <int HD, int G>
+ADEV void attn_merge_staged(const float* __restrict__ part_m, const float* __restrict__ part_l,
+                            const float* __restrict__ part_acc, int n_splits, int kvh, int t, int h,
+                            float* __restrict__ out, int tid, int nt) {
+    __shared__ float s_l[MERGE_MAX], s_c[MERGE_MAX], s_mx[32];
+    const int H = kvh * G;
+    const int kh = h / G, g = h % G;
+    const long long base = (long long)(t * kvh + kh) * n_splits;
+    float lv = 0.f, mv = NEG_INF;
+    if (tid < n_splits) { lv = part_l[(base + tid) * G + g]; mv = part_m[(base + tid) * G + g]; }
+    float mx = lv > 0.f ? mv : NEG_INF;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if ((tid & 31) == 0) s_mx[tid >> 5] = mx;
+    __syncthreads();
+    mx = NEG_INF;
+    for (int w = 0; w < (nt + 31) / 32; w++) mx = fmaxf(mx, s_mx[w]);
+    if (tid < n_splits) { s_l[tid] = lv; s_c[tid] = lv > 0.f ? expf(mv - mx) : 0.f; }
+    __syncthreads();
+    for (int d = tid; d < HD; d += nt) {
+        float av[MERGE_MAX];
+#pragma unroll
+        for (int s = 0; s < MERGE_MAX; s++) av[s] = s < n_splits ? part_acc[((base + s) * G + g) * HD + d] : 0.f;
+        float L = 0.f, A = 0.f;
+#pragma unroll
+        for (int s = 0; s < MERGE_MAX; s++) {
+            if (s < n_splits && s_l[s] > 0.f) {
+                L = fmaf(s_l[s], s_c[s], L);
+                A = fmaf(av[s], s_c[s], A);
+            }
+        }
+        out[((long long)t * H + h) * HD + d] = L > 0.f ? A / L : 0.f;
+    }
 }
 
 // combine the context splits: one block per (token, query head), one thread per dim
@@ -134,6 +183,11 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_m, const fl
                                       float* __restrict__ out) {
     PDL_ENTER();
     const int H = kvh * ATT_G;
+    if (n_splits <= MERGE_MAX && (int)blockDim.x >= n_splits) {
+        attn_merge_staged<ATT_HD, ATT_G>(part_m, part_l, part_acc, n_splits, kvh, blockIdx.x / H, blockIdx.x % H,
+                                         out, threadIdx.x, blockDim.x);
+        return;
+    }
     attn_merge_head<ATT_HD, ATT_G, false>(part_m, part_l, part_acc, n_splits, kvh, blockIdx.x / H, blockIdx.x % H,
                                           out, threadIdx.x, blockDim.x);
 }
@@ -146,15 +200,18 @@ extern "C" __global__ void rope_qk_kv_write(float* q, float* k, const float* __r
                                             __half* kp, __half* vp, const int* __restrict__ slots,
                                             const int* __restrict__ positions, const float* __restrict__ inv_freq,
                                             int N, int H, int KVH, int D, int neox, float pos_scale) {
-    PDL_ENTER();
     const int half = D / 2;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)N * (H + KVH) * half) return;
+    const bool live = i < (long long)N * (H + KVH) * half;
     const int p = (int)(i % half);
     const int hh = (int)((i / half) % (H + KVH));
     const int t = (int)(i / ((long long)half * (H + KVH)));
-    float c, s;
-    rope_cs(positions[t], pos_scale, inv_freq[p], c, s);
+    // the angle from the step's positions and the constant frequencies: before the wait
+    // (pdl.cuh), so its double-precision sin / cos overlap the kernel ahead
+    float c = 0.f, s = 0.f;
+    if (live) rope_cs(positions[t], pos_scale, inv_freq[p], c, s);
+    PDL_ENTER();
+    if (!live) return;
     const int ia = neox ? p : 2 * p, ib = neox ? p + half : 2 * p + 1;
     if (hh < H) {
         float* xr = q + ((long long)t * H + hh) * D;
