@@ -308,13 +308,23 @@ __global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int l
                                               const float* __restrict__ pu, float eps, int K,
                                               signed char* __restrict__ xq, float* __restrict__ xd,
                                               float* __restrict__ xs, short* __restrict__ xi) {
-    PDL_ENTER();
     const int n = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float* xr = x + (long long)n * ldx;
+    const int e = (blockIdx.x * 8 + warp) * 256 + lane * 8;
+    const bool ok = e < K;                    // whole groups of 4 lanes (K % 32 == 0)
+    float w[8];                               // the norm's weights: no kernel writes them,
+    if constexpr (PRO == 1) {                 // so they load before the wait (pdl.cuh)
+        if (ok) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) w[i] = pw[e + i];
+        }
+    }
+    PDL_ENTER();
     float rn = 1.f;
     if constexpr (PRO == 1) {                 // every block sums the whole row's squares
         __shared__ float gs[Q8_MAXG];
         const int ng = (K + 255) / 256;
+#pragma unroll 2
         for (int g = warp; g < ng; g += 8) {
             const int e = g * 256 + lane * 8;
             float v[8];
@@ -325,8 +335,6 @@ __global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int l
         __syncthreads();
         rn = q8_rn(gs, ng, K, eps);
     }
-    const int e = (blockIdx.x * 8 + warp) * 256 + lane * 8;
-    const bool ok = e < K;                    // whole groups of 4 lanes (K % 32 == 0)
     float v[8];
     if (ok) {
         const float4 a = *(const float4*)(xr + e), b = *(const float4*)(xr + e + 4);
@@ -334,7 +342,7 @@ __global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int l
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             if constexpr (PRO == 1) {
-                v[i] = v[i] * rn * pw[e + i];
+                v[i] = v[i] * rn * w[i];
             } else if constexpr (PRO == 2) {
                 v[i] = silu_mul(v[i], pu[(long long)n * ldx + e + i]);
             } else if constexpr (PRO == 3) {
