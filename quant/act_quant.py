@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .ir import _f32, _fn, _i32, _v16f32, _v16i8, _v16i32
+from .ir import _f32, _fn, _i8, _i32, _v16f32, _v16i8, _v16i32
 
 F32 = np.float32
 
@@ -38,10 +38,6 @@ def _quantize_block(xr, o, L, q, qo):
     for i in range(L):
         q[qo + i] = np.rint(xr[o + i] * idv)
     return amax / F32(127.0)
-
-
-# the order of the 32-code chunks of a 256-block in Q4_K_ORDER (self-inverse)
-_Q4K_CHUNKS = np.array([0, 2, 1, 3, 4, 6, 5, 7], np.int64)
 
 
 @intrinsic
@@ -96,9 +92,12 @@ def q8_block(typingctx, L, src, so, dst, dst4, s16, s32, do, do16, do32):
             c = builder.fptosi(builder.call(rint, [builder.fmul(v, sv)]), _v16i32)
             c8 = builder.trunc(c, _v16i8)
             builder.store(c8, builder.bitcast(at(dp, dov, 16 * k), _v16i8.as_pointer()), align=1)
-            if want4:       # natural 32-chunk k // 2 lies at chunk _Q4K_CHUNKS[k // 2] (self-inverse)
-                o4 = 32 * int(_Q4K_CHUNKS[k // 2]) + 16 * (k % 2)
-                builder.store(c8, builder.bitcast(at(ptr(4, d4v), dov, o4), _v16i8.as_pointer()), align=1)
+            if want4:       # Q4_K_ORDER: the 8-code halves of natural piece k (weights 16k..)
+                v8i8 = ir.VectorType(_i8, 8)
+                for e in (0, 8):
+                    o4 = int(_Q4K_POS[16 * k + e])
+                    half = builder.shuffle_vector(c8, c8, ir.Constant(ir.VectorType(_i32, 8), list(range(e, e + 8))))
+                    builder.store(half, builder.bitcast(at(ptr(4, d4v), dov, o4), v8i8.as_pointer()), align=1)
             sums.append(builder.call(radd, [c]) if (want16 or want32) else None)
         for k, t in enumerate(sums):
             if want16:
@@ -189,10 +188,14 @@ def pair_order(K: int) -> np.ndarray:
 
 
 # Q4_K_ORDER[i]: the weight (within its 256-block) whose code lies at byte i of
-# the codes a Q4_K kernel unpacks from two 64-byte loads of nibbles: low nibbles
-# of qs[0:64] are weights 0-31 and 64-95, high nibbles 32-63 and 96-127, and so
-# on for the second half.
-Q4_K_ORDER = np.array([32 * c + i for c in _Q4K_CHUNKS for i in range(32)], np.int64)
+# the code vectors the Q4_K kernel (vnni_kq) makes from two 64-byte loads of
+# nibbles (qs byte b: low nibble weight b % 32 + 64 (b // 32), high nibble 32 more):
+# for half g of the block two vectors v (qword-interleaved low and high nibbles),
+# 128-bit lane L of each: 8 low-nibble codes, then the 8 high-nibble codes above them.
+Q4_K_ORDER = np.array([128 * g + 64 * (L // 2) + 16 * (L % 2) + 8 * v + 32 * hi + i
+                       for g in range(2) for v in range(2) for L in range(4) for hi in range(2) for i in range(8)],
+                      np.int64)
+_Q4K_POS = np.argsort(Q4_K_ORDER)           # where each weight's code lies
 
 
 @njit(cache=True)
