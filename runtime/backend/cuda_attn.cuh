@@ -55,13 +55,6 @@ ADEV float ldf(const float* p) {
     else return *p;
 }
 
-// One (context split, kv head, token) of paged attention with an online softmax,
-// flash-decoding style, by NW warps (tid 0 .. 32*NW-1): the G query heads that share
-// kv head kh walk keys j0..j1-1 (key j to warp (j-j0) % NW); each lane holds HD/32
-// dims; each K/V row is read once for the whole GQA group.  The warps' states merge
-// in shared memory (sm_m, sm_l [NW][G], sm_acc [NW][G][HD]); with one split the
-// result goes to out, else (max, sum, weighted V) to part_* for attn_merge_head.
-// qf(g, d): query head kh*G+g, dim d (rotated); sync(): barrier of the NW warps.
 // Key j's K and V rows, lane's HD/32 dims of kv head kh (a table entry, then the rows).
 template <int HD>
 ADEV void attn_key(const __half* kp, const __half* vp, const int* table, int j, int block_size, int kvh, int kh,
@@ -73,8 +66,16 @@ ADEV void attn_key(const __half* kp, const __half* vp, const int* table, int j, 
     load_h<DPL>(vp + slot * rowstride + kh * HD + lane * DPL, vn);
 }
 
-// attn_split with the warp's first key (j0 + warp, when < j1) already in kn / vn: a
-// caller may load it early (the decode kernel does, before its wait on the kernel ahead).
+// One (context split, kv head, token) of paged attention with an online softmax,
+// flash-decoding style, by NW warps (tid 0 .. 32*NW-1): the G query heads that share
+// kv head kh walk keys j0..j1-1 (key j to warp (j-j0) % NW); each lane holds HD/32
+// dims; each K/V row is read once for the whole GQA group.  The warps' states merge
+// in shared memory (sm_m, sm_l [NW][G], sm_acc [NW][G][HD]); with one split the
+// result goes to out, else (max, sum, weighted V) to part_* for attn_merge_head.
+// qf(g, d): query head kh*G+g, dim d (rotated); sync(): barrier of the NW warps.
+// attn_split_from takes the warp's first key (j0 + warp, when < j1) already in kn / vn:
+// a caller may load it early (the decode kernel does, before its wait on the kernel
+// ahead); attn_split below loads it itself.
 template <int HD, int G, int NW, class QF, class SYNC>
 ADEV void attn_split_from(const QF& qf, const SYNC& sync, const __half* kp, const __half* vp, const int* table,
                           int j0, int j1, int block_size, int kvh, int kh, int t, int sp, int n_splits, float scale,
