@@ -86,6 +86,7 @@ def q8_block(typingctx, L, src, so, dst, dst4, s16, s32, do, do16, do32):
         sv = builder.insert_element(ir.Constant(_v16f32, ir.Undefined), idv, ir.Constant(_i32, 0))
         sv = builder.shuffle_vector(sv, sv, ir.Constant(_v16i32, [0] * 16))
         rint = _fn(builder, "llvm.rint.v16f32", _v16f32, [_v16f32])
+        v8i8 = ir.VectorType(_i8, 8)
         radd = _fn(builder, "llvm.vector.reduce.add.v16i32", _i32, [_v16i32])
         sums = []
         for k, v in enumerate(vs):
@@ -93,7 +94,6 @@ def q8_block(typingctx, L, src, so, dst, dst4, s16, s32, do, do16, do32):
             c8 = builder.trunc(c, _v16i8)
             builder.store(c8, builder.bitcast(at(dp, dov, 16 * k), _v16i8.as_pointer()), align=1)
             if want4:       # Q4_K_ORDER: the 8-code halves of natural piece k (weights 16k..)
-                v8i8 = ir.VectorType(_i8, 8)
                 for e in (0, 8):
                     o4 = int(_Q4K_POS[16 * k + e])
                     half = builder.shuffle_vector(c8, c8, ir.Constant(ir.VectorType(_i32, 8), list(range(e, e + 8))))

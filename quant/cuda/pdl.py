@@ -9,16 +9,16 @@ matvecs issue their first weight loads, which no kernel writes, and then wait
 (`griddepcontrol.wait`) for the previous kernel's results.
 
 CuPy cannot set launch attributes, so `Kernel` launches through the driver's
-cuLaunchKernelEx by ctypes while `active()` (a decode step being captured: the ctypes
-cost is paid once, at capture) and through CuPy otherwise.  Every kernel the backends
-launch through it waits in its first lines (pdl.cuh), so a kernel launched either way
-computes the same thing.
+cuLaunchKernelEx by ctypes inside `capturing(True)` (a decode step being captured: the
+ctypes cost is paid once, at capture) and through CuPy otherwise.  Every kernel the backends
+launch through it waits (pdl.cuh) before it reads anything an earlier kernel of the step
+writes, so a kernel launched either way computes the same thing.
 
 MODE (LLAMBA_CUDA_PDL): 0 off, 1 (the default) a kernel triggers after its wait (one
 kernel ahead resident), 2 at its first instruction (two ahead).  H200, graph replay of a
 decode step (quant/cuda/NOTES.md): L8 Q4_K_M 2.447 -> 2.258 ms (mode 2: 2.283), Q15
 Q4_K_M 1.271 -> 1.077 ms; results bit-identical (tests/gpu/test_pdl.py).  Only devices of compute capability
-9.0 and newer take it; below that `active()` is never true.
+9.0 and newer (with a 12.3+ driver) take it; `available()` says whether a backend uses it.
 """
 from __future__ import annotations
 

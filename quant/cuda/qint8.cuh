@@ -326,9 +326,8 @@ __global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int l
         const int ng = (K + 255) / 256;
 #pragma unroll 2
         for (int g = warp; g < ng; g += 8) {
-            const int e = g * 256 + lane * 8;
             float v[8];
-            q8_load8(xr, e, K, v);
+            q8_load8(xr, g * 256 + lane * 8, K, v);
             const float t = q8_bfly(q8_ss8(v));
             if (lane == 0) gs[g] = t;
         }
