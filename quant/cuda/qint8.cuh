@@ -321,23 +321,31 @@ __global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int l
     }
     PDL_ENTER();
     float rn = 1.f;
+    float v[8];
     if constexpr (PRO == 1) {                 // every block sums the whole row's squares
         __shared__ float gs[Q8_MAXG];
-        const int ng = (K + 255) / 256;
+        const int ng = (K + 255) / 256, gown = e / 256;
+        // the warp's own group (gown = warp mod 8) is one of its groups here: its values
+        // are kept from this pass, so the row takes one trip to memory, not two
 #pragma unroll 2
         for (int g = warp; g < ng; g += 8) {
-            float v[8];
-            q8_load8(xr, g * 256 + lane * 8, K, v);
-            const float t = q8_bfly(q8_ss8(v));
+            float u[8];
+            q8_load8(xr, g * 256 + lane * 8, K, u);
+            const float t = q8_bfly(q8_ss8(u));
             if (lane == 0) gs[g] = t;
+            if (g == gown) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) v[i] = u[i];
+            }
         }
         __syncthreads();
         rn = q8_rn(gs, ng, K, eps);
     }
-    float v[8];
     if (ok) {
-        const float4 a = *(const float4*)(xr + e), b = *(const float4*)(xr + e + 4);
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        if constexpr (PRO != 1) {
+            const float4 a = *(const float4*)(xr + e), b = *(const float4*)(xr + e + 4);
+            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        }
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             if constexpr (PRO == 1) {
