@@ -75,8 +75,11 @@ ADEV void attn_key(const __half* kp, const __half* vp, const int* table, int j, 
 // qf(g, d): query head kh*G+g, dim d (rotated); sync(): barrier of the NW warps.
 // attn_split_from takes the warp's first key (j0 + warp, when < j1) already in kn / vn:
 // a caller may load it early (the decode kernel does, before its wait on the kernel
-// ahead); attn_split below loads it itself.
-template <int HD, int G, int NW, class QF, class SYNC>
+// ahead); attn_split below loads it itself.  PF: the warp's keys in flight (loaded
+// ahead of the one it computes): a warp's keys are a chain of dependent loads (table
+// entry, then the rows), so at long contexts the walk is latency; PF changes when a
+// key is loaded, never a sum.
+template <int HD, int G, int NW, int PF = 1, class QF, class SYNC>
 ADEV void attn_split_from(const QF& qf, const SYNC& sync, const __half* kp, const __half* vp, const int* table,
                           int j0, int j1, int block_size, int kvh, int kh, int t, int sp, int n_splits, float scale,
                           float* sm_m, float* sm_l, float* sm_acc, int tid, float* part_m, float* part_l,
@@ -91,27 +94,38 @@ ADEV void attn_split_from(const QF& qf, const SYNC& sync, const __half* kp, cons
         for (int i = 0; i < DPL; i++) { qr[g][i] = qf(g, lane * DPL + i) * scale; acc[g][i] = 0.f; }
         m[g] = NEG_INF; l[g] = 0.f;
     }
-    // the next key's K/V rows are loaded while this key is computed (the walk is a
-    // chain of dependent loads: table entry, then the rows)
-    int j = j0 + warp;
-    for (; j < j1; j += NW) {
-        float kf[DPL], vf[DPL];
+    // keys j0 + warp + NW r (r < PF) in a ring: key r's slot is refilled with key
+    // r + PF as soon as it has been copied out for computing
+    float kr[PF][DPL], vr[PF][DPL];
 #pragma unroll
-        for (int i = 0; i < DPL; i++) { kf[i] = kn[i]; vf[i] = vn[i]; }
-        if (j + NW < j1) attn_key<HD>(kp, vp, table, j + NW, block_size, kvh, kh, lane, kn, vn);
+    for (int i = 0; i < DPL; i++) { kr[0][i] = kn[i]; vr[0][i] = vn[i]; }
 #pragma unroll
-        for (int g = 0; g < G; g++) {
-            float s = 0.f;
+    for (int r = 1; r < PF; r++)
+        if (j0 + warp + NW * r < j1) attn_key<HD>(kp, vp, table, j0 + warp + NW * r, block_size, kvh, kh, lane, kr[r], vr[r]);
+    for (int jb = j0 + warp; jb < j1; jb += NW * PF) {
 #pragma unroll
-            for (int i = 0; i < DPL; i++) s = fmaf(qr[g][i], kf[i], s);
-            s = warp_sum(s);
-            // branch-free online softmax: the G heads' updates are independent chains
-            const float mn = fmaxf(m[g], s);
-            const float corr = expf(m[g] - mn), p = expf(s - mn);
-            l[g] = fmaf(l[g], corr, p);
+        for (int r = 0; r < PF; r++) {
+            const int j = jb + NW * r;
+            if (j < j1) {
+                float kf[DPL], vf[DPL];
 #pragma unroll
-            for (int i = 0; i < DPL; i++) acc[g][i] = fmaf(acc[g][i], corr, p * vf[i]);
-            m[g] = mn;
+                for (int i = 0; i < DPL; i++) { kf[i] = kr[r][i]; vf[i] = vr[r][i]; }
+                if (j + NW * PF < j1) attn_key<HD>(kp, vp, table, j + NW * PF, block_size, kvh, kh, lane, kr[r], vr[r]);
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    float s = 0.f;
+#pragma unroll
+                    for (int i = 0; i < DPL; i++) s = fmaf(qr[g][i], kf[i], s);
+                    s = warp_sum(s);
+                    // branch-free online softmax: the G heads' updates are independent chains
+                    const float mn = fmaxf(m[g], s);
+                    const float corr = expf(m[g] - mn), p = expf(s - mn);
+                    l[g] = fmaf(l[g], corr, p);
+#pragma unroll
+                    for (int i = 0; i < DPL; i++) acc[g][i] = fmaf(acc[g][i], corr, p * vf[i]);
+                    m[g] = mn;
+                }
+            }
         }
     }
 #pragma unroll

@@ -94,6 +94,9 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
 #define ATT_G 4
 #endif
 #define ATT_WARPS 4
+#ifndef ATT_PF
+#define ATT_PF 2                              // keys a warp has in flight (attn_split_from)
+#endif
 
 // Paged attention (see attn_split in cuda_attn.cuh): block (split sp, kv head kh,
 // token t), ATT_WARPS warps.  Token t at position pos attends to cache positions
@@ -132,7 +135,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
     PDL_ENTER();
     if (!early && jf < j1) attn_key<ATT_HD>(kp, vp, table, jf, block_size, kvh, kh, threadIdx.x & 31, kn, vn);
     const QMem qf{q + ((long long)t * kvh * ATT_G + kh * ATT_G) * ATT_HD};
-    attn_split_from<ATT_HD, ATT_G, ATT_WARPS>(qf, BlockSync{}, kp, vp, table, j0, j1, block_size, kvh, kh, t, sp,
+    attn_split_from<ATT_HD, ATT_G, ATT_WARPS, ATT_PF>(qf, BlockSync{}, kp, vp, table, j0, j1, block_size, kvh, kh, t, sp,
                                               n_splits, scale, sm_m, sm_l, sm_acc, threadIdx.x, part_m, part_l,
                                               part_acc, out, kn, vn);
 }
