@@ -113,7 +113,10 @@ def rows_q5_k(w, xq, xd, xb, out, a, wb, mb, m0, m1):
             out[r, m] = a[r]
 
 
-@njit(cache=True, fastmath=True)
+# no fastmath: with it LLVM contracted the float update differently where the serial and
+# the threaded callers inline this kernel (AVX2 hosts: rows 1e-6 apart), and a row's
+# result must not depend on how the rows are split over threads
+@njit(cache=True)
 def rows_q6_k(w, xq, xd, xb, out, a, wb, mb, m0, m1):
     """W rows [m0, m1) of out = x @ W.T (a, wb, mb: this worker's scratch)."""
     n = xq.shape[0]
