@@ -54,6 +54,14 @@ F32 = np.float32
 # 1 KB into L1 and 2 KB into L2 measured between the two.
 _LEG_PREFETCH = (4096, 2)
 
+
+def _prefetch_blocks(builder, w, b0, t, BB):
+    """Prefetch the bytes of blocks b0..b0+t-1 of the W row at w, _LEG_PREFETCH ahead."""
+    dist, loc = _LEG_PREFETCH
+    for j in range(0, t * BB, 64):
+        prefetch(builder, builder.gep(w, [builder.add(builder.mul(b0, _c(BB)), _c(dist + j))]), loc)
+
+
 # legacy kinds: (block bytes, min offset or -1, qh offset or -1, qs offset, code kind, offset)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 4
 _LEG = {Q4_0: (18, -1, -1, 2, "nib", 8), Q4_1: (20, 2, -1, 4, "nib", 0),
@@ -512,16 +520,10 @@ def leg_row1(typingctx, kind, src, nb, xq, xd, xsum, xs, r0, K, res):
         def vec8(p, b, t):
             return builder.load(builder.bitcast(builder.gep(p, [b]), ir.VectorType(t, 8).as_pointer()), align=4)
 
-        dist, loc = _LEG_PREFETCH
-
-        def ahead(b0, t):
-            for j in range(0, t * BB, 64):
-                prefetch(builder, builder.gep(w, [builder.add(builder.mul(b0, _c(BB)), _c(dist + j))]), loc)
-
         nq = builder.sdiv(nbv, _c(8))
         with cgutils.for_range(builder, nq) as loop:
             b0 = builder.mul(loop.index, _c(8))
-            ahead(b0, 8)
+            _prefetch_blocks(builder, w, b0, 8, BB)
             isum = block_sums(b0, 8)
             bi = builder.add(brow, b0)
             if OFF:
@@ -541,7 +543,7 @@ def leg_row1(typingctx, kind, src, nb, xq, xd, xsum, xs, r0, K, res):
             # (block after block through one accumulator lane, a serial chain, made
             # a row of 28 blocks cost 1.48 ns a block against 1.08 for long rows)
             with builder.if_then(builder.icmp_signed("==", rem, _c(t))):
-                ahead(b0, t)
+                _prefetch_blocks(builder, w, b0, t, BB)
                 isum = block_sums(b0, t)
                 bi = builder.add(brow, b0)
                 if OFF:
@@ -643,12 +645,14 @@ def leg_grp(typingctx, kind, R, src, nb, xg, xdg, xsumg, xsg, res):
         nq = builder.sdiv(nbv, _c(8))
         with cgutils.for_range(builder, nq) as loop:
             b0 = builder.mul(loop.index, _c(8))
+            _prefetch_blocks(builder, w, b0, 8, BB)
             for si in range(nst):
                 step(builder.add(b0, _c(si * G)), si, G)
         b0 = builder.mul(nq, _c(8))
         rem = builder.sub(nbv, b0)
         for t in range(1, 8):                          # rem == t: steps of the last t blocks
             with builder.if_then(builder.icmp_signed("==", rem, _c(t))):
+                _prefetch_blocks(builder, w, b0, t, BB)
                 for si in range((t + G - 1) // G):
                     step(builder.add(b0, _c(si * G)), si, min(G, t - si * G))
         av = [builder.load(a) for a in accs]
