@@ -206,14 +206,17 @@ class KController:
     pass; 32-element formats: row groups of 4, 8 or 16), and past a few rows
     the integer dot products, not the weight stream, set the time
     (Qwen2.5-Coder-1.5B, in 1-row steps: 2 rows 1.09, 3 rows 1.30, 4 rows 1.59,
-    5 rows 1.85, 6 rows 2.13, 8 rows 2.69).  So the candidates are a few k
-    whose k+1 rows fill a pass (CANDIDATES), and
+    5 rows 1.85, 6 rows 2.13, 8 rows 2.69).  So the candidates are a few k:
+    those whose k+1 rows fill a pass of the 32-element formats (1, 3, 7, 15)
+    and, for K-quant targets (one pass for up to 8 rows), 2, 4 and 5: with
+    the draft's 32-element kernels prefetching, its step fell to ~0.25 of the
+    target's and the best fixed k on the Qwen pair moved to 3-5.  And
     each one's verify time is a running average of its own measured rounds;
     an unmeasured k is estimated from t_plain plus the measured per-row cost.
     All costs are running averages of measured times; a comes from tested
     draft tokens with a weak prior.  k = 0 is plain decoding.
     """
-    CANDIDATES = (1, 2, 3, 7, 15)
+    CANDIDATES = (1, 2, 3, 4, 5, 7, 15)
     EXPLORE = 0.8
     # plain decoding must beat the best k by this factor to be chosen: the rates
     # are noisy running averages, and turning drafting off has a cost they leave
