@@ -47,11 +47,11 @@ from .vnni_kq import kq_rows, kq_span1
 
 F32 = np.float32
 
-# Software prefetch of a one-row kernel's weight stream: (bytes ahead, llvm
-# locality).  Without it the 32-element formats streamed at half of Q4_K's rate
-# (which prefetches, vnni_kq._PREFETCH): Qwen2.5-0.5B's draft step with its
-# matrices in Q4_0, Xeon (Emerald Rapids) 2 cores, 22.6-23.2 ms -> 11.2-15.8 ms.
-# 1 KB into L1 and 2 KB into L2 measured between the two.
+# Software prefetch of the 32-element formats' weight stream in the one-row and
+# row-group kernels: (bytes ahead, llvm locality).  Without it they streamed at
+# half of Q4_K's rate (which prefetches, vnni_kq._PREFETCH): Qwen2.5-0.5B's draft
+# step with its matrices in Q4_0, Xeon (Emerald Rapids) 2 cores, 22.6-23.2 ms ->
+# 11.2-16.7 ms.  1 KB into L1 and 2 KB into L2 measured between the two.
 _LEG_PREFETCH = (4096, 2)
 
 

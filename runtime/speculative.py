@@ -209,7 +209,7 @@ class KController:
     5 rows 1.85, 6 rows 2.13, 8 rows 2.69).  So the candidates are a few k:
     those whose k+1 rows fill a pass of the 32-element formats (1, 3, 7, 15)
     and, for K-quant targets (one pass for up to 8 rows), 2, 4 and 5: with
-    the draft's 32-element kernels prefetching, its step fell to ~0.25 of the
+    the draft's 32-element kernels prefetching, its step fell to 0.15-0.3 of the
     target's and the best fixed k on the Qwen pair moved to 3-5.  And
     each one's verify time is a running average of its own measured rounds;
     an unmeasured k is estimated from t_plain plus the measured per-row cost.
