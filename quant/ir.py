@@ -88,6 +88,13 @@ def prefetch(builder, ptr, locality):
                       ir.Constant(_i32, 1)])
 
 
+def prefetch_span(builder, p, off, nbytes, dist, locality):
+    """Prefetch every 64-byte line of the nbytes at p + off, dist bytes ahead (a weight
+    stream read a span a loop iteration: consecutive spans cover every line)."""
+    for j in range(0, nbytes, 64):
+        prefetch(builder, builder.gep(p, [builder.add(off, _c(dist + j))]), locality)
+
+
 def _splat(builder, v, vt):
     one = builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(_i32, 0))
     return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_i32, vt.count), [0] * vt.count))

@@ -42,7 +42,7 @@ from numba.extending import intrinsic
 from .act_quant import _grp_r as _grp_r_nb, group_q8_32, quantize_q8_256_i8, quantize_q8_32_i8
 from .ir import HAVE_VNNI  # noqa: F401  (this module's flag for its users: matmul_cpu, tests)
 from .ir import (_c, _data, _f32, _fma_t, _fn, _i1, _i16, _i32, _i64, _literal, _load_vec, _shuf, _splat,
-                 _v8f32, _v8i32, _v16f32, _v16i8, _v16i32, _v32i8, _v64i8, _vpdpbusd, _vpdpbusd512, prefetch)
+                 _v8f32, _v8i32, _v16f32, _v16i8, _v16i32, _v32i8, _v64i8, _vpdpbusd, _vpdpbusd512, prefetch_span)
 from .vnni_kq import kq_rows, kq_span1
 
 F32 = np.float32
@@ -57,9 +57,7 @@ _LEG_PREFETCH = (4096, 2)
 
 def _prefetch_blocks(builder, w, b0, t, BB):
     """Prefetch the bytes of blocks b0..b0+t-1 of the W row at w, _LEG_PREFETCH ahead."""
-    dist, loc = _LEG_PREFETCH
-    for j in range(0, t * BB, 64):
-        prefetch(builder, builder.gep(w, [builder.add(builder.mul(b0, _c(BB)), _c(dist + j))]), loc)
+    prefetch_span(builder, w, builder.mul(b0, _c(BB)), t * BB, *_LEG_PREFETCH)
 
 
 # legacy kinds: (block bytes, min offset or -1, qh offset or -1, qs offset, code kind, offset)

@@ -52,7 +52,7 @@ from numba.extending import intrinsic
 
 from .ir import (HAVE_GFNI, _c, _gf_bits, _data, _fma_t, _fn, _hsumf, _i8, _i16, _i32, _i64, _literal,
                  _load_half, _load_vec, _shuf, _splat, _v8f32, _v16f32, _v16i32, _v32i8, _v64i8,
-                 _vpdpbusd512, prefetch)
+                 _vpdpbusd512, prefetch, prefetch_span)
 
 Q4_K, Q6_K = 0, 1       # the kernel's kinds (literal arguments)
 
@@ -160,9 +160,7 @@ def _emit_rows(builder, k, nr, w, nsbv, xqp, xdp, xbp, r0v, Kv, acc, macc):
     with cgutils.for_range(builder, nsbv) as loop:
         sb = loop.index
         o = builder.mul(sb, _c(bb))
-        dist, loc = _PREFETCH[k]
-        for j in range(0, bb, 64):     # consecutive super-blocks cover every line
-            prefetch(builder, builder.gep(w, [builder.add(o, _c(dist + j))]), loc)
+        prefetch_span(builder, w, o, bb, *_PREFETCH[k])
         codes, subs = [], []                   # 4 x 64 codes, the sub-block of each int32 lane
         if k == Q4_K:
             d = _load_half(builder, w, o)
