@@ -217,8 +217,9 @@ def _vnni_buffers(scratch, kk, n, K, nch):
 def _vnni_grouped(kind, n):
     """Whether this kind and row count run the row-group kernels (vnni.leg_grp).
     K-quants never do: vnni_kq.kq_rows shares each W decode among up to 8 rows
-    itself, on the flat activation layout."""
-    return kind < 10 and n >= 2
+    itself, on the flat activation layout; nor do the 32-element formats' first
+    few rows (vnni.leg_rows)."""
+    return kind < 10 and n > KV.LEG_ROWS_MAX
 
 
 def _vnni_activations(scratch, x, kind, bufs, acts):

@@ -20,7 +20,8 @@ shuffles: 56 instructions for 8 Q4_0 blocks where one block a register took
 88 (Q4_0 0.86 -> 0.64 ns a block on one Zen4 core, Q4_1 0.91 -> 0.76, Q5_0
 1.09 -> 0.98, Q8_0 0.72 -> 0.76; same results bit for bit).
 
-32-element formats: one activation row (decode) leg_row1; two or more rows
+32-element formats: up to LEG_ROWS_MAX activation rows (decode, a draft's
+catch-up) leg_rows, each W row decoded once for them all; more rows
 (speculative verification, batched decode) leg_grp, the rows of a group in
 the lanes of one zmm register and each W block decoded once for the whole
 group (see "row groups" below).  K-quants (Q4_K, Q6_K): vnni_kq.kq_rows, up
@@ -54,6 +55,12 @@ F32 = np.float32
 # 11.2-16.7 ms.  1 KB into L1 and 2 KB into L2 measured between the two.
 _LEG_PREFETCH = (4096, 2)
 
+# Up to this many activation rows share one decode of a W row in the row kernel
+# (leg_rows); more rows take the row-group kernel (leg_grp), whose smallest group
+# is 4 rows.  Q4_0 9728x896 (a draft's catch-up), 2 rows: 0.35 ms in leg_rows
+# against 0.45 in a 4-row group (one row 0.31); at 3 rows the group was as fast.
+LEG_ROWS_MAX = 2
+
 
 def _prefetch_blocks(builder, w, b0, t, BB):
     """Prefetch the bytes of blocks b0..b0+t-1 of the W row at w, _LEG_PREFETCH ahead."""
@@ -77,13 +84,26 @@ def _nibbles(builder, q16):
 
 @njit(inline="always")
 def _leg_all(kind, w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
-    """Rows r < n (flat activations) one at a time against W rows m0..m1-1;
-    n >= 2 normally runs the row-group kernel (_grp_any) instead."""
+    """Rows r < n (flat activations) against W rows m0..m1-1, up to LEG_ROWS_MAX
+    rows a decode of the W row; more rows normally run the row-group kernel
+    (_grp_any) instead."""
     nb = K // 32
+    if n == 1:      # decode: its own loop (through the general one: Q4_0 9728x896 0.33-0.36 ms against 0.26-0.33)
+        for m in range(m0, m1):
+            leg_rows(kind, 1, w[m], nb, xq, xd, xsum, xs, 0, K, res)
+            out[0, m] = res[0]
+        return
     for m in range(m0, m1):
-        for r in range(n):
-            leg_row1(kind, w[m], nb, xq, xd, xsum, xs, r, K, res)
-            out[r, m] = res[0]
+        r = 0
+        while r < n:
+            t = min(n - r, LEG_ROWS_MAX)
+            if t == 1:
+                leg_rows(kind, 1, w[m], nb, xq, xd, xsum, xs, r, K, res)
+            else:
+                leg_rows(kind, 2, w[m], nb, xq, xd, xsum, xs, r, K, res)
+            for i in range(t):
+                out[r + i, m] = res[i]
+            r += t
 
 
 @njit(cache=True)
@@ -333,7 +353,7 @@ def grp_multi(kind, ws, xg, xdg, xa, xb, outs, res, n, K, cw, cm0, cm1):
 # ------------------------------------------------ 32-element formats, per block
 #
 # The float operations per (x row r, W row m), the same in the one-row kernel
-# (leg_row1) and the row-group kernel (leg_grp): per block b the integer dot
+# (leg_rows) and the row-group kernel (leg_grp): per block b the integer dot
 # I_b = sum(u * q) - OFF * xsum_b is exact; with j = b mod 8,
 #   a_j = fma(float(I_b), dw_b * dx_b, a_j)      (a_j = 0 at first)
 #   a_j = fma(mw_b, xs_b, a_j)                    (formats with a min)
@@ -430,53 +450,61 @@ def _pair_reduce(builder, ps):
 
 
 @intrinsic
-def leg_row1(typingctx, kind, src, nb, xq, xd, xsum, xs, r0, K, res):
-    """res[0] = row r0 of x . the W row src (32-element format `kind`), with
-    the flat activations of act_quant.quantize_q8_32_i8 (pair order).  Eight
-    blocks at a time, as four pairs: their integer dots reduced into one
-    vector (lane j: block 8q+j), then one vector of float operations."""
-    if not _literal(kind):
+def leg_rows(typingctx, kind, R, src, nb, xq, xd, xsum, xs, r0, K, res):
+    """res[i] = row r0+i of x . the W row src, i < R (1..LEG_ROWS_MAX), 32-element
+    format `kind`, with the flat activations of act_quant.quantize_q8_32_i8 (pair
+    order).  Eight blocks at a time, as four pairs: their integer dots reduced into
+    one vector per row (lane j: block 8q+j), then one vector of float operations a
+    row.  The W codes and scales are decoded once for all R rows; each row's
+    operations are exactly those of R = 1, so every R gives a row the same bits."""
+    if not (_literal(kind) and _literal(R)):
         return None
     k = kind.literal_value
+    nr = R.literal_value
+    assert 1 <= nr <= LEG_ROWS_MAX
     BB, MOFF, QHOFF, QSOFF, CODE, OFF = _LEG[k]
-    sig = types.void(kind, src, nb, xq, xd, xsum, xs, r0, K, res)
+    sig = types.void(kind, R, src, nb, xq, xd, xsum, xs, r0, K, res)
 
     def codegen(context, builder, signature, args):
         ta = signature.args
-        _, srcv, nbv, xqv, xdv, xsumv, xsv, r0v, Kv, resv = args
-        w = _data(context, builder, ta[1], srcv)
-        xqp = _data(context, builder, ta[3], xqv)
-        xdp = _data(context, builder, ta[4], xdv)
-        xsump = _data(context, builder, ta[5], xsumv)
-        xsp = _data(context, builder, ta[6], xsv)
-        resp = _data(context, builder, ta[9], resv)
+        _, _, srcv, nbv, xqv, xdv, xsumv, xsv, r0v, Kv, resv = args
+        w = _data(context, builder, ta[2], srcv)
+        xqp = _data(context, builder, ta[4], xqv)
+        xdp = _data(context, builder, ta[5], xdv)
+        xsump = _data(context, builder, ta[6], xsumv)
+        xsp = _data(context, builder, ta[7], xsv)
+        resp = _data(context, builder, ta[10], resv)
         nbv, r0v, Kv = [builder.sext(v, _i64) if v.type != _i64 else v for v in (nbv, r0v, Kv)]
-        xrow = builder.mul(r0v, Kv)
-        brow = builder.mul(r0v, nbv)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(_v8f32, None))
+        rows = [builder.add(r0v, _c(i)) for i in range(nr)]
+        xrows = [builder.mul(r, Kv) for r in rows]
+        brows = [builder.mul(r, nbv) for r in rows]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_v8f32, None)) for _ in range(nr)]
 
         def pair(b, lone=False):
-            """int32 lane sums of blocks b, b+1 (lanes 0-3: b, 4-7: b+1; lone: block b
-            alone in lanes 0-3): low-half codes against the x pair's first 32 bytes,
-            high-half codes against its second (act_quant's pair order), one
-            accumulator for both."""
+            """Per row, int32 lane sums of blocks b, b+1 (lanes 0-3: b, 4-7: b+1;
+            lone: block b alone in lanes 0-3): low-half codes against the x pair's
+            first 32 bytes, high-half codes against its second (act_quant's pair
+            order), one accumulator for both.  The codes are decoded once."""
             lo, hi = _pair_codes(builder, w, b, k, lone)
-            xo = builder.add(xrow, builder.mul(b, _c(32)))
-            if lone:
-                xl = _widen16(builder, _load_vec(builder, xqp, xo, _v16i8))
-                xh = _widen16(builder, _load_vec(builder, xqp, builder.add(xo, _c(16)), _v16i8))
-            else:
-                xl = _load_vec(builder, xqp, xo, _v32i8)
-                xh = _load_vec(builder, xqp, builder.add(xo, _c(32)), _v32i8)
-            return _vpdpbusd(builder, _vpdpbusd(builder, ir.Constant(_v8i32, None), lo, xl), hi, xh)
+            out = []
+            for xrow in xrows:
+                xo = builder.add(xrow, builder.mul(b, _c(32)))
+                if lone:
+                    xl = _widen16(builder, _load_vec(builder, xqp, xo, _v16i8))
+                    xh = _widen16(builder, _load_vec(builder, xqp, builder.add(xo, _c(16)), _v16i8))
+                else:
+                    xl = _load_vec(builder, xqp, xo, _v32i8)
+                    xh = _load_vec(builder, xqp, builder.add(xo, _c(32)), _v32i8)
+                out.append(_vpdpbusd(builder, _vpdpbusd(builder, ir.Constant(_v8i32, None), lo, xl), hi, xh))
+            return out
 
         def block_sums(b0, t):
-            """v8i32: lane j the exact integer dot of block b0 + j, j < t (0 beyond)."""
+            """Per row, v8i32: lane j the exact integer dot of block b0 + j, j < t (0 beyond)."""
             ps = [pair(builder.add(b0, _c(2 * i))) for i in range(t // 2)]
             if t % 2:
                 ps.append(pair(builder.add(b0, _c(t - 1)), lone=True))
-            ps += [ir.Constant(_v8i32, None)] * (4 - len(ps))
-            return _pair_reduce(builder, ps)
+            ps += [[ir.Constant(_v8i32, None)] * nr] * (4 - len(ps))
+            return [_pair_reduce(builder, [p[i] for p in ps]) for i in range(nr)]
 
         def halves(b0, off, t=8):
             """The f16 field at `off` of blocks b0..b0+t-1 as floats, 0.0 in lanes >= t
@@ -522,18 +550,19 @@ def leg_row1(typingctx, kind, src, nb, xq, xd, xsum, xs, r0, K, res):
         with cgutils.for_range(builder, nq) as loop:
             b0 = builder.mul(loop.index, _c(8))
             _prefetch_blocks(builder, w, b0, 8, BB)
-            isum = block_sums(b0, 8)
-            bi = builder.add(brow, b0)
-            if OFF:
-                isum = builder.sub(isum, builder.mul(vec8(xsump, bi, _i32), ir.Constant(_v8i32, [OFF] * 8)))
+            isums = block_sums(b0, 8)
             # two fields (Q4_1, Q5_1) share the permutes' loads: 8% faster; one field
             # alone (Q4_0, Q5_0, Q8_0) measured the same or slower than inserting
             hs = fields8(b0, [0, MOFF]) if MOFF >= 0 else [halves(b0, 0)]
-            s = builder.fmul(hs[0], vec8(xdp, bi, _f32))
-            a = _fma_t(builder, builder.sitofp(isum, _v8f32), s, builder.load(acc))
-            if MOFF >= 0:
-                a = _fma_t(builder, hs[1], vec8(xsp, bi, _f32), a)
-            builder.store(a, acc)
+            for isum, brow, acc in zip(isums, brows, accs):
+                bi = builder.add(brow, b0)
+                if OFF:
+                    isum = builder.sub(isum, builder.mul(vec8(xsump, bi, _i32), ir.Constant(_v8i32, [OFF] * 8)))
+                s = builder.fmul(hs[0], vec8(xdp, bi, _f32))
+                a = _fma_t(builder, builder.sitofp(isum, _v8f32), s, builder.load(acc))
+                if MOFF >= 0:
+                    a = _fma_t(builder, hs[1], vec8(xsp, bi, _f32), a)
+                builder.store(a, acc)
         b0 = builder.mul(nq, _c(8))
         rem = builder.sub(nbv, b0)
         for t in range(1, 8):
@@ -542,21 +571,25 @@ def leg_row1(typingctx, kind, src, nb, xq, xd, xsum, xs, r0, K, res):
             # a row of 28 blocks cost 1.48 ns a block against 1.08 for long rows)
             with builder.if_then(builder.icmp_signed("==", rem, _c(t))):
                 _prefetch_blocks(builder, w, b0, t, BB)
-                isum = block_sums(b0, t)
-                bi = builder.add(brow, b0)
-                if OFF:
-                    isum = builder.sub(isum, builder.mul(_lanes(builder, xsump, bi, t, _i32),
-                                                         ir.Constant(_v8i32, [OFF] * 8)))
-                sc = builder.fmul(halves(b0, 0, t), _lanes(builder, xdp, bi, t, _f32))
-                old = builder.load(acc)
-                a = _fma_t(builder, builder.sitofp(isum, _v8f32), sc, old)
-                if MOFF >= 0:
-                    a = _fma_t(builder, halves(b0, MOFF, t), _lanes(builder, xsp, bi, t, _f32), a)
+                isums = block_sums(b0, t)
+                d = halves(b0, 0, t)
+                m = halves(b0, MOFF, t) if MOFF >= 0 else None
                 keep = ir.Constant(ir.VectorType(_i1, 8), [int(j < t) for j in range(8)])
-                builder.store(builder.select(keep, a, old), acc)
-        av = builder.load(acc)
-        builder.store(_tree8(builder, [builder.extract_element(av, _c(j, _i32)) for j in range(8)]),
-                      builder.gep(resp, [_c(0)]))
+                for isum, brow, acc in zip(isums, brows, accs):
+                    bi = builder.add(brow, b0)
+                    if OFF:
+                        isum = builder.sub(isum, builder.mul(_lanes(builder, xsump, bi, t, _i32),
+                                                             ir.Constant(_v8i32, [OFF] * 8)))
+                    sc = builder.fmul(d, _lanes(builder, xdp, bi, t, _f32))
+                    old = builder.load(acc)
+                    a = _fma_t(builder, builder.sitofp(isum, _v8f32), sc, old)
+                    if MOFF >= 0:
+                        a = _fma_t(builder, m, _lanes(builder, xsp, bi, t, _f32), a)
+                    builder.store(builder.select(keep, a, old), acc)
+        for i, acc in enumerate(accs):
+            av = builder.load(acc)
+            builder.store(_tree8(builder, [builder.extract_element(av, _c(j, _i32)) for j in range(8)]),
+                          builder.gep(resp, [_c(i)]))
         return context.get_dummy_value()
 
     return sig, codegen

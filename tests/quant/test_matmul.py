@@ -186,8 +186,8 @@ def test_single_row_multi_w_row_path(qtype, K, rng):
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
                                    GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
 def test_row_groups_long_rows(qtype, rng):
-    """Row-group kernels (n >= 2: groups of 4, 8 or 16 rows in vector lanes)
-    and the one-row kernel on rows long enough for their main loops and every
+    """Row-group kernels (n >= 3: groups of 4, 8 or 16 rows in vector lanes)
+    and the row kernel (1-2 rows a W decode) on rows long enough for their main loops and every
     tail (K = 1248 / 1280: 39 / 40 blocks; 5 super-blocks): each row equals its
     n=1 value bit for bit for every n <= 16, and n = 17..31 (several groups)
     stays within the bound."""
