@@ -342,45 +342,50 @@ def chunk_cols(K: int) -> int:
     return 32
 
 
+@njit(inline="always")
+def _prep_tile(qt, wdata, m0, t, f, wp, P):
+    """W rows m0..m0+t-1 (t <= TILE, the rest zero) decoded and packed as bf16
+    pairs into wp [K/2, TILE]: Q4_K / Q6_K a super-block at a time straight into
+    pairs (P, 32 x 128: stays in L1), other types a column chunk at a time
+    dequantized into f (32 x chunk_cols(K) floats) and packed."""
+    K = 2 * wp.shape[0]
+    if qt == 12 or qt == 14:
+        for j in range(t, TILE):
+            P[j, :] = 0
+        for sb in range(K // 256):
+            if qt == 12:
+                deq_pack_k(12, wdata, m0, t, sb, P)
+            else:
+                deq_pack_k(14, wdata, m0, t, sb, P)
+            trans_tile(P, wp, sb * 128)
+    else:
+        ch = f.shape[1]
+        cb = wdata.shape[1] * ch // K          # bytes of a row's chunk
+        for j in range(t, TILE):
+            f[j, :] = 0
+        for k0 in range(0, K, ch):
+            b0 = k0 // ch * cb
+            for j in range(t):
+                deq_row(qt, wdata[m0 + j, b0:b0 + cb], f[j], 32)
+            pack_tile(f, wp, k0 // 2, ch // 2)
+
+
 @njit(parallel=True, cache=True)
 def gemm_bf16_tiles(qt, wdata, xb, n, out, fch, wpk, ct, pk):
     """out[:n] = x @ dequant(W).T in bf16: tiles of 32 W rows handed out to the
     pool (chunk size 1, set by the caller); each worker packs its tile into
-    wpk[thread] and runs the 8 x 32 kernel down all x rows.  Q4_K / Q6_K tiles
-    are decoded a super-block at a time straight into bf16 pairs (pk[thread],
-    32 x 128: stays in L1); other types are dequantized a column chunk at a time
-    into fch[thread] (32 x chunk_cols(K) floats) and packed."""
+    wpk[thread] (_prep_tile, with fch[thread] and pk[thread]) and runs the
+    8 x 32 kernel down all x rows."""
     M = wdata.shape[0]
     kp = xb.shape[1]
-    K = 2 * kp
-    ch = fch.shape[2]
-    cb = wdata.shape[1] * ch // K          # bytes of a row's chunk
     ntiles = (M + TILE - 1) // TILE
     for ti in prange(ntiles):
         tid = numba.get_thread_id()
-        f = fch[tid]
         wp = wpk[tid]
         c = ct[tid]
-        P = pk[tid]
         m0 = ti * TILE
         t = min(M, m0 + TILE) - m0
-        if qt == 12 or qt == 14:
-            for j in range(t, TILE):
-                P[j, :] = 0
-            for sb in range(K // 256):
-                if qt == 12:
-                    deq_pack_k(12, wdata, m0, t, sb, P)
-                else:
-                    deq_pack_k(14, wdata, m0, t, sb, P)
-                trans_tile(P, wp, sb * 128)
-        else:
-            for j in range(t, TILE):
-                f[j, :] = 0
-            for k0 in range(0, K, ch):
-                b0 = k0 // ch * cb
-                for j in range(t):
-                    deq_row(qt, wdata[m0 + j, b0:b0 + cb], f[j], 32)
-                pack_tile(f, wp, k0 // 2, ch // 2)
+        _prep_tile(qt, wdata, m0, t, fch[tid], wp, pk[tid])
         for i0 in range(0, n, ROWS):
             bf16_block(xb, i0, wp, kp, c)
             for i in range(min(ROWS, n - i0)):

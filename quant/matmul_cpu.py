@@ -40,6 +40,7 @@ import numba
 import numpy as np
 from numba.np.ufunc import parallel as _npar
 
+from . import amx as AMX
 from . import gemm_bf16 as GB
 from . import kernels_float as KF
 from . import kernels_k as KK
@@ -179,6 +180,7 @@ def _buffers(scratch, fam, n, K, nch):
 # Prompt processing in bfloat16 (quant/gemm_bf16.py) where the CPU has AVX512_BF16:
 # read per call, so tests can compare it with the float32 path.
 BF16_PREFILL = GB.HAVE_BF16
+USE_AMX = BF16_PREFILL and AMX.HAVE_AMX
 # Quantized weights only: float checkpoints (F32/F16/BF16) keep float32 activations,
 # so an unquantized model still reproduces its float reference to KL < 1e-4.
 _BF16_TYPES = frozenset(_K) | frozenset(_LEGACY)
@@ -360,23 +362,32 @@ def _pool_sgemm():
     return sg
 
 
+def _use_amx(K: int) -> bool:
+    """Whether a bf16 prompt matmul of row length K runs on AMX tiles (quant/amx.py)."""
+    return USE_AMX and K % 32 == 0
+
+
 def _pack_bf16(x, scratch):
-    """x as the bf16 pairs gemm_bf16 reads (rows padded to a multiple of ROWS)."""
+    """x as the bf16 pairs gemm_bf16 reads (rows padded to a multiple of its kernel's rows)."""
     n, K = x.shape
-    xb = scratch.get("bf16x", (-(-n // GB.ROWS) * GB.ROWS, K // 2), np.uint32)
+    rows = AMX.ROWS if _use_amx(K) else GB.ROWS
+    xb = scratch.get("bf16x", (-(-n // rows) * rows, K // 2), np.uint32)
     GB.pack_x(x, xb)
     return xb
 
 
 def _gemm_bf16(xb, n, W, out, scratch):
     """out = x @ W.T in bf16 products and fp32 sums (quant/gemm_bf16.py), x packed
-    by _pack_bf16: twice the float32 peak."""
+    by _pack_bf16: twice the float32 peak, or on AMX tiles (quant/amx.py) where the
+    CPU has them."""
     nt = numba.config.NUMBA_NUM_THREADS
     K = W.shape[-1]
-    _run_parallel(scratch, GB.gemm_bf16_tiles, int(W.qtype), W.data, xb, n, out,
+    amx = _use_amx(K)
+    kernel, rows = (AMX.gemm_amx_tiles, AMX.ROWS) if amx else (GB.gemm_bf16_tiles, GB.ROWS)
+    _run_parallel(scratch, kernel, int(W.qtype), W.data, xb, n, out,
                   scratch.get("bf16f", (nt, GB.TILE, GB.chunk_cols(K))),
                   scratch.get("bf16w", (nt, K // 2, GB.TILE), np.uint32),
-                  scratch.get("bf16c", (nt, GB.ROWS, GB.TILE)),
+                  scratch.get("bf16c" if not amx else "amxc", (nt, rows, GB.TILE)),
                   scratch.get("bf16p", (nt, GB.TILE, 128), np.uint32))
     return out
 

@@ -2,12 +2,15 @@
 pairs of the dequantized weights, whichever way a type is packed: K-quants
 decoded straight to pairs in IR (deq_pack_k + trans_tile), other types
 dequantized a column chunk at a time and packed (pack_tile).  The reference is
-`dequantize` (the scalar decoders) rounded to nearest-even bfloat16 in numpy."""
+`dequantize` (the scalar decoders) rounded to nearest-even bfloat16 in numpy.
+The AMX kernel (quant/amx.py) multiplies the same tiles and is held to the same
+bound."""
 import numba
 import numpy as np
 import pytest
 
 from quant import GGMLType, QTensor, dequantize
+from quant import amx as AMX
 from quant import gemm_bf16 as GB
 from conftest import random_weight_bytes
 
@@ -70,23 +73,32 @@ def test_float_rows_pack_exactly(K):
     np.testing.assert_array_equal(wp, _tile_ref(f, 0))
 
 
+KERNELS = [pytest.param("avx512", id="vdpbf16ps"),
+           pytest.param("amx", id="amx", marks=pytest.mark.skipif(not AMX.HAVE_AMX, reason="no AMX-BF16 tiles here"))]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("qtype,K", [(GGMLType.Q4_K, 512), (GGMLType.Q6_K, 768), (GGMLType.Q4_1, 576),
                                      (GGMLType.Q5_0, 896), (GGMLType.Q8_0, 640), (GGMLType.Q4_0, 1024)])
-def test_gemm_equals_bf16_reference(qtype, K):
+@pytest.mark.parametrize("n", [21, 70])
+def test_gemm_equals_bf16_reference(qtype, K, n, kernel):
     """The whole kernel: float32 sums of bf16 products of x and W, for every
-    way of preparing a tile and a partial last tile of W and of x."""
+    way of preparing a tile and a partial last tile of W and of x (70 rows:
+    AMX's 32-row passes, the last one partial)."""
     rng = np.random.default_rng(3)
-    M, n = 45, 21
+    M = 45
     w = random_weight_bytes(rng, qtype, M, K)
     Wd = dequantize(QTensor("w", qtype, (M, K), w)).astype(np.float32)
     x = rng.standard_normal((n, K)).astype(np.float32)
-    xb = np.zeros((-(-n // GB.ROWS) * GB.ROWS, K // 2), np.uint32)
+    rows = AMX.ROWS if kernel == "amx" else GB.ROWS
+    xb = np.zeros((-(-n // rows) * rows, K // 2), np.uint32)
     GB.pack_x(x, xb)
     out = np.zeros((n, M), np.float32)
     nt = numba.config.NUMBA_NUM_THREADS
-    GB.gemm_bf16_tiles(int(qtype), w, xb, n, out, np.zeros((nt, 32, GB.chunk_cols(K)), np.float32),
-                       np.zeros((nt, K // 2, 32), np.uint32), np.zeros((nt, GB.ROWS, 32), np.float32),
-                       np.zeros((nt, 32, 128), np.uint32))
+    fn = AMX.gemm_amx_tiles if kernel == "amx" else GB.gemm_bf16_tiles
+    fn(int(qtype), w, xb, n, out, np.zeros((nt, 32, GB.chunk_cols(K)), np.float32),
+       np.zeros((nt, K // 2, 32), np.uint32), np.zeros((nt, rows, 32), np.float32),
+       np.zeros((nt, 32, 128), np.uint32))
 
     def up(a):
         return (_bf16(a).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
