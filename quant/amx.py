@@ -33,7 +33,6 @@ LLAMBA_AMX=0 turns the path off.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numba
 from llvmlite import ir
@@ -42,7 +41,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .gemm_bf16 import TILE, _prep_tile
-from .ir import _c, _data, _fn, _i8, _i16, _i64, cpu_has
+from .ir import _c, _data, _fn, _i8, _i64, cpu_has
 
 ROWS = 32           # activation rows a pass (two A tiles)
 _SYS_ARCH_PRCTL = 158
@@ -59,20 +58,8 @@ def _request_tiles() -> bool:
         return False
 
 
-def _have_amx() -> bool:
-    if os.environ.get("LLAMBA_AMX", "1") == "0" or not cpu_has("LLAMBA_AMX", "avx512bf16"):
-        return False
-    try:
-        from llvmlite import binding
-        f = binding.get_host_cpu_features()
-        if not (f.get("amx-tile") and f.get("amx-bf16")):
-            return False
-    except Exception:
-        return False
-    return _request_tiles()
-
-
-HAVE_AMX = _have_amx()
+# the CPU (and the LLVM Numba compiles with) has the tiles, LLAMBA_AMX is not 0, and Linux grants them
+HAVE_AMX = cpu_has("LLAMBA_AMX", "avx512bf16", "amx-tile", "amx-bf16") and _request_tiles()
 
 # tile registers: C (accumulators) 0-3, A 4-5, B 6-7
 _C, _A, _B = (0, 1, 2, 3), (4, 5), (6, 7)
@@ -84,16 +71,15 @@ def _imm(t):
 
 def _tile_config(builder):
     """A 64-byte tile configuration: palette 1, all eight tiles 16 rows x 64 bytes."""
-    cfg = builder.alloca(ir.ArrayType(_i8, 64))
-    p = builder.bitcast(cfg, _i8.as_pointer())
-    for i in range(64):
-        builder.store(ir.Constant(_i8, 0), builder.gep(p, [_c(i)]))
-    builder.store(ir.Constant(_i8, 1), p)                       # palette_id
+    cfg = bytearray(64)
+    cfg[0] = 1                                  # palette_id
     for t in range(8):
-        colsb = builder.bitcast(builder.gep(p, [_c(16 + 2 * t)]), _i16.as_pointer())
-        builder.store(ir.Constant(_i16, 64), colsb)             # bytes a row
-        builder.store(ir.Constant(_i8, 16), builder.gep(p, [_c(48 + t)]))   # rows
-    return p
+        cfg[16 + 2 * t] = 64                    # bytes a row (u16, little-endian)
+        cfg[48 + t] = 16                        # rows
+    arr = ir.ArrayType(_i8, 64)
+    p = builder.alloca(arr)
+    builder.store(ir.Constant(arr, list(cfg)), p)
+    return builder.bitcast(p, _i8.as_pointer())
 
 
 @intrinsic

@@ -387,7 +387,7 @@ def _gemm_bf16(xb, n, W, out, scratch):
     _run_parallel(scratch, kernel, int(W.qtype), W.data, xb, n, out,
                   scratch.get("bf16f", (nt, GB.TILE, GB.chunk_cols(K))),
                   scratch.get("bf16w", (nt, K // 2, GB.TILE), np.uint32),
-                  scratch.get("bf16c" if not amx else "amxc", (nt, rows, GB.TILE)),
+                  scratch.get("bf16c", (nt, rows, GB.TILE)),
                   scratch.get("bf16p", (nt, GB.TILE, 128), np.uint32))
     return out
 
