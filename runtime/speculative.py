@@ -277,6 +277,14 @@ class KController:
         self.tested *= 0.25
         self.rounds = 0
 
+    def new_generation(self, k_max: int, adaptive: bool, k_fixed: int) -> None:
+        """Carry the model over to the next generation: the measured step costs stay
+        (the same two models on the same machine), the acceptance history counts half
+        (new text may be easier or harder to guess), and nothing is explored again."""
+        self.k_max, self.adaptive, self.k_fixed = k_max, adaptive, k_fixed
+        self.accepted *= 0.5
+        self.tested *= 0.5
+
     def observe_plain(self, seconds: float) -> None:
         self.t_plain = self._avg(self.t_plain, seconds)
 
@@ -414,6 +422,9 @@ class Drafter:
         self.vocab_ids = restrict_draft_vocab(draft, draft_vocab, stops)
         self.dseq: Sequence | None = None
         self.stats = SpecStats()
+        # kept from one generation to the next: each new message of a chat would
+        # otherwise pay again for timing a plain step and for exploring k
+        self.controller: KController | None = None
 
     @classmethod
     def load(cls, draft_model: str, target: Engine, k: int = 4, adaptive: bool = True,
@@ -512,8 +523,13 @@ class Drafter:
         holds every token of history but the last."""
         eng = self.target
         st = self.stats = SpecStats()
-        ctl = self.controller = KController(k_max=self.k, adaptive=self.adaptive,
-                                            k_fixed=self.k if not self.adaptive else min(self.k, 3))
+        k_fixed = self.k if not self.adaptive else min(self.k, 3)
+        ctl = self.controller
+        if ctl is None:
+            ctl = self.controller = KController(k_max=self.k, adaptive=self.adaptive, k_fixed=k_fixed)
+        else:
+            ctl.new_generation(self.k, self.adaptive, k_fixed)
+        st.t_plain = ctl.t_plain
         rng = np.random.default_rng(sampler.p.seed)
         tok = sampler.sample(logits, history)
         yield tok
@@ -523,8 +539,8 @@ class Drafter:
         losing = 0              # consecutive decisions for plain decoding
         rounds = 0
         while True:
-            if (rounds == 0 or ctl.t_plain is None and rounds <= 2
-                    or self.adaptive and rounds % self.PROBE_EVERY == 0):
+            if (ctl.t_plain is None and rounds <= 2
+                    or self.adaptive and rounds % self.PROBE_EVERY == self.PROBE_EVERY - 1):
                 k = 0           # time a plain step: the cost model and the speedup need it
             elif off_until > len(history):
                 k = 0

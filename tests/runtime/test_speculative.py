@@ -203,6 +203,40 @@ def test_stop_inside_a_round_and_multi_turn_reuse(smol_pair):
     assert draft_eng.stats()["blocks_used"] == 0
 
 
+def test_next_generation_starts_from_the_measured_costs(smol_pair):
+    """A Drafter's k controller outlives a generation (a chat's next message): the
+    second one drafts from its first round, with no plain step to time again, and
+    its output is still the target's."""
+    target, draft_eng = smol_pair
+    drafter = Drafter(draft_eng, target, k=4, adaptive=False)
+    first = _generate(target, "def fib(n):", GREEDY, 24, drafter)
+    ctl = drafter.controller
+    assert first.stats.speculative["plain_forwards"] >= 1 and ctl.t_plain is not None
+    plain = _generate(target, "class Stack:", GREEDY, 20)
+    spec = _generate(target, "class Stack:", GREEDY, 20, drafter)
+    assert spec.ids == plain.ids
+    sp = spec.stats.speculative
+    assert drafter.controller is ctl
+    assert sp["plain_forwards"] == 0 and sp["verify_forwards"] > 0, sp
+    assert sp["speedup"] > 0                # from the plain step time carried over
+    assert _released(target, first.seq, plain.seq, spec.seq) == 0
+    drafter.release()
+    assert draft_eng.stats()["blocks_used"] == 0
+
+
+def test_controller_carries_costs_not_acceptance_into_a_new_generation():
+    c = _controller(0.9, 0.08, 0.01, 0.004)
+    c.rounds, c.accepted, c.tested = 12, 90.0, 100.0
+    c.t_verify[3] = 0.1
+    best = c.choose()
+    c.new_generation(k_max=8, adaptive=True, k_fixed=3)
+    assert (c.t_plain, c.t_draft, c.t_row, c.t_verify) == (0.08, 0.01, 0.004, {3: 0.1})
+    assert (c.accepted, c.tested) == (45.0, 50.0) and c.rounds == 12
+    assert c.choose() == best               # no exploring from scratch
+    c.new_generation(k_max=2, adaptive=False, k_fixed=2)
+    assert c.choose() == 2
+
+
 def test_sampling_runs_and_rolls_back_without_leaks(smol_pair):
     target, draft_eng = smol_pair
     drafter = Drafter(draft_eng, target, k=4, adaptive=False, draft_vocab=2000)
