@@ -420,6 +420,26 @@ def test_controller_picks_k_from_acceptance_and_costs():
     assert c.choose() == min(c.k_fixed, c.k_max)
 
 
+def test_controller_trusts_what_rounds_of_k_emitted():
+    """Acceptance comes in stretches: at 92% a token, rounds of 7 drafts that keep
+    stopping at the second or third draft must not be chosen again because the
+    independent-token formula promises 5.4 tokens a round."""
+    c = _controller(0.92, 0.055, 0.008, 0.004)
+    for k in c.candidates():
+        c.t_verify[k] = c.verify_cost(k)
+    assert c.choose() == 7                  # the formula alone
+    for _ in range(6):
+        c.observe_round(7, 2, 0.008, c.t_verify[7])
+    assert c.expected_tokens(7) < 4.0
+    assert c.choose() != 7
+    # the estimate is a blend: the formula still counts while few rounds are behind it
+    c = _controller(0.92, 0.055, 0.008, 0.004)
+    model = c.expected_tokens(3)
+    c.observe_round(3, 3, 0.008, c.verify_cost(3))
+    c.accepted, c.tested = 920, 1000
+    assert model < c.expected_tokens(3) < 4.0
+
+
 def test_drafter_falls_back_when_drafting_does_not_pay(smol_pair):
     """A draft as large as its target (and often wrong) cannot pay: the adaptive Drafter must
     notice, decode plainly, and say so in the stats, with the output unchanged."""
