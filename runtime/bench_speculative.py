@@ -100,6 +100,7 @@ def run_spec_bench(args) -> int:
         entry = {"config": name, "k": k,
                  "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rows),
                  "speedup_median": statistics.median(r["ratio"] for r in rows),
+                 "speedup_range": [min(r["ratio"] for r in rows), max(r["ratio"] for r in rows)],
                  "cpu_tokens_per_s_median": statistics.median(r["cpu_tokens_per_s"] for r in rows),
                  "cpu_speedup_median": statistics.median(r["cpu_ratio"] for r in rows),
                  "identical_outputs": sum(r["identical"] for r in rows), "runs": len(rows)}
@@ -121,12 +122,13 @@ def run_spec_bench(args) -> int:
     print(f"\n{report['target']} drafted by {report['draft']} (draft vocab {vocab or 'all'}, "
           f"draft matrices {dq or 'none'}), greedy, "
           f"{n} tokens, {len(prompts)} prompts x {args.repetitions} reps, {report['threads']} threads")
-    print(f"{'config':28} {'t/s':>8} {'speedup':>8} {'cpu t/s':>8} {'speedup':>8} {'accept':>7} "
+    print(f"{'config':28} {'t/s':>8} {'speedup':>8} {'range':>11} {'cpu t/s':>8} {'speedup':>8} {'accept':>7} "
           f"{'tok/fwd':>8} {'identical':>10}   (medians; speedups are per-pair ratios)")
     for e in summary:
         acc = f"{e['acceptance_rate']:.0%}" if "acceptance_rate" in e else "-"
         tpf = f"{e['tokens_per_target_forward']:.2f}" if "tokens_per_target_forward" in e else "-"
-        print(f"{e['config']:28} {e['tokens_per_s_median']:8.2f} {e['speedup_median']:7.2f}x "
+        lo, hi = e["speedup_range"]
+        print(f"{e['config']:28} {e['tokens_per_s_median']:8.2f} {e['speedup_median']:7.2f}x {lo:5.2f}-{hi:.2f} "
               f"{e['cpu_tokens_per_s_median']:8.2f} {e['cpu_speedup_median']:7.2f}x {acc:>7} "
               f"{tpf:>8} {e['identical_outputs']:>4}/{e['runs']}")
     if best:

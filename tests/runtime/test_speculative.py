@@ -353,6 +353,28 @@ def test_cli_generate_json_has_speculative_stats(smol, capsys):
     assert sp["accepted"] <= sp["drafted"]
 
 
+def test_cli_bench_with_a_draft_reports_every_config(smol, capsys):
+    """`bench --draft-model`: the target alone, the adaptive draft and each swept k, side
+    by side, every output checked against the target's; --json carries the summary."""
+    from runtime.cli import main
+    rc = main(["bench", "-m", str(smol), "--draft-model", str(smol), "-n", "10", "-r", "1",
+               "--draft-sweep", "2", "--spec-prompt", "def add(a, b):", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    configs = {e["config"]: e for e in out["summary"]}
+    assert set(configs) == {"target", "draft adaptive k<=8", "draft k=2"}, set(configs)
+    for e in out["summary"]:
+        assert e["identical_outputs"] == e["runs"] == 1
+        lo, hi = e["speedup_range"]
+        assert lo <= e["speedup_median"] <= hi
+    assert configs["target"]["speedup_median"] == 1.0
+    # the target drafting for itself (its output layer cut to 32768 ids, its matrices
+    # re-encoded as Q4_0) guesses most tokens
+    assert configs["draft k=2"]["acceptance_rate"] > 0.5
+    assert configs["draft k=2"]["tokens_per_target_forward"] > 1.5
+    assert out["best_k"] == 2 and len(out["runs"]) == 3
+
+
 def test_cli_mismatched_draft_is_one_clean_line(model_path, smol, capsys):
     from runtime.cli import main
     rc = main(["generate", "-m", str(smol), "-p", "hi", "-n", "2",
