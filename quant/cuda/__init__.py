@@ -47,6 +47,8 @@ PROLOGUES = {"rmsnorm": 1, "silu": 2, "gelu": 3}
 ROWS_PER_BLOCK = 4
 # fp16 elements a dequantized GEMM tile may hold (128 MiB)
 GEMM_TILE_ELEMS = 64 << 20
+# threads a block of deq_f16 (its shared-memory stretch is sized for this many parts)
+DEQ_THREADS = 256
 
 STRUCT = {
     GGMLType.F32: "TF32", GGMLType.F16: "TF16", GGMLType.BF16: "TBF16",
@@ -536,7 +538,7 @@ def _gemm(x, W, y, bias, accumulate, ws: Workspace):
         tm = min(tile, M - r0)
         nparts = K // qk * ppb
         sub = W.data[r0 * W.row_nbytes:(r0 + tm) * W.row_nbytes]
-        _launch1d(deq, tm * nparts, (sub, np.int32(tm), np.int32(K), np.int64(W.row_nbytes), w16))
+        _launch1d(deq, tm * nparts, (sub, np.int32(tm), np.int32(K), np.int64(W.row_nbytes), w16), block=DEQ_THREADS)
         # row-major y[n, M] = x[n, K] @ w[M, K]^T  ==  column-major y^T = w^T(op T) x
         cublas.gemmEx(handle, 1, 0, tm, n, K,
                       ws._one.ctypes.data, w16.data.ptr, 2, K,
@@ -565,5 +567,5 @@ def dequantize_f16(W: DeviceWeight):
     qk = _KBLOCK[W.qtype][0]
     nparts = K // qk * (8 if qk == QK_K else 1)
     _launch1d(_mods.get(W.qtype)[f"deq_f16<{STRUCT[W.qtype]}>"], M * nparts,
-              (W.data, np.int32(M), np.int32(K), np.int64(W.row_nbytes), out))
+              (W.data, np.int32(M), np.int32(K), np.int64(W.row_nbytes), out), block=DEQ_THREADS)
     return out

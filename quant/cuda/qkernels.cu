@@ -176,25 +176,50 @@ __global__ void __launch_bounds__(128) mv(
 }
 
 // W rows [0, M) -> fp16 [M, K] (for the tensor-core GEMM of prompt processing).
+// The DEQ_THREADS parts of a thread block are consecutive, so together they cover one
+// stretch of the output (whole quant blocks, rows back to back): each thread decodes
+// its part into shared memory (16-byte stores), then the block writes the stretch
+// out with 16-byte stores, consecutive threads at consecutive addresses.  Each thread
+// writing its own 64 bytes straight out made every warp store touch 32 separate
+// segments: 340-360 GB/s on an H200, four times the GEMM's own time.
+#define DEQ_THREADS 256
 template <class T>
-__global__ void deq_f16(const u8* __restrict__ W, int M, int K, long long row_bytes, __half* out) {
+__global__ void __launch_bounds__(DEQ_THREADS) deq_f16(const u8* __restrict__ W, int M, int K, long long row_bytes,
+                                                       __half* out) {
     PDL_ENTER();
+    static_assert(T::RLEN % 8 == 0 && DEQ_THREADS % T::PPB == 0, "runs of whole 16-byte chunks");
+    __shared__ __align__(16) __half s[DEQ_THREADS * T::PE];
     const int nparts = (K / T::QK) * T::PPB;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)M * nparts) return;
-    const int m = (int)(i / nparts), p = (int)(i % nparts);
-    const int blk = p / T::PPB, part = p % T::PPB;
-    float q[T::PE], sc[T::NRUN], mn[T::NRUN];
-    T::decode(W + (long long)m * row_bytes + (long long)blk * T::BB, part, q, sc, mn);
-    __half* o = out + (long long)m * K + blk * T::QK;
+    const long long total = (long long)M * nparts;
+    const long long i0 = (long long)blockIdx.x * DEQ_THREADS;
+    const long long i = i0 + threadIdx.x;
+    if (i < total) {
+        const int m = (int)(i / nparts), p = (int)(i % nparts);
+        const int blk = p / T::PPB, part = p % T::PPB;
+        float q[T::PE], sc[T::NRUN], mn[T::NRUN];
+        T::decode(W + (long long)m * row_bytes + (long long)blk * T::BB, part, q, sc, mn);
+        __half* o = s + (threadIdx.x / T::PPB) * T::QK;      // this part's quant block in the stretch
 #pragma unroll
-    for (int u = 0; u < T::NRUN; u++) {
-        __half* ou = o + T::run_start(part, u);
+        for (int u = 0; u < T::NRUN; u++) {
+            __half* ou = o + T::run_start(part, u);
 #pragma unroll
-        for (int j = 0; j < T::RLEN; j += 2)
-            *(__half2*)(ou + j) = __floats2half2_rn(fmaf(sc[u], q[u * T::RLEN + j], mn[u]),
-                                                    fmaf(sc[u], q[u * T::RLEN + j + 1], mn[u]));
+            for (int j = 0; j < T::RLEN; j += 8) {
+                const float* qu = q + u * T::RLEN + j;
+                union { __half2 h[4]; uint4 v; } pk;
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    pk.h[e] = __floats2half2_rn(fmaf(sc[u], qu[2 * e], mn[u]), fmaf(sc[u], qu[2 * e + 1], mn[u]));
+                *(uint4*)(ou + j) = pk.v;
+            }
+        }
     }
+    __syncthreads();
+    const long long cnt = min((long long)DEQ_THREADS, total - i0);
+    const int m0 = (int)(i0 / nparts), b0 = (int)(i0 % nparts) / T::PPB;
+    uint4* dst = (uint4*)(out + (long long)m0 * K + (long long)b0 * T::QK);
+    const int n16 = (int)(cnt * T::PE / 8);
+    for (int k = threadIdx.x; k < n16; k += DEQ_THREADS)
+        dst[k] = ((const uint4*)s)[k];
 }
 
 // Rows ids[i] of W -> float32 out[i, :] * scale (embedding lookup).
