@@ -140,6 +140,129 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
                                               part_acc, out, kn, vn);
 }
 
+// Prompt attention (steps of more than 16 tokens of one sequence at consecutive
+// positions): block (query tile, kv head kh) of PRE_PQ tokens x G query heads, 4 warps.
+// Each tile of 32 keys is gathered from the paged cache once for all of the block's
+// rows, K transposed into shared memory (lane j reads key j's dims: no bank
+// conflicts), V as rows.  A warp takes rows warp, warp + 4, ...: lane j scores key j
+// against the row's query (read from shared memory, the same address for all lanes),
+// the row's online softmax takes the tile's max and sum over the lanes, and the lanes
+// then add p_j V_j into their HD/32 dims, p_j shuffled from lane j.  No N x N matrix:
+// per row a running (max, sum, HD sums).  The decode kernel above walked every key
+// of every token with a warp butterfly a key and head (~5 TFLOP/s at 512 tokens).
+// Not batch-invariant with the decode kernel (sums in another order): steps of up to
+// 16 tokens (decode, speculative verify) keep that one.
+#define PRE_BK 32
+#ifndef PRE_ROWS_MAX
+#define PRE_ROWS_MAX 32
+#endif
+#define PRE_ROWS (ATT_HD >= 256 ? 8 : PRE_ROWS_MAX)
+#define PRE_PQ (PRE_ROWS / ATT_G > 0 ? PRE_ROWS / ATT_G : 1)
+extern "C" __global__ void __launch_bounds__(128) attn_prefill(
+        const float* __restrict__ q, const __half* __restrict__ kp, const __half* __restrict__ vp,
+        const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,
+        const int* __restrict__ positions, int n, int block_size, int window, float scale, int kvh,
+        float* __restrict__ out) {
+    constexpr int HD = ATT_HD, G = ATT_G, PQ = PRE_PQ, ROWS = PQ * G, BK = PRE_BK, NW = 4;
+    constexpr int DP2 = HD / 64, RW = (ROWS + NW - 1) / NW;     // a lane's dims: DP2 pairs
+    static_assert(HD % 64 == 0, "head dim a multiple of 64");
+    __shared__ __align__(16) float sq[ROWS][HD];
+    __shared__ __half2 skt[HD / 2][BK + 1];    // K transposed, dims in pairs: lane j reads key j
+    __shared__ __align__(16) __half2 sv[BK][HD / 2];
+    PDL_ENTER();
+    // the last query tiles attend to the most keys: they go out first
+    const int t0 = (gridDim.x - 1 - blockIdx.x) * PQ, kh = blockIdx.y;
+    const int nq = min(PQ, n - t0);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int H = kvh * G;
+    const int p0 = positions[t0], plast = p0 + nq - 1;
+    const int* table = tables + (long long)seq_of_token[t0] * max_blocks;
+    for (int e = threadIdx.x; e < ROWS * HD; e += 128) {
+        const int r = e / HD, d = e % HD, tq = r / G;
+        sq[r][d] = tq < nq ? q[((long long)(t0 + tq) * H + kh * G + r % G) * HD + d] * scale : 0.f;
+    }
+    float acc[RW][2 * DP2], m[RW], l[RW];
+#pragma unroll
+    for (int i = 0; i < RW; i++) {
+        m[i] = NEG_INF; l[i] = 0.f;
+#pragma unroll
+        for (int k = 0; k < 2 * DP2; k++) acc[i][k] = 0.f;
+    }
+    const int lo = (window > 0 && p0 - window + 1 > 0) ? p0 - window + 1 : 0;
+    const long long rowstride = (long long)kvh * HD;
+    for (int j0 = lo; j0 <= plast; j0 += BK) {
+        __syncthreads();                      // the previous tile is used up (and sq written)
+        for (int e = threadIdx.x; e < BK * (HD / 8); e += 128) {
+            const int jj = e / (HD / 8), c = (e % (HD / 8)) * 8, j = j0 + jj;
+            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
+            if (j <= plast) {
+                const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+                kv4 = *(const uint4*)(kp + slot * rowstride + kh * HD + c);
+                vv4 = *(const uint4*)(vp + slot * rowstride + kh * HD + c);
+            }
+            *(uint4*)&sv[jj][c / 2] = vv4;
+            const __half2* k2 = (const __half2*)&kv4;
+#pragma unroll
+            for (int i = 0; i < 4; i++) skt[c / 2 + i][jj] = k2[i];
+        }
+        __syncthreads();
+        const int j = j0 + lane;
+#pragma unroll
+        for (int i = 0; i < RW; i++) {
+            const int r = warp + NW * i;
+            if (r >= ROWS) break;
+            const int tq = r / G, pr = p0 + tq;
+            const int lr = (window > 0 && pr - window + 1 > 0) ? pr - window + 1 : 0;
+            const bool valid = tq < nq && j <= pr && j >= lr;
+            // eight independent partial sums: the dot product is not one chain of HD FMAs
+            float sa[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int d = 0; d < HD; d += 8) {
+                const float4 qa = *(const float4*)&sq[r][d], qb = *(const float4*)&sq[r][d + 4];
+                const float2 k0 = __half22float2(skt[d / 2][lane]), k1 = __half22float2(skt[d / 2 + 1][lane]);
+                const float2 k2v = __half22float2(skt[d / 2 + 2][lane]), k3 = __half22float2(skt[d / 2 + 3][lane]);
+                sa[0] = fmaf(qa.x, k0.x, sa[0]); sa[1] = fmaf(qa.y, k0.y, sa[1]);
+                sa[2] = fmaf(qa.z, k1.x, sa[2]); sa[3] = fmaf(qa.w, k1.y, sa[3]);
+                sa[4] = fmaf(qb.x, k2v.x, sa[4]); sa[5] = fmaf(qb.y, k2v.y, sa[5]);
+                sa[6] = fmaf(qb.z, k3.x, sa[6]); sa[7] = fmaf(qb.w, k3.y, sa[7]);
+            }
+            float s = ((sa[0] + sa[1]) + (sa[2] + sa[3])) + ((sa[4] + sa[5]) + (sa[6] + sa[7]));
+            s = valid ? s : NEG_INF;
+            float mt = s;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+            if (mt == NEG_INF) continue;          // no key of this tile for this row (the whole warp agrees)
+            const float mn = fmaxf(m[i], mt);
+            const float corr = expf(m[i] - mn);
+            const float p = valid ? expf(s - mn) : 0.f;
+            l[i] = fmaf(l[i], corr, warp_sum(p));
+#pragma unroll
+            for (int k = 0; k < 2 * DP2; k++) acc[i][k] *= corr;
+#pragma unroll 8
+            for (int jj = 0; jj < BK; jj++) {
+                const float pj = __shfl_sync(0xffffffffu, p, jj);
+#pragma unroll
+                for (int k = 0; k < DP2; k++) {
+                    const float2 vf = __half22float2(sv[jj][lane + 32 * k]);
+                    acc[i][2 * k] = fmaf(pj, vf.x, acc[i][2 * k]);
+                    acc[i][2 * k + 1] = fmaf(pj, vf.y, acc[i][2 * k + 1]);
+                }
+            }
+            m[i] = mn;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < RW; i++) {
+        const int r = warp + NW * i;
+        if (r >= ROWS || r / G >= nq) continue;
+        float* o = out + ((long long)(t0 + r / G) * H + kh * G + r % G) * HD;
+        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+#pragma unroll
+        for (int k = 0; k < DP2; k++)
+            *(float2*)&o[2 * (lane + 32 * k)] = make_float2(acc[i][2 * k] * inv, acc[i][2 * k + 1] * inv);
+    }
+}
+
 // attn_merge_head's sums for up to MERGE_MAX splits in two trips to memory: every
 // split's (max, sum) at once, one thread a split, and each split's weight
 // exp(m - max) computed once into shared memory; then every split's part of a dim at

@@ -100,7 +100,8 @@ def _paged_step(rng, seq_lens, new, block_size, window, n_blocks):
 
 
 @pytest.mark.parametrize("hd,heads,kvh", [(64, 9, 3), (128, 12, 2), (256, 4, 1), (128, 32, 8)])
-@pytest.mark.parametrize("case", ["prefill", "decode", "decode-split", "window"])
+@pytest.mark.parametrize("case", ["prefill", "decode", "decode-split", "window", "prompt", "prompt-window",
+                                  "prompt-long"])
 def test_paged_attention(backends, hd, heads, kvh, case):
     import cupy as cp
     from runtime.backend.cuda import _DevStep, _pack_step, _views
@@ -112,6 +113,12 @@ def test_paged_attention(backends, hd, heads, kvh, case):
         lens, new = [0, 37], [20, 5]
     elif case == "window":
         lens, new, window = [300, 10], [3, 1], 64
+    elif case == "prompt":          # one sequence's prompt after 37 cached tokens: the tiled kernel
+        lens, new = [37], [40]
+    elif case == "prompt-window":   # a sliding window shorter than the prompt
+        lens, new, window = [10], [60], 24
+    elif case == "prompt-long":     # many key tiles, a partial last query tile
+        lens, new = [0], [203]
     else:
         lens, new = [450], [1]
     step = _paged_step(rng, lens, new, bs, window, n_blocks)
@@ -136,6 +143,7 @@ def test_paged_attention(backends, hd, heads, kvh, case):
     gpu.kv.v[0][:] = cp.asarray(vpool)
     flat, layout = _pack_step(step)
     dstep = _DevStep(step, _views(cp.asarray(flat), layout), splits)
+    assert dstep.prompt_tiles == case.startswith("prompt")
     gpu.arena.reset()
     got = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep).get()
     assert _rel(got, ref) < 1e-5, case
