@@ -1,0 +1,69 @@
+"""The CUDA sources compile for the oldest GPUs Llamba supports (sm_75) and for Hopper,
+without a GPU: NVRTC from the `nvidia-cuda-nvrtc-cu12` wheel, CUDA's headers from
+`nvidia-cuda-runtime-cu12` (pip install -e '.[cuda-dev]').  Skipped where they are not
+installed; the kernels' results are tested on a GPU (tests/gpu)."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+QUANT_CUDA = ROOT / "quant" / "cuda"
+BACKEND = ROOT / "runtime" / "backend"
+
+# each block format's struct in qblocks.cuh
+STRUCTS = ["TQ4_0", "TQ4_1", "TQ5_0", "TQ5_1", "TQ8_0", "TQ4_K", "TQ5_K", "TQ6_K", "TF32", "TF16", "TBF16"]
+ARCHS = ["compute_75", "compute_90"]
+
+
+def _nvrtc():
+    try:
+        import nvidia.cuda_nvrtc
+        import nvidia.cuda_runtime
+    except ImportError:
+        pytest.skip("NVRTC not installed (pip install -e '.[cuda-dev]')")
+    lib_dir = Path(list(nvidia.cuda_nvrtc.__path__)[0]) / "lib"
+    libs = sorted(lib_dir.glob("libnvrtc.so*")) + sorted(lib_dir.glob("nvrtc64*.dll"))
+    include = Path(list(nvidia.cuda_runtime.__path__)[0]) / "include"
+    if not libs or not (include / "cuda_fp16.h").exists():
+        pytest.skip("NVRTC wheel without its library or CUDA headers")
+    return ctypes.CDLL(str(libs[0])), include
+
+
+def _compile(source: Path, arch: str, options=(), names=()) -> str:
+    """NVRTC's log; fails the test on an error."""
+    lib, include = _nvrtc()
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.read_bytes(), source.name.encode(), 0, None, None) == 0
+    try:
+        for n in names:
+            assert lib.nvrtcAddNameExpression(prog, n.encode()) == 0
+        opts = [f"-arch={arch}", "-std=c++17", f"-I{include}", f"-I{QUANT_CUDA}", f"-I{BACKEND}", *options]
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        text = log.value.decode(errors="replace")
+        assert rc == 0, f"{source.name} {arch} {' '.join(options)}:\n{text[-3000:]}"
+        return text
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_weight_kernels_compile(arch):
+    names = ([f"deq_f16<{s}>" for s in STRUCTS] + [f"deq_rows<{s}>" for s in STRUCTS]
+             + [f"mv<{s},{r},4,0>" for s in STRUCTS for r in (1, 2)])
+    _compile(QUANT_CUDA / "qkernels.cu", arch, names=names)
+
+
+# (head dim, query heads per kv head) of the models Llamba runs: SmolLM2, Qwen2.5-0.5B,
+# Qwen2.5-1.5B, Llama 3 8B, Gemma 3 270M, and a multi-head-attention model
+@pytest.mark.parametrize("hd,g", [(64, 3), (64, 7), (128, 6), (128, 4), (256, 4), (64, 1)])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_step_kernels_compile(arch, hd, g):
+    _compile(BACKEND / "cuda_kernels.cu", arch, options=(f"-DATT_HD={hd}", f"-DATT_G={g}"))
