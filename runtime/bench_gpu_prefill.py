@@ -1,0 +1,72 @@
+"""Where a prompt's time goes on the GPU: `python -m runtime.bench_gpu_prefill` (on the device).
+
+For random-weight models of the issue's shapes (runtime/backend/cuda_synth.py), a 512-token
+prompt step timed with the prompt attention kernel (`attn_prefill`, 32 and 16 rows a block)
+and with the decode kernel, alternating in one process; then one step's eager GPU-time
+profile by op, and a 2048-token prompt fed in four steps of 512 with each kernel.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _pp(eng, toks, chunk=512):
+    import cupy as cp
+    seq = eng.new_sequence()
+    cp.cuda.runtime.deviceSynchronize()
+    t0 = time.perf_counter()
+    for i in range(0, len(toks), chunk):
+        eng.step([seq], [toks[i:i + chunk]])
+    cp.cuda.runtime.deviceSynchronize()
+    t = time.perf_counter() - t0
+    eng.release(seq)
+    return t
+
+
+def main(argv=None) -> int:
+    import runtime.backend.cuda as CB
+    from runtime.backend.cuda_synth import SHAPES, load_weights_only, write_random_gguf
+    from runtime.engine import Engine
+    shapes = (argv or sys.argv[1:]) or ["L8:Q4_K_M", "Q15:Q4_K_M"]
+    rng = np.random.default_rng(0)
+    for spec in shapes:
+        shape, mix = spec.split(":")
+        path = f"/tmp/llamba-{shape}-{mix}.gguf"
+        if not os.path.exists(path):
+            write_random_gguf(path, mix=mix, **SHAPES[shape])
+        eng = Engine(load_weights_only(path), device="cuda", n_ctx=4096)
+        toks = [int(t) for t in rng.integers(100, 30000, 2048)]
+        variants = (("tiles of 32 rows", 16, 32), ("tiles of 16 rows", 16, 16), ("decode kernel", 1 << 30, 32))
+        best = {}
+        for _ in range(2):
+            for label, threshold, rows in variants:
+                CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS = threshold, rows
+                _pp(eng, toks[:512])
+                t = min(_pp(eng, toks[:512]) for _ in range(3))
+                best[label] = min(best.get(label, t), t)
+        for label, t in best.items():
+            print(f"{shape} {mix} pp512 [{label}]: {1e3 * t:.2f} ms = {512 / t:.0f} t/s", flush=True)
+        CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS = 16, 32
+        eng.backend.profile_next = True
+        seq = eng.new_sequence()
+        eng.step([seq], [toks[:512]])
+        eng.release(seq)
+        prof = eng.backend.last_profile
+        print(f"  one step's GPU time {sum(t for _, t in prof):.2f} ms: "
+              + "; ".join(f"{k} {v:.2f}" for k, v in prof[:10]), flush=True)
+        for label, threshold in (("prompt attention", 16), ("decode kernel", 1 << 30)):
+            CB.PREFILL_TILED_MIN = threshold
+            _pp(eng, toks)
+            t = min(_pp(eng, toks) for _ in range(3))
+            print(f"  2048 tokens in four steps of 512 [{label}]: {1e3 * t:.1f} ms = {2048 / t:.0f} t/s", flush=True)
+        CB.PREFILL_TILED_MIN = 16
+        del eng
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
