@@ -222,6 +222,15 @@ class KController:
     # are noisy running averages, and turning drafting off has a cost they leave
     # out (a retry re-feeds the draft every token it missed)
     SWITCH_OFF = 1.05
+    # a measured k is re-measured only when it is chosen, so one slow round (a noisy
+    # machine) could keep a good k unchosen for good: every REFRESH_EVERY rounds, of the
+    # best k's two neighbours among the candidates, a measured one within REFRESH of the
+    # best that has gone unchosen for STALE rounds runs once (the longer unchosen
+    # first), and a stale k's new measurement replaces its old one.  Only neighbours:
+    # a round of 7 or 15 drafts where 3 is best costs a few per cent of a run each time
+    REFRESH_EVERY = 8
+    REFRESH = 0.75
+    STALE = 8
     k_max: int = 8
     adaptive: bool = True
     k_fixed: int = 3
@@ -238,6 +247,7 @@ class KController:
     t_row: float | None = None
     t_verify: dict = field(default_factory=dict)     # k -> running average of its verify step
     t_round: dict = field(default_factory=dict)      # k -> running average of a whole round
+    last_used: dict = field(default_factory=dict)    # k -> value of `rounds` when k last ran
     yields: dict = field(default_factory=dict)       # k -> running average of the tokens a round emitted
     n_yields: dict = field(default_factory=dict)     # k -> rounds behind it (decayed)
 
@@ -257,7 +267,9 @@ class KController:
         catch-up after the prompt or after a stretch of plain decoding).  timed
         False: a step of the round paid a one-time cost (Engine.setup_events), so
         only its acceptance counts."""
+        stale = self.rounds - self.last_used.get(k, self.rounds) >= self.STALE
         self.rounds += 1
+        self.last_used[k] = self.rounds
         # acceptance is geometric: after the first rejection nothing more was tested
         self.accepted = self.accepted * 0.98 + n_accepted
         self.tested = self.tested * 0.98 + n_accepted + (1 if n_accepted < k else 0)
@@ -268,10 +280,10 @@ class KController:
         if catch_s is not None:
             self.t_catch = self._avg(self.t_catch, catch_s)
         if round_s is not None:
-            self.t_round[k] = self._avg(self.t_round.get(k), round_s)
+            self.t_round[k] = self._avg(None if stale else self.t_round.get(k), round_s)
         if draft_s is not None:
             self.t_draft = self._avg(self.t_draft, draft_s)
-        self.t_verify[k] = self._avg(self.t_verify.get(k), verify_s)
+        self.t_verify[k] = self._avg(None if stale else self.t_verify.get(k), verify_s)
         if self.t_plain is not None:
             self.t_row = self._avg(self.t_row, max(0.0, verify_s - self.t_plain) / k)
 
@@ -353,6 +365,14 @@ class KController:
                      if k not in self.t_verify and self.rate(k) >= self.EXPLORE * self.rate(best)]
             if close:
                 return max(close, key=self.rate)
+        if self.rounds % self.REFRESH_EVERY == self.REFRESH_EVERY - 1:
+            cands = self.candidates()
+            i = cands.index(best)
+            stale = [k for k in cands[max(0, i - 1):i + 2] if k != best and k in self.t_verify
+                     and self.rounds - self.last_used.get(k, 0) >= self.STALE
+                     and self.rate(k) >= self.REFRESH * self.rate(best)]
+            if stale:
+                return min(stale, key=lambda k: self.last_used.get(k, 0))
         return best
 
 

@@ -442,6 +442,27 @@ def test_controller_picks_k_from_acceptance_and_costs():
     assert c.choose() == min(c.k_fixed, c.k_max)
 
 
+def test_controller_remeasures_a_k_that_one_slow_round_pushed_aside():
+    """A measured k is re-measured only when chosen: after one round at twice its cost
+    (a noisy machine), the best k must come back within a few refresh periods."""
+    c = _controller(0.92, 0.055, 0.016, 0.008)
+    verify = {k: c.verify_cost(k) for k in c.candidates()}
+
+    def run(k, slow=1.0):
+        c.observe_round(k, min(k, 3), 0.016, slow * verify[k], round_s=slow * (verify[k] + k * 0.016))
+    for k in c.candidates():
+        run(k)
+    good = c.choose()
+    run(good, slow=2.0)
+    assert c.choose() != good
+    chosen = []
+    for _ in range(6 * c.REFRESH_EVERY):
+        k = c.choose()
+        chosen.append(k)
+        run(k)
+    assert good in chosen and c.choose() == good, (good, chosen)
+
+
 def test_controller_trusts_what_rounds_of_k_emitted():
     """Acceptance comes in stretches: at 92% a token, rounds of 7 drafts that keep
     stopping at the second or third draft must not be chosen again because the
