@@ -312,7 +312,8 @@ class KController:
         rejects early, an easy one accepts all), so the formula alone overrates
         long drafts: on the Qwen pair it kept trying k = 5 and 7 at 90% acceptance,
         where rounds of 3 and 4 were faster."""
-        model = (1 - (self.alpha if a is None else a) ** (k + 1)) / (1 - (self.alpha if a is None else a))
+        p = self.alpha if a is None else a
+        model = (1 - p ** (k + 1)) / (1 - p)
         if a is not None or k not in self.yields:
             return model
         n = min(self.n_yields.get(k, 0.0), 8.0)

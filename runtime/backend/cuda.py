@@ -70,6 +70,11 @@ PREFILL_TILED_MIN = 16
 PREFILL_ROWS = 32
 
 
+def _prefill_pq(hd: int, g: int) -> int:
+    """Tokens a block of attn_prefill takes (compiled in as PRE_PQ)."""
+    return max(1, (8 if hd >= 256 else PREFILL_ROWS) // g)
+
+
 class _Arena:
     """Step buffers handed out in call order: a ring of RING buffers per (capacity,
     dtype), cursors reset every step, so a step sees the same buffers each time
@@ -652,12 +657,12 @@ class CUDABackend:
         return self._pdl.Kernel(self._mod.get_function(name))
 
     def _attn_fn(self, hd, g, name):
-        key = (hd, g, PREFILL_ROWS)
+        pq = _prefill_pq(hd, g)
+        key = (hd, g, pq)
         mod = self._attn_mods.get(key)
         if mod is None:
             mod = self._attn_mods[key] = self.cp.RawModule(
-                code=self._src(), options=self._options() + (f"-DATT_HD={hd}", f"-DATT_G={g}",
-                                                             f"-DPRE_ROWS_MAX={PREFILL_ROWS}"))
+                code=self._src(), options=self._options() + (f"-DATT_HD={hd}", f"-DATT_G={g}", f"-DPRE_PQ={pq}"))
         return self._pdl.Kernel(mod.get_function(name))
 
     def _options(self):
@@ -824,7 +829,7 @@ class CUDABackend:
         splits = step.attn_splits
         out = self._buf((n, h, d))
         if getattr(step, "prompt_tiles", False) and splits == 1:
-            pq = max(1, (8 if d >= 256 else PREFILL_ROWS) // g)      # PRE_PQ in cuda_kernels.cu
+            pq = _prefill_pq(d, g)
             self._attn_fn(d, g, "attn_prefill")(
                 ((n + pq - 1) // pq, kvh), (128,),
                 (q, kv.k[layer], kv.v[layer], tables, np.int32(tables.shape[1]), step.seq_of_token, step.positions,

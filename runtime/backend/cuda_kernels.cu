@@ -153,11 +153,9 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
 // Not batch-invariant with the decode kernel (sums in another order): steps of up to
 // 16 tokens (decode, speculative verify) keep that one.
 #define PRE_BK 32
-#ifndef PRE_ROWS_MAX
-#define PRE_ROWS_MAX 32
+#ifndef PRE_PQ
+#define PRE_PQ 8                              // tokens a block: the backend compiles in _prefill_pq(HD, G)
 #endif
-#define PRE_ROWS (ATT_HD >= 256 ? 8 : PRE_ROWS_MAX)
-#define PRE_PQ (PRE_ROWS / ATT_G > 0 ? PRE_ROWS / ATT_G : 1)
 extern "C" __global__ void __launch_bounds__(128) attn_prefill(
         const float* __restrict__ q, const __half* __restrict__ kp, const __half* __restrict__ vp,
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,

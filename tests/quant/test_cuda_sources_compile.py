@@ -66,4 +66,6 @@ def test_weight_kernels_compile(arch):
 @pytest.mark.parametrize("hd,g", [(64, 3), (64, 7), (128, 6), (128, 4), (256, 4), (64, 1)])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_step_kernels_compile(arch, hd, g):
-    _compile(BACKEND / "cuda_kernels.cu", arch, options=(f"-DATT_HD={hd}", f"-DATT_G={g}"))
+    from runtime.backend.cuda import _prefill_pq
+    _compile(BACKEND / "cuda_kernels.cu", arch,
+             options=(f"-DATT_HD={hd}", f"-DATT_G={g}", f"-DPRE_PQ={_prefill_pq(hd, g)}"))
