@@ -65,8 +65,9 @@ GRAPH_ROWS = 16
 # up to it (decode, speculative verify) every token gets the decode kernel's sums
 PREFILL_TILED_MIN = 16
 # query rows (tokens x the heads of a kv head) a block of attn_prefill takes (head dims
-# of 256: 8, for shared memory).  16 measured 3-5% faster than 32 on an H200 (L8 pp512
-# 16018 vs 15500 t/s, Q15 31452 vs 29942) but has not been through the GPU tests yet
+# of 256: 8, for shared memory).  16 passed test_ops/test_models/test_greedy_argmax_gpu
+# (63, session 14) and is ~3% faster on L8 pp512 (16028 vs 15551 t/s), but Q15 (host-bound)
+# went 28332 vs 29375 in the same run and the speculative GPU tests have not run with it
 PREFILL_ROWS = 32
 
 
