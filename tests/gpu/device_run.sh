@@ -2,6 +2,10 @@
 # What we run on the lent GPU machine (no network; wheels and trimmed models carried):
 #   tests/gpu/device_run.sh [tests|bench|all] [bench args...]
 # TESTS: pytest's selection (default tests/gpu), KEXPR: its -k expression; TAG: bench file suffix
+# The whole suite takes longer than one 600 s device call (~430 s, then ~220 s for
+# test_speculative_gpu.py, whose CPU draft compiles the Numba kernels on a fresh machine): run
+#   TEST_TIMEOUT=540 TESTS="$(ls tests/gpu/test_*.py | grep -v speculative)" tests/gpu/device_run.sh tests
+#   TEST_TIMEOUT=480 TESTS=tests/gpu/test_speculative_gpu.py tests/gpu/device_run.sh tests
 # Wheels in .whl/ (gguf, platformdirs), trimmed real models in .devmodels/ (made with
 # runtime/backend/cuda_synth.trim_gguf).  Output goes to $OUT when set.
 set -o pipefail
