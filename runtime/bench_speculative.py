@@ -42,6 +42,21 @@ def _run(target, ids, n, drafter=None):
     return gen
 
 
+def _step_costs(step_ms: list[dict], k: int) -> dict:
+    """Medians over runs of a fixed-k config's step costs, in one-token target steps:
+    a draft step, the round's first (catch-up) draft step and the (k+1)-row verify.
+    With the acceptance they give the speedup: a round emits up to k + 1 tokens for
+    catch_up + (k - 1) * draft + verify target steps."""
+    def ms(c, name):
+        return c.get("verify", {}).get(str(k)) if name == "verify" else c.get(name)
+    out = {}
+    for name in ("draft", "catch_up", "verify"):
+        v = [ms(c, name) / c["target"] for c in step_ms if c.get("target") and ms(c, name)]
+        if v:
+            out[name] = round(statistics.median(v), 3)
+    return out
+
+
 def run_spec_bench(args) -> int:
     say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     target = Engine(args.model, device=args.device, n_ctx=args.ctx_size, threads=args.threads, announce=say)
@@ -109,6 +124,8 @@ def run_spec_bench(args) -> int:
             fw = sum(s["verify_forwards"] + s["plain_forwards"] for s in sps)
             entry["tokens_per_target_forward"] = sum(s["accepted"] + s["verify_forwards"] + s["plain_forwards"]
                                                      for s in sps) / fw if fw else 0.0
+        if k and sps:
+            entry["step_costs"] = _step_costs([s.get("step_ms") or {} for s in sps], k)
         summary.append(entry)
     fixed = [e for e in summary if e["k"]]
     best = max(fixed, key=lambda e: e["speedup_median"]) if fixed else None
@@ -131,6 +148,12 @@ def run_spec_bench(args) -> int:
         print(f"{e['config']:28} {e['tokens_per_s_median']:8.2f} {e['speedup_median']:7.2f}x {lo:5.2f}-{hi:.2f} "
               f"{e['cpu_tokens_per_s_median']:8.2f} {e['cpu_speedup_median']:7.2f}x {acc:>7} "
               f"{tpf:>8} {e['identical_outputs']:>4}/{e['runs']}")
+    for e in fixed:
+        c = e.get("step_costs")
+        if c:
+            print(f"k={e['k']}: a draft step {c.get('draft', float('nan')):.2f}, the round's first "
+                  f"{c.get('catch_up', float('nan')):.2f}, the {e['k'] + 1}-row verify "
+                  f"{c.get('verify', float('nan')):.2f} one-token target steps (medians)")
     if best:
         print(f"best fixed k: {best['k']} ({best['speedup_median']:.2f}x)")
     return 0

@@ -305,6 +305,13 @@ class KController:
     def observe_plain(self, seconds: float) -> None:
         self.t_plain = self._avg(self.t_plain, seconds)
 
+    def costs_ms(self) -> dict:
+        """The step costs the model runs on (running averages), in milliseconds: what
+        bounds the speedup, beside the acceptance."""
+        ms = lambda t: None if t is None else round(1e3 * t, 2)
+        return {"target": ms(self.t_plain), "draft": ms(self.t_draft), "catch_up": ms(self.t_catch),
+                "verify": {str(k): ms(t) for k, t in sorted(self.t_verify.items())}}
+
     def expected_tokens(self, k: int, a: float | None = None) -> float:
         """Tokens a round of k drafts emits: (1 - a^(k+1)) / (1 - a) for a per-token
         acceptance a; for the measured a, blended with what rounds of k did emit.
@@ -393,6 +400,7 @@ class SpecStats:
     fallbacks: int = 0            # times it was switched off
     active: bool = True           # drafting at the end of the run
     t_plain: float | None = None  # measured seconds of one plain target step
+    step_ms: dict = field(default_factory=dict)   # KController.costs_ms after the last round
 
     @property
     def acceptance_rate(self) -> float:
@@ -421,7 +429,7 @@ class SpecStats:
                 "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4),
                 "plain_seconds": round(self.plain_seconds, 4),
                 "k_rounds": {str(k): v for k, v in sorted(self.k_rounds.items())},
-                "fallbacks": self.fallbacks,
+                "fallbacks": self.fallbacks, "step_ms": self.step_ms,
                 "speculation": ("on" if self.active else "off") + (f" ({self.fallback})" if self.fallback else "")}
 
 
@@ -613,6 +621,7 @@ class Drafter:
                     ctl.observe_plain(dt)
                 st.plain_forwards += 1; st.plain_seconds += dt; st.emitted += 1
                 st.t_plain = ctl.t_plain
+                st.step_ms = ctl.costs_ms()
                 out = [nxt if logits is None else sampler.sample(logits, history)]
             else:
                 try:
@@ -668,6 +677,7 @@ class Drafter:
         st.verify_forwards += 1; st.emitted += len(out)
         st.draft_seconds += t1 - t0; st.verify_seconds += t2 - t1
         st.k_rounds[k] = st.k_rounds.get(k, 0) + 1
+        st.step_ms = ctl.costs_ms()
         return out
 
     def finish(self, seq: Sequence, n_fed: int) -> None:
