@@ -42,16 +42,19 @@ def _run(target, ids, n, drafter=None):
     return gen
 
 
-def _step_costs(step_ms: list[dict], k: int) -> dict:
+def _step_costs(runs: list[tuple[dict, float]], k: int) -> dict:
     """Medians over runs of a fixed-k config's step costs, in one-token target steps:
     a draft step, the round's first (catch-up) draft step and the (k+1)-row verify.
     With the acceptance they give the speedup: a round emits up to k + 1 tokens for
-    catch_up + (k - 1) * draft + verify target steps."""
+    catch_up + (k - 1) * draft + verify target steps.  runs: (the run's step_ms, the
+    ms a token of the target alone on the same prompt and repetition), the latter
+    measured next to the run (the controller's own plain-step time is refreshed only
+    now and then, and this machine's speed drifts)."""
     def ms(c, name):
         return c.get("verify", {}).get(str(k)) if name == "verify" else c.get(name)
     out = {}
     for name in ("draft", "catch_up", "verify"):
-        v = [ms(c, name) / c["target"] for c in step_ms if c.get("target") and ms(c, name)]
+        v = [ms(c, name) / t for c, t in runs if t and ms(c, name)]
         if v:
             out[name] = round(statistics.median(v), 3)
     return out
@@ -98,7 +101,8 @@ def run_spec_bench(args) -> int:
                        "ratio": gen.stats.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else 0.0,
                        "cpu_tokens_per_s": gen.cpu_tokens_per_s,
                        "cpu_ratio": gen.cpu_tokens_per_s / base.cpu_tokens_per_s if base.cpu_tokens_per_s else 0.0,
-                       "identical": gen.ids == base.ids, "speculative": gen.stats.speculative}
+                       "identical": gen.ids == base.ids, "speculative": gen.stats.speculative,
+                       "target_ms_per_token": 1e3 / base.stats.tokens_per_s if base.stats.tokens_per_s else 0.0}
                 runs.append(row)
                 sp = gen.stats.speculative
                 say(f"  rep {rep} {prompt!r:34} {name:22} {row['tokens_per_s']:6.2f} t/s x{row['ratio']:.2f}"
@@ -125,7 +129,8 @@ def run_spec_bench(args) -> int:
             entry["tokens_per_target_forward"] = sum(s["accepted"] + s["verify_forwards"] + s["plain_forwards"]
                                                      for s in sps) / fw if fw else 0.0
         if k and sps:
-            entry["step_costs"] = _step_costs([s.get("step_ms") or {} for s in sps], k)
+            entry["step_costs"] = _step_costs([(r["speculative"].get("step_ms") or {}, r["target_ms_per_token"])
+                                               for r in rows if r["speculative"]], k)
         summary.append(entry)
     fixed = [e for e in summary if e["k"]]
     best = max(fixed, key=lambda e: e["speedup_median"]) if fixed else None
