@@ -241,7 +241,8 @@ class KController:
     ema: float = 0.2
     tested: float = 0.0
     accepted: float = 0.0
-    t_plain: float | None = None
+    t_plain_seen: float | None = None     # running average of the plain target steps timed
+    plain_per_draft: float | None = None  # those steps over the draft step of their time
     t_draft: float | None = None      # one single-token draft forward
     t_catch: float | None = None      # a round's first draft forward (also feeds the 1-2 tokens it missed)
     t_row: float | None = None
@@ -250,6 +251,20 @@ class KController:
     last_used: dict = field(default_factory=dict)    # k -> value of `rounds` when k last ran
     yields: dict = field(default_factory=dict)       # k -> running average of the tokens a round emitted
     n_yields: dict = field(default_factory=dict)     # k -> rounds behind it (decayed)
+
+    @property
+    def t_plain(self) -> float | None:
+        """A plain target step now.  Plain steps are timed rarely (at the start, then
+        one every PROBE_EVERY adaptive rounds, and the controller lives across
+        generations), while this machine's speed drifts by 20% within minutes: a
+        plain-step time from another minute skews the rate of plain decoding and
+        the per-row cost unmeasured k are estimated from (a bench run printed a
+        4-row verify at 0.97 plain steps where a profile measured 1.48).  So a
+        plain step is carried as a multiple of the draft step, which every round
+        re-measures: both stream weights on the same cores."""
+        if self.plain_per_draft is not None and self.t_draft is not None:
+            return self.plain_per_draft * self.t_draft
+        return self.t_plain_seen
 
     @property
     def alpha(self) -> float:
@@ -303,7 +318,9 @@ class KController:
         self.n_yields = {k: n * 0.5 for k, n in self.n_yields.items()}
 
     def observe_plain(self, seconds: float) -> None:
-        self.t_plain = self._avg(self.t_plain, seconds)
+        self.t_plain_seen = self._avg(self.t_plain_seen, seconds)
+        if self.t_draft is not None:
+            self.plain_per_draft = self._avg(self.plain_per_draft, seconds / self.t_draft)
 
     def costs_ms(self) -> dict:
         """The step costs the model runs on (running averages), in milliseconds: what

@@ -237,6 +237,22 @@ def test_controller_carries_costs_not_acceptance_into_a_new_generation():
     assert c.choose() == 2
 
 
+def test_plain_step_time_follows_the_draft_step_through_drift():
+    """Plain target steps are timed rarely; between timings the machine may slow
+    down or speed up, and the draft step (timed every round) carries the change."""
+    c = KController(k_max=8)
+    c.observe_plain(0.050)                   # no draft step timed yet: as measured
+    assert c.t_plain == pytest.approx(0.050)
+    c.t_draft = 0.010
+    c.observe_plain(0.040)
+    plain_then = c.t_plain
+    for _ in range(40):                      # everything 1.5x slower now
+        c.observe_round(3, 3, 0.015, 0.09)
+    assert c.t_plain == pytest.approx(1.5 * plain_then, rel=0.01)
+    assert c.rate(0) == pytest.approx(1 / c.t_plain)
+    assert c.costs_ms()["target"] == pytest.approx(1e3 * c.t_plain, abs=0.01)
+
+
 def test_sampling_runs_and_rolls_back_without_leaks(smol_pair):
     target, draft_eng = smol_pair
     drafter = Drafter(draft_eng, target, k=4, adaptive=False, draft_vocab=2000)
