@@ -261,7 +261,9 @@ class KController:
         the per-row cost unmeasured k are estimated from (a bench run printed a
         4-row verify at 0.97 plain steps where a profile measured 1.48).  So a
         plain step is carried as a multiple of the draft step, which every round
-        re-measures: both stream weights on the same cores."""
+        re-measures: on one device both stream weights through the same memory.
+        (A draft on another device than its target drifts on its own; the periodic
+        plain steps re-anchor the multiple.)"""
         if self.plain_per_draft is not None and self.t_draft is not None:
             return self.plain_per_draft * self.t_draft
         return self.t_plain_seen
