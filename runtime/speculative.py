@@ -418,8 +418,14 @@ class SpecStats:
     fallback: str = ""            # why speculation was last switched off
     fallbacks: int = 0            # times it was switched off
     active: bool = True           # drafting at the end of the run
-    t_plain: float | None = None  # measured seconds of one plain target step
-    step_ms: dict = field(default_factory=dict)   # KController.costs_ms after the last round
+    # the Drafter's cost model: the plain-step time and step costs are read from it
+    # when asked (the app asks mid-generation), not copied into the stats each round
+    controller: KController | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def t_plain(self) -> float | None:
+        """Seconds of one plain target step (the controller's current estimate)."""
+        return self.controller.t_plain if self.controller is not None else None
 
     @property
     def acceptance_rate(self) -> float:
@@ -448,7 +454,8 @@ class SpecStats:
                 "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4),
                 "plain_seconds": round(self.plain_seconds, 4),
                 "k_rounds": {str(k): v for k, v in sorted(self.k_rounds.items())},
-                "fallbacks": self.fallbacks, "step_ms": self.step_ms,
+                "fallbacks": self.fallbacks,
+                "step_ms": self.controller.costs_ms() if self.controller is not None else {},
                 "speculation": ("on" if self.active else "off") + (f" ({self.fallback})" if self.fallback else "")}
 
 
@@ -584,14 +591,13 @@ class Drafter:
         stop at any time (then call `finish`).  Between rounds the target cache
         holds every token of history but the last."""
         eng = self.target
-        st = self.stats = SpecStats()
         k_fixed = self.k if not self.adaptive else min(self.k, 3)
         ctl = self.controller
         if ctl is None:
             ctl = self.controller = KController(k_max=self.k, adaptive=self.adaptive, k_fixed=k_fixed)
         else:
             ctl.new_generation(self.k, self.adaptive, k_fixed)
-        st.t_plain = ctl.t_plain
+        st = self.stats = SpecStats(controller=ctl)
         rng = np.random.default_rng(sampler.p.seed)
         tok = sampler.sample(logits, history)
         yield tok
@@ -639,8 +645,6 @@ class Drafter:
                 if eng.setup_events == ev:    # not a step that recorded a plan or captured a graph
                     ctl.observe_plain(dt)
                 st.plain_forwards += 1; st.plain_seconds += dt; st.emitted += 1
-                st.t_plain = ctl.t_plain
-                st.step_ms = ctl.costs_ms()
                 out = [nxt if logits is None else sampler.sample(logits, history)]
             else:
                 try:
@@ -696,7 +700,6 @@ class Drafter:
         st.verify_forwards += 1; st.emitted += len(out)
         st.draft_seconds += t1 - t0; st.verify_seconds += t2 - t1
         st.k_rounds[k] = st.k_rounds.get(k, 0) + 1
-        st.step_ms = ctl.costs_ms()
         return out
 
     def finish(self, seq: Sequence, n_fed: int) -> None:

@@ -174,10 +174,11 @@ class _DevStep:
         self.layer_group = list(getattr(step, "layer_group", None) or [])
         # a prompt's tokens (one sequence, consecutive positions, more than a verify
         # step's): attention by query tiles (attn_prefill); other steps by the decode kernel
-        pos, seqs = np.asarray(step.positions), np.asarray(step.seq_of_token)
-        n = len(pos)
-        self.prompt_tiles = bool(n > PREFILL_TILED_MIN and np.all(seqs == seqs[0])
-                                 and np.array_equal(pos, pos[0] + np.arange(n)))
+        n = len(step.positions)
+        self.prompt_tiles = False
+        if n > PREFILL_TILED_MIN:       # decode and verify steps skip the checks
+            pos, seqs = np.asarray(step.positions), np.asarray(step.seq_of_token)
+            self.prompt_tiles = bool(np.all(seqs == seqs[0]) and np.array_equal(pos, pos[0] + np.arange(n)))
 
     def window(self, layer):
         return self.windows[layer]
