@@ -40,7 +40,9 @@ def main(argv=None) -> int:
             write_random_gguf(path, mix=mix, **SHAPES[shape])
         eng = Engine(load_weights_only(path), device="cuda", n_ctx=4096)
         toks = [int(t) for t in rng.integers(100, 30000, 2048)]
-        variants = (("tiles of 32 rows", 16, 32), ("tiles of 16 rows", 16, 16), ("decode kernel", 1 << 30, 32))
+        default = CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS
+        variants = (("tiles of 32 rows", default[0], 32), ("tiles of 16 rows", default[0], 16),
+                    ("decode kernel", 1 << 30, default[1]))
         best = {}
         for _ in range(2):
             for label, threshold, rows in variants:
@@ -50,7 +52,7 @@ def main(argv=None) -> int:
                 best[label] = min(best.get(label, t), t)
         for label, t in best.items():
             print(f"{shape} {mix} pp512 [{label}]: {1e3 * t:.2f} ms = {512 / t:.0f} t/s", flush=True)
-        CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS = 16, 32
+        CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS = default
         eng.backend.profile_next = True
         seq = eng.new_sequence()
         eng.step([seq], [toks[:512]])
@@ -58,12 +60,12 @@ def main(argv=None) -> int:
         prof = eng.backend.last_profile
         print(f"  one step's GPU time {sum(t for _, t in prof):.2f} ms: "
               + "; ".join(f"{k} {v:.2f}" for k, v in prof[:10]), flush=True)
-        for label, threshold in (("prompt attention", 16), ("decode kernel", 1 << 30)):
+        for label, threshold in (("prompt attention", default[0]), ("decode kernel", 1 << 30)):
             CB.PREFILL_TILED_MIN = threshold
             _pp(eng, toks)
             t = min(_pp(eng, toks) for _ in range(3))
             print(f"  2048 tokens in four steps of 512 [{label}]: {1e3 * t:.1f} ms = {2048 / t:.0f} t/s", flush=True)
-        CB.PREFILL_TILED_MIN = 16
+        CB.PREFILL_TILED_MIN = default[0]
         del eng
     return 0
 
