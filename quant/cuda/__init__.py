@@ -61,7 +61,7 @@ _KBLOCK = {GGMLType.F32: (32, 128), GGMLType.F16: (32, 64), GGMLType.BF16: (32, 
            GGMLType.Q5_1: (32, 24), GGMLType.Q8_0: (32, 34), GGMLType.Q4_K: (256, 144),
            GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210)}
 
-_OPTIONS = ("-std=c++17", f"-I{_DIR}")
+_OPTIONS = ("-std=c++17", f"-I{_DIR}", f"-DDEQ_THREADS={DEQ_THREADS}")
 
 # Integer decode path (int8 activations per block of the weight's family, dp4a): the
 # quantized types.  Activations are rounded as the CPU backend's small-batch path rounds

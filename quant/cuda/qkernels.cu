@@ -182,7 +182,9 @@ __global__ void __launch_bounds__(128) mv(
 // out with 16-byte stores, consecutive threads at consecutive addresses.  Each thread
 // writing its own 64 bytes straight out made every warp store touch 32 separate
 // segments: 340-360 GB/s on an H200, four times the GEMM's own time.
-#define DEQ_THREADS 256
+#ifndef DEQ_THREADS                          // the block size the backend launches with
+#error "compile with -DDEQ_THREADS=quant.cuda.DEQ_THREADS"
+#endif
 template <class T>
 __global__ void __launch_bounds__(DEQ_THREADS) deq_f16(const u8* __restrict__ W, int M, int K, long long row_bytes,
                                                        __half* out) {

@@ -58,7 +58,9 @@ def _compile(source: Path, arch: str, options=(), names=()) -> str:
 def test_weight_kernels_compile(arch):
     names = ([f"deq_f16<{s}>" for s in STRUCTS] + [f"deq_rows<{s}>" for s in STRUCTS]
              + [f"mv<{s},{r},4,0>" for s in STRUCTS for r in (1, 2)])
-    _compile(QUANT_CUDA / "qkernels.cu", arch, names=names)
+    # deq_f16's block size comes from the backend (quant.cuda.DEQ_THREADS, whose module
+    # needs CuPy): checked here at its value
+    _compile(QUANT_CUDA / "qkernels.cu", arch, options=("-DDEQ_THREADS=256",), names=names)
 
 
 # (head dim, query heads per kv head) of the models Llamba runs: SmolLM2, Qwen2.5-0.5B,
