@@ -175,6 +175,33 @@ def deq_row_q6_k(src, dst, L):
                     dst[base + l + 96] = d4 * F32(q4)
 
 
+@njit(inline="always")
+def scale_q3_k(j, src, o):
+    """Signed 6-bit scale (-32..31) of sub-block j of 16 from the 12 bytes at src[o:o+12]:
+    low nibble from byte j % 8 (high nibble for j >= 8), top 2 bits from byte 8 + j % 4."""
+    lo = (np.int32(src[o + (j & 7)]) >> (4 * (j >> 3))) & 15
+    hi = (np.int32(src[o + 8 + (j & 3)]) >> (2 * (j >> 2))) & 3
+    return (lo | (hi << 4)) - 32
+
+
+@njit(cache=True)
+def deq_row_q3_k(src, dst, L):
+    for b in range(dst.size // QK_K):
+        o = b * 110
+        d = _h(src, o + 108)
+        for half in range(2):
+            for j in range(4):
+                # elements 128 half + 32 j + l: bits 2j of qs[32 half + l], bit 4 half + j of hmask[l]
+                for s in range(2):
+                    dl = d * F32(scale_q3_k(8 * half + 2 * j + s, src, o + 96))
+                    base = b * QK_K + 128 * half + 32 * j + 16 * s
+                    for t in range(L // 2):
+                        l = 16 * s + t
+                        q = np.int32((src[o + 32 + 32 * half + l] >> (2 * j)) & 3)
+                        h = np.int32((src[o + l] >> (4 * half + j)) & 1)
+                        dst[base + t] = dl * F32(q - 4 + 4 * h)
+
+
 @njit(cache=True)
 def deq_row_f16(src, dst, L):
     for i in range(dst.size):
@@ -219,6 +246,8 @@ def deq_row(qt, src, dst, L):
         deq_row_q5_1(src, dst, L)
     elif qt == 13:
         deq_row_q5_k(src, dst, L)
+    elif qt == 11:
+        deq_row_q3_k(src, dst, L)
     elif qt == 1:
         deq_row_f16(src, dst, L)
     elif qt == 30:

@@ -388,6 +388,115 @@ def encode_q6_k(x, out):
                                                          | ((L[j + l + 96] >> 4) << 6))
 
 
+@njit(cache=True)
+def _make_q3_quants_16(x, xo, L, lo):
+    """make_q3_quants(16, 4, x+xo, L+lo, do_rmse=true): weights x^2, codes moved one
+    at a time while the weighted fit improves (5 passes at most).  L holds l + 4."""
+    n = 16
+    nmax = 4
+    vmax = F32(0.0)
+    amax = F32(0.0)
+    for i in range(n):
+        ax = abs(x[xo + i])
+        if ax > amax:
+            amax = ax
+            vmax = x[xo + i]
+    if amax < _GROUP_MAX_EPS:
+        for i in range(n):
+            L[lo + i] = 0
+        return F32(0.0)
+    iscale = F32(-nmax) / vmax
+    sumlx = F32(0.0)
+    suml2 = F32(0.0)
+    for i in range(n):
+        v = x[xo + i]
+        l = max(-nmax, min(nmax - 1, _nearest_int(iscale * v)))
+        L[lo + i] = l
+        w = v * v
+        sumlx += w * v * F32(l)
+        suml2 += w * F32(l) * F32(l)
+    for _ in range(5):
+        n_changed = 0
+        for i in range(n):
+            v = x[xo + i]
+            w = v * v
+            fl = F32(L[lo + i])
+            slx = sumlx - w * v * fl
+            if slx > F32(0.0):
+                sl2 = suml2 - w * fl * fl
+                new_l = max(-nmax, min(nmax - 1, _nearest_int(v * sl2 / slx)))
+                if new_l != L[lo + i]:
+                    slx += w * v * F32(new_l)
+                    sl2 += w * F32(new_l) * F32(new_l)
+                    if sl2 > F32(0.0) and slx * slx * suml2 > sumlx * sumlx * sl2:
+                        L[lo + i] = new_l
+                        sumlx = slx
+                        suml2 = sl2
+                        n_changed += 1
+        if n_changed == 0:
+            break
+    for i in range(n):
+        L[lo + i] += nmax
+    return sumlx / suml2 if suml2 > F32(0.0) else F32(0.0)
+
+
+@njit(parallel=True, cache=True)
+def encode_q3_k(x, out):
+    """quantize_row_q3_K_ref: 16 sub-blocks of 16, codes -4..3 (low 2 bits in qs, the
+    third in hmask), scales to 6 bits against the super-block's largest."""
+    M, K = x.shape
+    nb = K // QK_K
+    for r in prange(M):
+        L = np.empty(QK_K, np.int32)
+        scales = np.empty(16, np.float32)
+        src = x[r]
+        dst = out[r]
+        for b in range(nb):
+            xo = b * QK_K
+            o = b * 110
+            for k in range(110):
+                dst[o + k] = 0
+            max_scale = F32(0.0)
+            amax = F32(0.0)
+            for j in range(16):
+                sc = _make_q3_quants_16(src, xo + 16 * j, L, 16 * j)
+                scales[j] = sc
+                if abs(sc) > amax:
+                    amax = abs(sc)
+                    max_scale = sc
+            if max_scale != F32(0.0):
+                iscale = F32(-32.0) / max_scale
+                for j in range(16):
+                    l = np.int32(np.int8(_nearest_int(iscale * scales[j])))   # (int8_t)
+                    l = max(-32, min(31, l)) + 32
+                    if j < 8:
+                        dst[o + 96 + j] = np.uint8(l & 0xF)
+                    else:
+                        dst[o + 96 + j - 8] |= np.uint8((l & 0xF) << 4)
+                    dst[o + 96 + 8 + j % 4] |= np.uint8((l >> 4) << (2 * (j // 4)))
+                _put_f16(dst, o + 108, F32(1.0) / iscale)
+            else:
+                _put_f16(dst, o + 108, F32(0.0))
+            dd = f16_to_f32(np.uint16(dst[o + 108]) | (np.uint16(dst[o + 109]) << np.uint16(8)))
+            for j in range(16):
+                lo4 = (np.int32(dst[o + 96 + (j & 7)]) >> (4 * (j >> 3))) & 15
+                hi2 = (np.int32(dst[o + 104 + (j & 3)]) >> (2 * (j >> 2))) & 3
+                d = dd * F32((lo4 | (hi2 << 4)) - 32)
+                if d == F32(0.0):
+                    continue
+                for ii in range(16):
+                    l = _nearest_int(src[xo + 16 * j + ii] / d)
+                    L[16 * j + ii] = max(-4, min(3, l)) + 4
+            for j in range(QK_K):     # the third bit of element j: bit j // 32 of hmask[j % 32]
+                if L[j] > 3:
+                    dst[o + (j % 32)] |= np.uint8(1 << (j // 32))
+                    L[j] -= 4
+            for h in range(2):
+                for l in range(32):
+                    j = 128 * h + l
+                    dst[o + 32 + 32 * h + l] = np.uint8(L[j] | (L[j + 32] << 2) | (L[j + 64] << 4) | (L[j + 96] << 6))
+
+
 def _bf16_bytes(x):
     # ggml_compute_fp32_to_bf16: quiet NaNs, otherwise round to nearest even
     u = x.view(np.uint32).astype(np.uint64)
@@ -398,13 +507,14 @@ def _bf16_bytes(x):
 
 
 ENCODERS = {GGMLType.Q8_0: encode_q8_0, GGMLType.Q4_0: encode_q4_0, GGMLType.Q5_0: encode_q5_0,
-            GGMLType.Q4_K: encode_q4_k, GGMLType.Q5_K: encode_q5_k, GGMLType.Q6_K: encode_q6_k}
+            GGMLType.Q3_K: encode_q3_k, GGMLType.Q4_K: encode_q4_k, GGMLType.Q5_K: encode_q5_k,
+            GGMLType.Q6_K: encode_q6_k}
 
 
 def quantize(x: np.ndarray, qtype) -> np.ndarray:
     """float32 [M, K] (or [K]) -> uint8 [M, row_nbytes] in GGML layout of qtype.
 
-    Encoders exist for Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K (llama.cpp-reference-exact) and the
+    Encoders exist for Q8_0, Q4_0, Q5_0, Q3_K, Q4_K, Q5_K, Q6_K (llama.cpp-reference-exact) and the
     float types F32, F16, BF16."""
     x = np.asarray(x, dtype=np.float32)
     if x.ndim == 1:
