@@ -164,6 +164,29 @@ def quantize_q8_32_i8(x, xq, xd, xsum, xs):
                 xq[o + 32 + i] = t
 
 
+@njit(cache=True)
+def quantize_q8_32_quad(x, xq, xd, xsum, xs):
+    """As quantize_q8_32_i8 (same codes, steps and sums), the codes in quad order for
+    vnni_quad (K a multiple of 128): per four blocks, codes 0-15 of each, then codes
+    16-31 of each."""
+    n, K = x.shape
+    nb = K // 32
+    tmp = np.empty(128, np.int8)
+    for r in range(n):
+        xr = x[r]
+        for g in range(nb // 4):
+            for t in range(4):
+                b = 4 * g + t
+                d = q8_block(32, xr, b * 32, tmp, None, None, xsum, 32 * t, 0, r * nb + b)
+                xd[r * nb + b] = d
+                xs[r * nb + b] = d * F32(xsum[r * nb + b])
+            o = r * K + 128 * g
+            for t in range(4):
+                for j in range(16):
+                    xq[o + 16 * t + j] = tmp[32 * t + j]
+                    xq[o + 64 + 16 * t + j] = tmp[32 * t + 16 + j]
+
+
 @njit(inline="always")
 def pair_pos(nb, i):
     """Where code i of a row (natural order) lies in quantize_q8_32_i8's pair

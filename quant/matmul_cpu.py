@@ -46,7 +46,9 @@ from . import kernels_float as KF
 from . import kernels_k as KK
 from . import kernels_legacy as KL
 from . import vnni as KV
-from .act_quant import quantize_q8_256, quantize_q8_256_i8, quantize_q8_32, quantize_q8_32_i8
+from . import vnni_quad as VQ
+from .act_quant import quantize_q8_256, quantize_q8_256_i8, quantize_q8_32, quantize_q8_32_i8, quantize_q8_32_quad
+assert VQ.QUAD_R == KV.LEG_ROWS_MAX     # the rows vnni_quad takes are exactly leg_rows' (same bits)
 from .blas_threads import set_blas_threads, sgemm_address
 from .dequant import deq_range_kernel
 from .gemm_tiles import gemm_tiles, tile_rows
@@ -190,21 +192,45 @@ _BF16_TYPES = frozenset(_K) | frozenset(_LEGACY)
 USE_VNNI = KV.HAVE_VNNI
 # prompt processing on the VNNI kernels too (see _sgemm_path): faster, 8-bit activations
 INT8_PREFILL = os.environ.get("LLAMBA_INT8_PREFILL", "0") == "1"
+# Q4_0 rows of K % 128 == 0 take vnni_quad's kernel instead of vnni.leg_rows for 1-2
+# activation rows, same bits (USE_QUAD: the CPU has AVX512-VBMI; LLAMBA_QUANT_QUAD=0
+# turns it off).
+USE_QUAD = VQ.HAVE_QUAD
 _VNNI_KIND = {GGMLType.Q4_0: 0, GGMLType.Q4_1: 1, GGMLType.Q5_0: 2, GGMLType.Q5_1: 3,
               GGMLType.Q8_0: 4, GGMLType.Q4_K: 10, GGMLType.Q6_K: 11}
 
 
-def _vnni_buffers(scratch, kk, n, K, nch):
-    key = ("vnni", kk, n, K, nch)
+QUAD = 5       # the kind of Q4_0 matrices that vnni_quad's kernel runs (K % 128 == 0, AVX512-VBMI)
+
+
+def _vnni_kind(qt, n, K):
+    """The VNNI kernel kind for a weight type, row count and row length, None for none."""
+    kind = _VNNI_KIND.get(qt)
+    if kind == 0 and n <= VQ.QUAD_R and USE_QUAD and K % VQ.QUAD_K == 0:
+        return QUAD
+    return kind
+
+
+def _family(kind):
+    """Which activation quantization a kind reads: "k" (256-element blocks), "q" (quad
+    order, vnni_quad) or "l" (32-element blocks in pair order, vnni.py)."""
+    return "k" if kind >= 10 else "q" if kind == QUAD else "l"
+
+
+def _vnni_buffers(scratch, fam, n, K, nch):
+    key = ("vnni", fam, n, K, nch)
     b = scratch._sets.get(key)
     if b is None:
         g = scratch.get
         ng = (n + 15) // 16
-        if kk:
+        if fam == "k":
             b = (g("vxq256", (n * K,), np.int8), g("vxd256", (n * (K // 256),)),
                  g("vxb32", (n * (K // 32),), np.int32), g("vxb16", (n * (K // 16),), np.int32),
                  g("vres", (nch, 16)), g("vxq256k", (n * K,), np.int8),     # the codes in Q4_K's order
                  g("vxbf32", (n * (K // 32),)))                              # step x code sum, per 32
+        elif fam == "q":        # as below, the codes in vnni_quad's order
+            b = (g("vxqq", (n * K,), np.int8), g("vxdq", (n * (K // 32),)),
+                 g("vxsumq", (n * (K // 32),), np.int32), g("vxsq", (n * (K // 32),)), g("vres", (nch, 16)))
         else:
             b = (g("vxq32", (n * K,), np.int8), g("vxd32", (n * (K // 32),)),
                  g("vxsum32", (n * (K // 32),), np.int32), g("vxs32", (n * (K // 32),)),
@@ -220,19 +246,21 @@ def _vnni_grouped(kind, n):
     """Whether this kind and row count run the row-group kernels (vnni.leg_grp).
     K-quants never do: vnni_kq.kq_rows shares each W decode among up to 8 rows
     itself, on the flat activation layout; nor do the 32-element formats' first
-    few rows (vnni.leg_rows)."""
-    return kind < 10 and n > KV.LEG_ROWS_MAX
+    few rows (vnni.leg_rows, vnni_quad)."""
+    return kind < QUAD and n > KV.LEG_ROWS_MAX
 
 
 def _vnni_activations(scratch, x, kind, bufs, acts):
     """(xq, xd, xs1, xs2) as vnni.rows_any wants them for this kind, or for
     the row-group kernels (n >= 2, _vnni_grouped) (xg, xdg, xa, xb) as
     vnni.grp_rows wants them."""
-    kk = kind >= 10
-    if ("v", kk) not in acts:
-        acts[("v", kk)] = True
-        if kk:
+    fam = _family(kind)
+    if ("v", fam) not in acts:
+        acts[("v", fam)] = True
+        if fam == "k":
             scratch.call(quantize_q8_256_i8, x, bufs[0], bufs[5], *bufs[1:4], bufs[6])
+        elif fam == "q":
+            scratch.call(quantize_q8_32_quad, x, *bufs[:4])
         else:
             scratch.call(quantize_q8_32_i8, x, *bufs[:4])
         if _vnni_grouped(kind, x.shape[0]):
@@ -240,7 +268,7 @@ def _vnni_activations(scratch, x, kind, bufs, acts):
             scratch.call(KV.group_q8_32, n, K, *bufs[:4], *bufs[5:9])
     if _vnni_grouped(kind, x.shape[0]):
         return bufs[5:9]
-    if not kk:
+    if fam != "k":
         return bufs[:4]
     if kind == 10:
         return bufs[5], bufs[1], bufs[6], bufs[1]
@@ -251,21 +279,21 @@ def _small_batch_vnni(x, W, out, scratch, acts, kind):
     w = W.data
     n, K = x.shape
     M = w.shape[0]
-    kk = kind >= 10
+    fam = _family(kind)
     grouped = _vnni_grouped(kind, n)
     if M * K >= PARALLEL_MIN_ELEMS and _nthreads() > 1:
         nch = min(M, 8 * _nthreads())
-        bufs = _vnni_buffers(scratch, kk, n, K, nch)
+        bufs = _vnni_buffers(scratch, fam, n, K, nch)
         xa = _vnni_activations(scratch, x, kind, bufs, acts)
         _run_parallel(scratch, KV.grp_par if grouped else KV.par_any, kind, w, *xa, out, bufs[4], n, K, nch)
         return
-    bufs = _vnni_buffers(scratch, kk, n, K, 1)
-    fresh = ("v", kk) not in acts
-    acts[("v", kk)] = True
+    bufs = _vnni_buffers(scratch, fam, n, K, 1)
+    fresh = ("v", fam) not in acts
+    acts[("v", fam)] = True
     if grouped:
         scratch.call(KV.matvec_grp_leg, kind, x, w, *bufs[:4], *bufs[5:9], out, bufs[4][0], fresh)
         return
-    if kk:
+    if fam == "k":
         scratch.call(KV.matvec_k, kind, x, w, bufs[0], bufs[5], bufs[1], bufs[2], bufs[3], bufs[6], out, bufs[4][0], fresh)
     else:
         scratch.call(KV.matvec_leg, kind, x, w, bufs[0], bufs[1], bufs[2], bufs[3], out, bufs[4][0], fresh)
@@ -304,7 +332,7 @@ def parallel_chunks_one() -> None:
 def _small_batch(x, W, out, scratch, acts):
     qt = W.qtype
     if USE_VNNI:
-        kind = _VNNI_KIND.get(qt)
+        kind = _vnni_kind(qt, *x.shape)
         if kind is not None:
             _small_batch_vnni(x, W, out, scratch, acts, kind)
             return
@@ -574,7 +602,7 @@ def _fused(x, Ws, outs, scratch) -> bool:
     cw, c0, c1 = plan
     nch = cw.size
     if mixed_kq:
-        bufs = _vnni_buffers(scratch, True, n, K, nch)
+        bufs = _vnni_buffers(scratch, "k", n, K, nch)
         key = ("kinds",) + tuple(W.qtype for W in Ws)
         kinds_a = scratch._sets.get(key)
         if kinds_a is None:
@@ -584,10 +612,9 @@ def _fused(x, Ws, outs, scratch) -> bool:
                       tuple(outs), bufs[4], n, K,
                       cw, c0, c1)
         return True
-    kind = _VNNI_KIND.get(qt) if USE_VNNI else None
+    kind = _vnni_kind(qt, n, K) if USE_VNNI else None
     if kind is not None:
-        kk = kind >= 10
-        bufs = _vnni_buffers(scratch, kk, n, K, nch)
+        bufs = _vnni_buffers(scratch, _family(kind), n, K, nch)
         xa = _vnni_activations(scratch, x, kind, bufs, {})
         _run_parallel(scratch, KV.grp_multi if _vnni_grouped(kind, n) else KV.multi_any, kind, tuple(W.data for W in Ws), *xa, tuple(outs), bufs[4], n, K,
                       cw, c0, c1)
@@ -633,7 +660,8 @@ def kernel_name(qtype, n: int) -> str:
         return "dequant-tile+sgemm"
     t = GGMLType(qtype)
     if USE_VNNI and t in _VNNI_KIND:
-        return f"vnni u8xs8-dot, x as q8/{256 if _VNNI_KIND[t] >= 10 else 32}"
+        return f"vnni u8xs8-dot, x as q8/{256 if _VNNI_KIND[t] >= 10 else 32}" + (
+            ", 4 blocks a step" if t == GGMLType.Q4_0 and USE_QUAD and n <= VQ.QUAD_R else "")
     if t in _K:
         return "int16-dot, x as q8/256"
     if t in _LEGACY:

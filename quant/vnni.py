@@ -21,7 +21,8 @@ shuffles: 56 instructions for 8 Q4_0 blocks where one block a register took
 1.09 -> 0.98, Q8_0 0.72 -> 0.76; same results bit for bit).
 
 32-element formats: up to LEG_ROWS_MAX activation rows (decode, a draft's
-catch-up) leg_rows, each W row decoded once for them all; more rows
+catch-up) leg_rows (Q4_0 with K a multiple of 128: vnni_quad's 512-bit kernel, the
+same bits), each W row decoded once for them all; more rows
 (speculative verification, batched decode) leg_grp, the rows of a group in
 the lanes of one zmm register and each W block decoded once for the whole
 group (see "row groups" below).  K-quants (Q4_K, Q6_K): vnni_kq.kq_rows, up
@@ -40,11 +41,12 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .act_quant import _grp_r as _grp_r_nb, group_q8_32, quantize_q8_256_i8, quantize_q8_32_i8
+from .act_quant import _grp_r as _grp_r_nb, group_q8_32, quantize_q8_256_i8, quantize_q8_32_i8, quantize_q8_32_quad
 from .ir import HAVE_VNNI  # noqa: F401  (this module's flag for its users: matmul_cpu, tests)
 from .ir import (_c, _data, _f32, _fma_t, _fn, _i1, _i16, _i32, _i64, _literal, _load_vec, _shuf, _splat,
                  _v8f32, _v8i32, _v16f32, _v16i8, _v16i32, _v32i8, _v64i8, _vpdpbusd, _vpdpbusd512, prefetch_span)
 from .vnni_kq import kq_rows, kq_span1
+from .vnni_quad import quad_rows
 
 F32 = np.float32
 
@@ -185,7 +187,8 @@ def rows_q6_k(w, xq, xd, xb16, unused, out, res, n, K, m0, m1):
 
 @njit(inline="always")
 def _rows_any(kind, w, xq, xd, xs1, xs2, out, res, n, K, m0, m1):
-    """kind: 0-4 the 32-element formats (xs1 = xsum int32, xs2 = xs f32), 10
+    """kind: 0-4 the 32-element formats (xs1 = xsum int32, xs2 = xs f32), 5 Q4_0 on
+    vnni_quad's kernel (the same arrays, the codes in its order), 10
     Q4_K (xs1 = step x code sum per 32, f32) and 11 Q6_K (xs1 = code sums per
     16, int32); xs2 unused."""
     if kind == 0:
@@ -198,6 +201,8 @@ def _rows_any(kind, w, xq, xd, xs1, xs2, out, res, n, K, m0, m1):
         rows_q5_1(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
     elif kind == 4:
         rows_q8_0(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
+    elif kind == 5:
+        quad_rows(w, xq, xd, xs1, out, res, n, K, m0, m1)
     elif kind == 10:
         rows_q4_k(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
     else:
@@ -246,7 +251,10 @@ def matvec_leg(kind, x, w, xq, xd, xsum, xs, out, res, fresh):
     of two: the per-call cost is a visible part of a small model's token.)"""
     n, K = x.shape
     if fresh:
-        quantize_q8_32_i8(x, xq, xd, xsum, xs)
+        if kind == 5:       # vnni_quad's code order
+            quantize_q8_32_quad(x, xq, xd, xsum, xs)
+        else:
+            quantize_q8_32_i8(x, xq, xd, xsum, xs)
     _rows_any(kind, w, xq, xd, xsum, xs, out, res, n, K, 0, w.shape[0])
 
 

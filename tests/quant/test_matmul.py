@@ -200,3 +200,32 @@ def test_row_groups_long_rows(qtype, rng):
         np.testing.assert_array_equal(matmul(x[:n], W), alone[:n], err_msg=f"n={n}")
     for n in (17, 24, 31):
         _check(x[:n], W, matmul(x[:n], W))
+
+
+def test_q4_0_quad_kernel_same_bits_as_leg_rows(rng, monkeypatch):
+    """vnni_quad (Q4_0, 1-2 rows, K a multiple of 128) gives leg_rows' bits: every
+    K here has whole 8-block steps, and K = 384 / 896 also a 4-block tail; one W row
+    up to several chunks; fused regions too."""
+    import quant.matmul_cpu as MC
+    from quant.vnni_quad import HAVE_QUAD
+    if not (MC.USE_VNNI and HAVE_QUAD):
+        pytest.skip("the quad kernel does not run with this kernel set (or CPU: it needs AVX512-VNNI and VBMI)")
+    for K in (128, 256, 384, 896, 1024):
+        for M in (1, 9, 300):
+            W = QTensor("w", GGMLType.Q4_0, (M, K), random_weight_bytes(rng, GGMLType.Q4_0, M, K))
+            x = (rng.standard_normal((3, K)) * rng.uniform(0.01, 100, (3, 1))).astype(np.float32)
+            assert MC._vnni_kind(GGMLType.Q4_0, 1, K) == MC.QUAD
+            for n in (1, 2):
+                monkeypatch.setattr(MC, "USE_QUAD", True)
+                quad = matmul(x[:n], W)
+                monkeypatch.setattr(MC, "USE_QUAD", False)
+                np.testing.assert_array_equal(quad, matmul(x[:n], W), err_msg=f"K={K}, M={M}, n={n}")
+            monkeypatch.setattr(MC, "USE_QUAD", True)
+            np.testing.assert_array_equal(matmul(x[1:2], W)[0], matmul(x, W)[1])   # and the row groups'
+    Ws = [QTensor(f"w{i}", GGMLType.Q4_0, (2048, 896), random_weight_bytes(rng, GGMLType.Q4_0, 2048, 896))
+          for i in range(2)]
+    x = rng.standard_normal((2, 896)).astype(np.float32)
+    quad = matmul_multi(x, Ws)
+    monkeypatch.setattr(MC, "USE_QUAD", False)
+    for a, b in zip(quad, matmul_multi(x, Ws)):
+        np.testing.assert_array_equal(a, b)
