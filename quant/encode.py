@@ -64,12 +64,12 @@ def encode_q8_0(x, out):
 
 
 @njit(inline="always")
-def _signed_absmax(src, o):
-    """The value of largest magnitude in src[o:o+QK], sign kept (the first one on
-    ties), as ggml's quantize_row_q4_0 / q5_0 take it."""
+def _signed_absmax(src, o, n=QK):
+    """The value of largest magnitude in src[o:o+n], sign kept (the first one on
+    ties), as ggml's quantize_row_q4_0 / q5_0 and make_qx_quants / make_q3_quants take it."""
     amax = F32(0.0)
     vmax = F32(0.0)
-    for j in range(QK):
+    for j in range(n):
         v = src[o + j]
         if amax < abs(v):
             amax = abs(v)
@@ -292,14 +292,8 @@ def _make_qx_quants_16_32(x, xo, L, lo):
     scale searched over 19 candidate grids.  L holds l + 32 in [0, 63]."""
     n = 16
     nmax = 32
-    vmax = F32(0.0)
-    amax = F32(0.0)
-    for i in range(n):
-        ax = abs(x[xo + i])
-        if ax > amax:
-            amax = ax
-            vmax = x[xo + i]
-    if amax < _GROUP_MAX_EPS:
+    vmax = _signed_absmax(x, xo, n)
+    if abs(vmax) < _GROUP_MAX_EPS:
         for i in range(n):
             L[lo + i] = 0
         return F32(0.0)
@@ -394,14 +388,8 @@ def _make_q3_quants_16(x, xo, L, lo):
     at a time while the weighted fit improves (5 passes at most).  L holds l + 4."""
     n = 16
     nmax = 4
-    vmax = F32(0.0)
-    amax = F32(0.0)
-    for i in range(n):
-        ax = abs(x[xo + i])
-        if ax > amax:
-            amax = ax
-            vmax = x[xo + i]
-    if amax < _GROUP_MAX_EPS:
+    vmax = _signed_absmax(x, xo, n)
+    if abs(vmax) < _GROUP_MAX_EPS:
         for i in range(n):
             L[lo + i] = 0
         return F32(0.0)

@@ -136,6 +136,13 @@ def _hsumf(builder, v):
     return builder.extract_element(v, _c(0, _i32))
 
 
+def _tree8(builder, a):
+    """((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) for 8 same-typed values."""
+    t = [builder.fadd(a[j], a[j + 4]) for j in range(4)]
+    u = [builder.fadd(t[j], t[j + 2]) for j in range(2)]
+    return builder.fadd(u[0], u[1])
+
+
 def _shuf(builder, v, idx):
     return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, len(idx)), idx))
 

@@ -43,7 +43,7 @@ from numba.extending import intrinsic
 
 from .act_quant import _grp_r as _grp_r_nb, group_q8_32, quantize_q8_256_i8, quantize_q8_32_i8, quantize_q8_32_quad
 from .ir import HAVE_VNNI  # noqa: F401  (this module's flag for its users: matmul_cpu, tests)
-from .ir import (_c, _data, _f32, _fma_t, _fn, _i1, _i16, _i32, _i64, _literal, _load_vec, _shuf, _splat,
+from .ir import (_c, _data, _f32, _fma_t, _fn, _i1, _i16, _i32, _i64, _literal, _load_vec, _shuf, _splat, _tree8,
                  _v8f32, _v8i32, _v16f32, _v16i8, _v16i32, _v32i8, _v64i8, _vpdpbusd, _vpdpbusd512, prefetch_span)
 from .vnni_kq import kq_rows, kq_span1
 from .vnni_quad import quad_rows
@@ -391,13 +391,6 @@ def _lanes(builder, p, base, t, elt):
     for j in range(t):
         v = builder.insert_element(v, builder.load(builder.gep(p, [builder.add(base, _c(j))])), _c(j, _i32))
     return v
-
-
-def _tree8(builder, a):
-    """((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) for 8 same-typed values."""
-    t = [builder.fadd(a[j], a[j + 4]) for j in range(4)]
-    u = [builder.fadd(t[j], t[j + 2]) for j in range(2)]
-    return builder.fadd(u[0], u[1])
 
 
 def _widen16(builder, v16):

@@ -32,7 +32,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .ir import (HAVE_VNNI, _c, _data, _f32, _fma_t, _i1, _i16, _i32, _i64, _literal, _load_vec, _v8f32,
+from .ir import (HAVE_VNNI, _c, _data, _f32, _fma_t, _i1, _i16, _i32, _i64, _literal, _load_vec, _tree8, _v8f32,
                  _v8i32, _v16i32, _v64i8, _vpdpbusd512, cpu_has, prefetch_span)
 
 # the gather is one permute only with AVX512-VBMI's companions (Ice Lake, Zen4 and later);
@@ -48,14 +48,7 @@ _PREFETCH = (4096, 2)    # as vnni._LEG_PREFETCH: bytes ahead, locality
 _GATHER = [18 * (i // 16) + 2 + i % 16 for i in range(64)]
 
 
-def _tree8(builder, a):
-    """vnni._tree8: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))."""
-    t = [builder.fadd(a[j], a[j + 4]) for j in range(4)]
-    u = [builder.fadd(t[j], t[j + 2]) for j in range(2)]
-    return builder.fadd(u[0], u[1])
-
-
-def _shuf(builder, a, b, idx):
+def _shuf2(builder, a, b, idx):
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, len(idx)), idx))
 
 
@@ -111,9 +104,9 @@ def q40_rows(typingctx, R, src, nb, xq, xd, xsum, r0, K, res):
             block sums in block order."""
             ilo = [j for q in range(4) for j in (4 * q, 16 + 4 * q, 4 * q + 1, 17 + 4 * q)]
             ihi = [j for q in range(4) for j in (4 * q + 2, 18 + 4 * q, 4 * q + 3, 19 + 4 * q)]
-            u = builder.add(_shuf(builder, sa, sb, ilo), _shuf(builder, sa, sb, ihi))
-            u = builder.add(u, _shuf(builder, u, u, [j ^ 2 for j in range(16)]))
-            return _shuf(builder, u, u, [0, 4, 8, 12, 1, 5, 9, 13])
+            u = builder.add(_shuf2(builder, sa, sb, ilo), _shuf2(builder, sa, sb, ihi))
+            u = builder.add(u, _shuf2(builder, u, u, [j ^ 2 for j in range(16)]))
+            return _shuf2(builder, u, u, [0, 4, 8, 12, 1, 5, 9, 13])
 
         def vec8(p, bi, t):
             return builder.load(builder.bitcast(builder.gep(p, [bi]), ir.VectorType(t, 8).as_pointer()), align=4)
@@ -124,10 +117,10 @@ def q40_rows(typingctx, R, src, nb, xq, xd, xsum, r0, K, res):
                 if keep is None:
                     xs8, xd8 = vec8(xsp, bi, _i32), vec8(xdp, bi, _f32)
                 else:       # the last four blocks: lanes 4-7 read nothing, as leg_rows' _lanes
-                    xs8 = _shuf(builder, builder.load(builder.bitcast(builder.gep(xsp, [bi]),
+                    xs8 = _shuf2(builder, builder.load(builder.bitcast(builder.gep(xsp, [bi]),
                                                                       ir.VectorType(_i32, 4).as_pointer()), align=4),
                                 ir.Constant(ir.VectorType(_i32, 4), None), list(range(8)))
-                    xd8 = _shuf(builder, builder.load(builder.bitcast(builder.gep(xdp, [bi]),
+                    xd8 = _shuf2(builder, builder.load(builder.bitcast(builder.gep(xdp, [bi]),
                                                                       ir.VectorType(_f32, 4).as_pointer()), align=4),
                                 ir.Constant(ir.VectorType(_f32, 4), None), list(range(8)))
                 isum = builder.sub(isum, builder.mul(xs8, ir.Constant(_v8i32, [_OFF] * 8)))
@@ -137,7 +130,7 @@ def q40_rows(typingctx, R, src, nb, xq, xd, xsum, r0, K, res):
                 builder.store(a if keep is None else builder.select(keep, a, old), acc)
 
         def halves8(words, idx):
-            h = _shuf(builder, *words, idx)
+            h = _shuf2(builder, *words, idx)
             return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), _v8f32)
 
         nq = builder.sdiv(nbv, _c(8))
