@@ -498,12 +498,31 @@ def test_controller_trusts_what_rounds_of_k_emitted():
         c.observe_round(7, 2, 0.008, c.t_verify[7])
     assert c.expected_tokens(7) < 4.0
     assert c.choose() != 7
-    # the estimate is a blend: the formula still counts while few rounds are behind it
+    # per draft position: the first two were always accepted, the third never, so
+    # drafting past two adds less than a token however well later positions might do
+    assert c.expected_tokens(2) > 2.9 and c.expected_tokens(7) < c.expected_tokens(2) + 1.0
+    # few checks behind a position: the overall acceptance still counts (POSITION_PRIOR)
     c = _controller(0.92, 0.055, 0.008, 0.004)
     model = c.expected_tokens(3)
+    assert model == pytest.approx(1 + 0.92 + 0.92 ** 2 + 0.92 ** 3)
     c.observe_round(3, 3, 0.008, c.verify_cost(3))
-    c.accepted, c.tested = 920, 1000
     assert model < c.expected_tokens(3) < 4.0
+
+
+def test_round_costs_compare_across_machine_drift():
+    """Rounds of different k are timed at different moments of a machine whose speed
+    drifts: k = 3 measured while everything ran 1.5x slower must still beat k = 4
+    measured later at full speed when it is the faster one in draft steps."""
+    c = _controller(0.9, 0.05, 0.01, 0.004)
+    for _ in range(20):                 # slow minute: draft steps 15 ms, rounds of 3 at 9.6 draft steps
+        c.observe_round(3, 3, 0.015, 0.1, round_s=0.144)
+    for _ in range(20):                 # fast again: draft steps 10 ms, rounds of 4 at 12.5 draft steps
+        c.observe_round(4, 4, 0.010, 0.08, round_s=0.125)
+    e3, e4 = c.expected_tokens(3), c.expected_tokens(4)
+    assert e3 / 9.6 > e4 / 12.5         # k = 3 is the faster per draft step ...
+    assert e3 / 0.144 < e4 / 0.125      # ... though not per second as timed
+    assert c.rate(3) > c.rate(4)
+    assert c.rate(3) == pytest.approx(e3 / (9.6 * c.t_draft), rel=0.02)
 
 
 def test_drafter_falls_back_when_drafting_does_not_pay(smol_pair):
