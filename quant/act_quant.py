@@ -141,6 +141,19 @@ def quantize_q8_256(x, xq, xd, xb):
             xb[r, j] = s
 
 
+@njit(inline="always")
+def _q8_32_natural(x, xq, xd, xsum, xs):
+    """quantize_q8_32's codes (flat, natural order), steps, code sums and steps x sums."""
+    n, K = x.shape
+    nb = K // 32
+    for r in range(n):
+        xr = x[r]
+        for b in range(nb):
+            d = q8_block(32, xr, b * 32, xq, None, None, xsum, r * K + b * 32, 0, r * nb + b)
+            xd[r * nb + b] = d
+            xs[r * nb + b] = d * F32(xsum[r * nb + b])
+
+
 @njit(cache=True)
 def quantize_q8_32_i8(x, xq, xd, xsum, xs):
     """For the VNNI kernels: x f32 [n, K] -> xq int8 [n*K] (flat, in pair order:
@@ -148,13 +161,8 @@ def quantize_q8_32_i8(x, xq, xd, xsum, xs):
     Same codes and steps as quantize_q8_32."""
     n, K = x.shape
     nb = K // 32
+    _q8_32_natural(x, xq, xd, xsum, xs)
     for r in range(n):
-        xr = x[r]
-        for b in range(nb):
-            o = r * K + b * 32
-            d = q8_block(32, xr, b * 32, xq, None, None, xsum, o, 0, r * nb + b)
-            xd[r * nb + b] = d
-            xs[r * nb + b] = d * F32(xsum[r * nb + b])
         # pair order: codes 16-31 of block 2p trade places with codes 0-15 of 2p+1
         for p in range(nb // 2):
             o = r * K + 64 * p
@@ -170,17 +178,12 @@ def quantize_q8_32_quad(x, xq, xd, xsum, xs):
     vnni_quad (K a multiple of 128): per four blocks, codes 0-15 of each, then codes
     16-31 of each."""
     n, K = x.shape
-    nb = K // 32
+    _q8_32_natural(x, xq, xd, xsum, xs)
     tmp = np.empty(128, np.int8)
     for r in range(n):
-        xr = x[r]
-        for g in range(nb // 4):
-            for t in range(4):
-                b = 4 * g + t
-                d = q8_block(32, xr, b * 32, tmp, None, None, xsum, 32 * t, 0, r * nb + b)
-                xd[r * nb + b] = d
-                xs[r * nb + b] = d * F32(xsum[r * nb + b])
+        for g in range(K // 128):
             o = r * K + 128 * g
+            tmp[:] = xq[o:o + 128]
             for t in range(4):
                 for j in range(16):
                     xq[o + 16 * t + j] = tmp[32 * t + j]

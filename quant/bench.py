@@ -135,7 +135,7 @@ def bench_one(qtype: GGMLType, M: int, K: int, rows: int, rng, reps: int, fma: b
 
     t = _time(step, reps)
     res = {"type": qtype.name, "shape": f"{M}x{K}", "rows": rows, "weight_MB": raw.nbytes / 1e6,
-           "ms": t * 1e3, "GBps": raw.nbytes / t / 1e9, "kernel": kernel_name(qtype, rows)}
+           "ms": t * 1e3, "GBps": raw.nbytes / t / 1e9, "kernel": kernel_name(qtype, rows, K)}
     if fma and qtype not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16) and rows < 32:
         def step_fma():
             matmul_float_fma(x, Ws[it[0] % copies], out, scratch)

@@ -19,6 +19,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .dequant import scale_q3_k
 from .half import f16_to_f32, f32_to_f16
 from .types import QK, QK_K, GGMLType, row_nbytes, type_name
 
@@ -467,9 +468,7 @@ def encode_q3_k(x, out):
                 _put_f16(dst, o + 108, F32(0.0))
             dd = f16_to_f32(np.uint16(dst[o + 108]) | (np.uint16(dst[o + 109]) << np.uint16(8)))
             for j in range(16):
-                lo4 = (np.int32(dst[o + 96 + (j & 7)]) >> (4 * (j >> 3))) & 15
-                hi2 = (np.int32(dst[o + 104 + (j & 3)]) >> (2 * (j >> 2))) & 3
-                d = dd * F32((lo4 | (hi2 << 4)) - 32)
+                d = dd * F32(scale_q3_k(j, dst, o + 96))
                 if d == F32(0.0):
                     continue
                 for ii in range(16):

@@ -200,7 +200,7 @@ _VNNI_KIND = {GGMLType.Q4_0: 0, GGMLType.Q4_1: 1, GGMLType.Q5_0: 2, GGMLType.Q5_
               GGMLType.Q8_0: 4, GGMLType.Q4_K: 10, GGMLType.Q6_K: 11}
 
 
-QUAD = 5       # the kind of Q4_0 matrices that vnni_quad's kernel runs (K % 128 == 0, AVX512-VBMI)
+QUAD = VQ.KIND     # the kind of Q4_0 matrices that vnni_quad's kernel runs (K % 128 == 0, AVX512-VBMI)
 
 
 def _vnni_kind(qt, n, K):
@@ -654,14 +654,14 @@ def matmul_float_fma(x, W, out, scratch):
     return out
 
 
-def kernel_name(qtype, n: int) -> str:
-    """Which kernel matmul uses for this type and row count (for the benchmark)."""
+def kernel_name(qtype, n: int, K: int = 1) -> str:
+    """Which kernel matmul uses for this type, row count and row length (for the benchmark)."""
     if _sgemm_path(n, qtype):
         return "dequant-tile+sgemm"
     t = GGMLType(qtype)
     if USE_VNNI and t in _VNNI_KIND:
         return f"vnni u8xs8-dot, x as q8/{256 if _VNNI_KIND[t] >= 10 else 32}" + (
-            ", 4 blocks a step" if t == GGMLType.Q4_0 and USE_QUAD and n <= VQ.QUAD_R else "")
+            ", 4 blocks a step" if _vnni_kind(t, n, K) == QUAD else "")
     if t in _K:
         return "int16-dot, x as q8/256"
     if t in _LEGACY:

@@ -46,7 +46,7 @@ from .ir import HAVE_VNNI  # noqa: F401  (this module's flag for its users: matm
 from .ir import (_c, _data, _f32, _fma_t, _fn, _i1, _i16, _i32, _i64, _literal, _load_vec, _shuf, _splat, _tree8,
                  _v8f32, _v8i32, _v16f32, _v16i8, _v16i32, _v32i8, _v64i8, _vpdpbusd, _vpdpbusd512, prefetch_span)
 from .vnni_kq import kq_rows, kq_span1
-from .vnni_quad import quad_rows
+from .vnni_quad import KIND as QUAD, quad_rows
 
 F32 = np.float32
 
@@ -201,7 +201,7 @@ def _rows_any(kind, w, xq, xd, xs1, xs2, out, res, n, K, m0, m1):
         rows_q5_1(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
     elif kind == 4:
         rows_q8_0(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
-    elif kind == 5:
+    elif kind == QUAD:
         quad_rows(w, xq, xd, xs1, out, res, n, K, m0, m1)
     elif kind == 10:
         rows_q4_k(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
@@ -251,7 +251,7 @@ def matvec_leg(kind, x, w, xq, xd, xsum, xs, out, res, fresh):
     of two: the per-call cost is a visible part of a small model's token.)"""
     n, K = x.shape
     if fresh:
-        if kind == 5:       # vnni_quad's code order
+        if kind == QUAD:    # vnni_quad's code order
             quantize_q8_32_quad(x, xq, xd, xsum, xs)
         else:
             quantize_q8_32_i8(x, xq, xd, xsum, xs)

@@ -38,6 +38,7 @@ from .ir import (HAVE_VNNI, _c, _data, _f32, _fma_t, _i1, _i16, _i32, _i64, _lit
 # the gather is one permute only with AVX512-VBMI's companions (Ice Lake, Zen4 and later);
 # LLAMBA_QUANT_QUAD=0 keeps leg_rows
 HAVE_QUAD = HAVE_VNNI and cpu_has("LLAMBA_QUANT_QUAD", "avx512vnni", "avx512vbmi")
+KIND = 5                 # its kind in vnni.rows_any's dispatch (after the 32-element formats' 0-4)
 QUAD_K = 128             # elements a step: K must be a multiple
 QUAD_R = 2               # activation rows (vnni.LEG_ROWS_MAX: more take the row groups)
 _BB = 18                 # Q4_0 block bytes

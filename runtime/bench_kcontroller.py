@@ -68,7 +68,7 @@ def step_costs(eng: Engine, rows, ctx_ids, reps: int) -> dict:
     return res
 
 
-def replay(policy, match_sets, verify, d1, d2, seed, noise, drift, probe_every, gens=6):
+def replay(policy, match_sets, verify, d1, d2, seed, noise, drift, gens=6):
     """Speedup of `policy` (a fixed k, or "adaptive") over the target alone on the
     agreement data, costs in target steps times drift and noise."""
     rng = np.random.default_rng(seed)
@@ -95,7 +95,7 @@ def replay(policy, match_sets, verify, d1, d2, seed, noise, drift, probe_every, 
         while h < n:
             if policy != "adaptive":
                 k = policy
-            elif (ctl.t_plain is None and rounds <= 2) or rounds % probe_every == probe_every - 1:
+            elif Drafter.probe_due(ctl, rounds, True):
                 k = 0
             else:
                 k = ctl.choose()
@@ -148,9 +148,8 @@ def main(argv=None) -> int:
 
     def verify(rows):
         return V[rows] if rows in V else V[9] + (rows - 9) * (V[9] - V[8])
-    probe = Drafter.PROBE_EVERY
     for pol in (2, 3, 4, 5, "adaptive"):
-        r = [replay(pol, matches, verify, d1, d2, s, args.noise, args.drift, probe) for s in range(args.seeds)]
+        r = [replay(pol, matches, verify, d1, d2, s, args.noise, args.drift) for s in range(args.seeds)]
         print(f"{'k = ' + str(pol) if pol != 'adaptive' else 'adaptive':10s} median {statistics.median(r):.3f}x"
               f"  p10 {np.percentile(r, 10):.3f}x")
     return 0

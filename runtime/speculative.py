@@ -317,7 +317,7 @@ class KController:
         if catch_s is not None:
             self.t_catch = self._avg(self.t_catch, catch_s)
         # the round in draft steps of its own moment (k = 1 has none beyond its first)
-        unit = draft_s if draft_s else self._unit()
+        unit = draft_s or self.t_draft
         if round_s is not None and unit:
             self.round_steps[k] = self._avg(None if stale else self.round_steps.get(k), round_s / unit)
         if draft_s is not None:
@@ -325,10 +325,6 @@ class KController:
         self.t_verify[k] = self._avg(None if stale else self.t_verify.get(k), verify_s)
         if self.t_plain is not None:
             self.t_row = self._avg(self.t_row, max(0.0, verify_s - self.t_plain) / k)
-
-    def _unit(self) -> float | None:
-        """The time round costs are kept in: a draft step now (else a round's first one)."""
-        return self.t_draft if self.t_draft is not None else self.t_catch
 
     def _scale_positions(self, f: float) -> None:
         self.pos_tested = {j: n * f for j, n in self.pos_tested.items()}
@@ -396,8 +392,8 @@ class KController:
         tp = self.t_plain or 1.0
         if k == 0:
             return 1.0 / tp
-        r, unit = self.round_steps.get(k), self._unit()
-        t = r * unit if r is not None and unit else None
+        r = self.round_steps.get(k)
+        t = r * self.t_draft if r is not None and self.t_draft else None
         if t is None:       # not measured yet: from the parts
             step = self.t_draft if self.t_draft is not None else (self.t_catch or 0.0)
             first = self.t_catch if self.t_catch is not None else step
@@ -532,6 +528,13 @@ class Drafter:
     # Qwen pair's data with drifting costs: 32 -> 64 +0.5%)
     PROBE_EVERY = 64
 
+    @classmethod
+    def probe_due(cls, ctl: KController, rounds: int, adaptive: bool) -> bool:
+        """Whether round number `rounds` is a plain step timed for the cost model: while no
+        plain step is known (the first rounds), then every PROBE_EVERY adaptive rounds."""
+        return (ctl.t_plain is None and rounds <= 2
+                or adaptive and rounds % cls.PROBE_EVERY == cls.PROBE_EVERY - 1)
+
     def __init__(self, draft: Engine, target: Engine, k: int = 4, adaptive: bool = True,
                  draft_vocab: int = 0):
         check_same_vocab(draft.loaded, target.loaded)
@@ -661,8 +664,7 @@ class Drafter:
         losing = 0              # consecutive decisions for plain decoding
         rounds = 0
         while True:
-            if (ctl.t_plain is None and rounds <= 2
-                    or self.adaptive and rounds % self.PROBE_EVERY == self.PROBE_EVERY - 1):
+            if self.probe_due(ctl, rounds, self.adaptive):
                 k = 0           # time a plain step: the cost model and the speedup need it
             elif off_until > len(history):
                 k = 0
