@@ -433,6 +433,7 @@ def main(argv=None):
     hints_default = (qc.W_HINT, qc.W_PF)
     pdl_default = qc.pdl.MODE
     stages_default = qc.MVK_STAGES
+    mvk_cfg_default = (qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_STAGES, qc.MVK_V)
     hint_codes = {"256": 1, "128": 2, "ef": 3, "256ef": 4, "128ef": 5}
 
     def use(variant):
@@ -483,7 +484,7 @@ def main(argv=None):
                 g = matvec_bandwidth(cp, qc, qt, M, K) / 1e9
                 log(f"mvk R={r} bps={b} S={st} V={na}: matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)"
                     f" occupancy {dict(qc._bps)}")
-        qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_STAGES, qc.MVK_V = 2, 0, 2, 0
+        qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_STAGES, qc.MVK_V = mvk_cfg_default
         qc._mods.by_type.clear()
         qc._bps.clear()
         qc.INT8_MATVEC = int8_default
