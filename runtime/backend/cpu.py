@@ -226,17 +226,19 @@ class CPUBackend:
         out = self.arena.get((x.shape[0], W.shape[0]))
         matmul_into(x, W, out, self.scratch)
         if bias is not None:
-            self.scratch.call(np.add, out, bias, out)
+            self.scratch.call(K.add_bias, out, bias)
         return out
 
     def matmuls(self, x, Ws, biases=None):
         x = self._rows2d(x)
         outs = [self.arena.get((x.shape[0], W.shape[0])) for W in Ws]
         matmul_multi_into(x, Ws, outs, self.scratch)
-        if biases:
+        if biases and len(outs) == 3 and all(b is not None for b in biases):
+            self.scratch.call(K.add_bias3, outs[0], biases[0], outs[1], biases[1], outs[2], biases[2])
+        elif biases:
             for o, bias in zip(outs, biases):
                 if bias is not None:
-                    self.scratch.call(np.add, o, bias, o)
+                    self.scratch.call(K.add_bias, o, bias)
         return outs
 
     def matmul_add(self, x, W, acc):

@@ -102,6 +102,23 @@ def add_inplace(x, y):
             x[i, j] += y[i, j]
 
 
+# A matmul's bias rows: one call where NumPy's ufunc costs ~6 us a call on a 896-wide
+# row (Qwen2's q, k and v biases: 3 a layer); x + b rounded once, as np.add rounds it.
+@nb.njit(**_JIT)
+def add_bias(x, b):
+    n, d = x.shape
+    for i in range(n):
+        for j in range(d):
+            x[i, j] += b[j]
+
+
+@nb.njit(**_JIT)
+def add_bias3(x0, b0, x1, b1, x2, b2):
+    add_bias(x0, b0)
+    add_bias(x1, b1)
+    add_bias(x2, b2)
+
+
 # ---- KV cache: write, attention, shift ---------------------------------------------
 #
 # K/V pools are [n_slots, KVH, D] per layer, slot = block * block_size + offset.
