@@ -225,21 +225,25 @@ class CPUBackend:
         x = self._rows2d(x)
         out = self.arena.get((x.shape[0], W.shape[0]))
         matmul_into(x, W, out, self.scratch)
-        if bias is not None:
-            self.scratch.call(K.add_bias, out, bias)
+        self._add_biases([out], [bias])
         return out
 
     def matmuls(self, x, Ws, biases=None):
         x = self._rows2d(x)
         outs = [self.arena.get((x.shape[0], W.shape[0])) for W in Ws]
         matmul_multi_into(x, Ws, outs, self.scratch)
-        if biases and len(outs) == 3 and all(b is not None for b in biases):
-            self.scratch.call(K.add_bias3, outs[0], biases[0], outs[1], biases[1], outs[2], biases[2])
-        elif biases:
-            for o, bias in zip(outs, biases):
-                if bias is not None:
-                    self.scratch.call(K.add_bias, o, bias)
+        if biases:
+            self._add_biases(outs, biases)
         return outs
+
+    def _add_biases(self, outs, biases):
+        """outs[i] += biases[i] (None: nothing); q/k/v's three in one call."""
+        if len(outs) == 3 and all(b is not None for b in biases):
+            self.scratch.call(K.add_bias3, outs[0], biases[0], outs[1], biases[1], outs[2], biases[2])
+            return
+        for o, bias in zip(outs, biases):
+            if bias is not None:
+                self.scratch.call(K.add_bias, o, bias)
 
     def matmul_add(self, x, W, acc):
         self.scratch.call(K.add_inplace, acc, self.matmul(x, W))
