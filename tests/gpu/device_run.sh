@@ -6,8 +6,8 @@
 # test_speculative_gpu.py, whose CPU draft compiles the Numba kernels on a fresh machine): run
 #   TEST_TIMEOUT=540 TESTS="$(ls tests/gpu/test_*.py | grep -v speculative)" tests/gpu/device_run.sh tests
 #   TEST_TIMEOUT=480 TESTS=tests/gpu/test_speculative_gpu.py tests/gpu/device_run.sh tests
-# Wheels in .whl/ (gguf, platformdirs), trimmed real models in .devmodels/ (made with
-# runtime/backend/cuda_synth.trim_gguf).  Output goes to $OUT when set.
+# Wheels in .whl/ (gguf, platformdirs), trimmed real models in .devmodels/: both made by
+# `python tests/gpu/prepare_device.py` and passed as the run's carry.  Output goes to $OUT when set.
 set -o pipefail
 OUT=${OUT:-/tmp/llamba-out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true

