@@ -541,7 +541,9 @@ class Drafter:
         if k < 1:
             raise ValueError("--draft-n must be at least 1")
         self.draft, self.target = draft, target
-        self.k = min(k, 15)          # k+1 rows stay within quant's batch-invariant range
+        # k + 1 rows within what the target's backend verifies bit-exactly (CPU 16 rows,
+        # GPU 8: its integer matvec's range)
+        self.k = min(k, getattr(target.backend, "exact_rows", 16) - 1)
         self.adaptive = adaptive
         tok = target.tokenizer      # None for weights-only models (GPU test files)
         stops = set(tok.stop_ids) | {tok.eos_id or 0} if tok is not None else set()
@@ -566,6 +568,9 @@ class Drafter:
                      f"({before / 2**20:.0f} -> {after / 2**20:.0f} MiB, {time.perf_counter() - t0:.1f} s)")
         eng = Engine(lm, device=target.backend.name, n_ctx=target.n_ctx, announce=announce)
         d = cls(eng, target, k=k, adaptive=adaptive, draft_vocab=draft_vocab)
+        if d.k < k and announce:
+            announce(f"draft: --draft-n {k} capped at {d.k} (the {target.backend.name} backend verifies "
+                     f"at most {d.k + 1} tokens a step exactly)")
         t = _draft_type(draft_quant)
         if t is not None and d.vocab_ids is not None:
             # the output layer's kept rows too (its full table stays for embeddings)

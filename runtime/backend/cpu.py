@@ -115,6 +115,7 @@ class CPUKVStorage:
 
 class CPUBackend:
     name = "cpu"
+    exact_rows = 16             # steps up to this many tokens are batch-invariant (EXACT_STEP)
     plans_ok = True             # a subclass that overrides an op must route its kernels through
                                 # scratch.call and set this again to keep the plans (cpu_plan.py)
 
@@ -309,5 +310,5 @@ class CPUBackend:
 # queries per prefill tile: each K/V block is converted once per tile and kv head
 ATTN_TILE = 16
 # steps up to this many tokens are batch-invariant (engine._splits' rule)
-EXACT_STEP = 16
+EXACT_STEP = CPUBackend.exact_rows
 

@@ -30,7 +30,7 @@ from . import DeviceUnavailable
 from .cuda_memory import MIN_COMPUTE_CAPABILITY, estimate_bytes, format_bytes
 
 _SRC = Path(__file__).resolve().parent / "cuda_kernels.cu"
-MV_MAX_ROWS = 8
+MV_MAX_ROWS = 8        # quant.cuda.MV_MAX_ROWS (that module needs CuPy to import; CUDABackend checks they agree)
 
 
 def probe() -> dict:
@@ -59,8 +59,25 @@ def probe() -> dict:
 
 # most tokens of one sequence a step replayed from a CUDA graph has (speculative
 # verify: k + 1 rows; longer steps, prompts, run op by op), and of a step whose
-# attention is split by the graph's table width (_split_ctx)
-GRAPH_ROWS = 16
+# attention is split by the graph's table width (_split_ctx).  The integer matvec's
+# range: past it the matmuls go to cuBLAS, which a CUDA graph capture cannot hold and
+# whose sums are not a one-token step's
+GRAPH_ROWS = MV_MAX_ROWS
+# decode attention by key tiles (attn_tiles) once a context split holds this many keys
+# (0: never), and the most context splits.  H200, graph replay of random-weight L8 / Q15
+# Q4_K_M decode steps (quant/cuda/NOTES.md, session 17): from 16 keys a split the tiles
+# win at every depth measured (8000 tokens of context: L8 3.220 -> 2.705 ms, Q15 1.738 ->
+# 1.455), at 8 (contexts below ~300 tokens) they lost up to 5% on Q15; 128 splits lost
+# to 64 at every depth.
+ATT_TILE_KEYS = int(os.environ.get("LLAMBA_ATT_TILE_KEYS", "16"))
+ATT_MAX_SPLITS = int(os.environ.get("LLAMBA_ATT_SPLITS", "64"))
+
+
+def _mega_enabled() -> bool:
+    from . import cuda_mega
+    return cuda_mega.ENABLED
+
+
 # steps of more tokens than this (prompts) take the tiled prompt attention (attn_prefill);
 # up to it (decode, speculative verify) every token gets the decode kernel's sums
 PREFILL_TILED_MIN = 16
@@ -158,7 +175,7 @@ class CUDAKVStorage:
 class _DevStep:
     """A Step whose index arrays live on the device (views into one int32 buffer)."""
 
-    def __init__(self, step, views: dict, n_splits: int):
+    def __init__(self, step, views: dict, n_splits: int, attn_tiles: bool = False):
         self.tokens = views["tokens"]
         self.positions = views["positions"]
         self.seq_of_token = views["seq_of_token"]
@@ -170,6 +187,7 @@ class _DevStep:
         self.block_size = step.block_size
         self.attn_scale = step.attn_scale
         self.attn_splits = n_splits
+        self.attn_tiles = attn_tiles          # decode attention by key tiles (attn_tiles)
         self.windows = step.windows
         self.layer_group = list(getattr(step, "layer_group", None) or [])
         # a prompt's tokens (one sequence, consecutive positions, more than a verify
@@ -281,10 +299,15 @@ class _Profiler:
 
 class CUDABackend:
     name = "cuda"
+    # most tokens a step may have with each row's logits equal to a one-token step's
+    # bit for bit (speculative verify: k + 1 rows): the integer matvec's and the
+    # decode attention's range
+    exact_rows = GRAPH_ROWS
 
     def __init__(self, graphs: bool | None = None):
         import cupy as cp
         import quant.cuda as qc
+        assert qc.MV_MAX_ROWS == MV_MAX_ROWS, "quant.cuda.MV_MAX_ROWS changed: GRAPH_ROWS follows it"
         self.cp, self.qc = cp, qc
         info = probe()
         self.device_info = info
@@ -401,7 +424,7 @@ class CUDABackend:
                 return self._forward_graph(model, step, argmax)
             flat, layout = _pack_step(step)
             buf = cp.asarray(flat)
-            dstep = _DevStep(step, _views(buf, layout), self._splits(n, self._split_ctx(step), model))
+            dstep = _DevStep(step, _views(buf, layout), *self._attn_plan(n, self._split_ctx(step), model))
             out = self._run(model, dstep)
             if argmax:
                 return self._argmax(out).get().astype(np.int64)
@@ -453,11 +476,27 @@ class CUDABackend:
         """Context splits of attention: enough blocks when few tokens attend (decode),
         each split about 8 keys (2 a warp) up to 64 splits: a warp walks its keys one
         after another (dependent loads), so at short contexts the walk, not the bytes,
-        is the time (L8 decode at 65 keys: 21 us a layer with 32-key splits)."""
-        kvh = model.cfg.n_kv_heads
-        if n_tokens * kvh >= 64 or ctx < 16:
+        is the time (L8 decode at 65 keys: 21 us a layer with 32-key splits).
+
+        Steps of up to GRAPH_ROWS tokens (decode, speculative verify) get the count of a
+        one-token step whatever their rows: the splits set the order a token's keys are
+        summed in, and a verify row must equal its one-token step bit for bit.  Only
+        larger steps (prompts), which have blocks enough without, go unsplit."""
+        if n_tokens > GRAPH_ROWS and n_tokens * model.cfg.n_kv_heads >= 64 or ctx < 16:
             return 1
-        return max(1, min(64, ctx // 8))
+        return max(1, min(ATT_MAX_SPLITS, ctx // 8))
+
+    def _attn_plan(self, n_tokens, ctx, model) -> tuple[int, bool]:
+        """(context splits, by key tiles): the decode kernel `attention` walks a split's
+        keys a warp at a time, `attn_tiles` a tile of DEC_BK at a time, which pays once a
+        split holds ATT_TILE_KEYS keys (a long context).  Both follow from the context
+        width alone, like the splits, so a verify row keeps its one-token step's sums.
+        The megakernel has only the first kind."""
+        splits = self._splits(n_tokens, ctx, model)
+        tiles = (ATT_TILE_KEYS > 0 and splits > 0 and ctx // splits >= ATT_TILE_KEYS
+                 and model.cfg.head_dim % 64 == 0 and n_tokens <= GRAPH_ROWS
+                 and not (self.use_mega and _mega_enabled()))
+        return splits, tiles
 
     def _forward_graph(self, model, step, argmax: bool):
         """Decode: replay the step captured for this block-table width (and output).
@@ -510,7 +549,7 @@ class CUDABackend:
         host = np.frombuffer(cp.cuda.alloc_pinned_memory(flat.nbytes), np.int32, flat.size)
         host[:] = flat
         dev = cp.empty(flat.size, cp.int32)
-        dstep = _DevStep(step, _views(dev, layout), self._splits(len(step.tokens), MB * step.block_size, model))
+        dstep = _DevStep(step, _views(dev, layout), *self._attn_plan(len(step.tokens), MB * step.block_size, model))
         return {"host": host, "dev": dev, "dstep": dstep, "graph": None, "argmax": argmax,
                 "fill": _decode_fill_views(host, layout), "host_out": None, "mega": None}
 
@@ -556,7 +595,7 @@ class CUDABackend:
             host = cp.cuda.alloc_pinned_memory(flat.nbytes)
             host_arr = np.frombuffer(host, np.int32, flat.size)
             dev = cp.empty(flat.size, cp.int32)
-            dstep = _DevStep(step, _views(dev, layout), self._splits(1, MB * step.block_size, model))
+            dstep = _DevStep(step, _views(dev, layout), *self._attn_plan(1, MB * step.block_size, model))
             g = {"host": host_arr, "dev": dev, "dstep": dstep, "graph": None, "out": None, "pinned": None}
             self._graphs[key] = g
         self._last_graph = g
@@ -638,7 +677,7 @@ class CUDABackend:
             flat, layout = _pack_step(step)
             buf = cp.asarray(flat)
             dstep = _DevStep(step, _views(buf, layout),
-                             self._splits(len(step.tokens), self._split_ctx(step), model))
+                             *self._attn_plan(len(step.tokens), self._split_ctx(step), model))
             prof = _Profiler(self)
             self._run_as(model, dstep, prof)
             self.stream.synchronize()
@@ -844,7 +883,7 @@ class CUDABackend:
             part_acc = self._buf((n * kvh * splits * g * d,))
         else:
             part_m = part_l = part_acc = out
-        self._attn_fn(d, g, "attention")(
+        self._attn_fn(d, g, "attn_tiles" if getattr(step, "attn_tiles", False) else "attention")(
             (splits, kvh, n), (128,),
             (q, kv.k[layer], kv.v[layer], tables, np.int32(tables.shape[1]), step.seq_of_token, step.positions,
              np.int32(step.block_size), np.int32(step.window(layer)), np.float32(step.attn_scale),

@@ -140,6 +140,126 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
                                               part_acc, out, kn, vn);
 }
 
+// Decode attention by key tiles: the same grid, arguments and partial results as
+// `attention` (block: split sp, kv head kh, token t; 4 warps), for long contexts.  A
+// split's keys come in tiles of DEC_BK, gathered by all 128 threads at once (K
+// transposed into shared memory, V as rows: attn_prefill's layout), so a block has a
+// whole tile of loads in flight instead of a warp's few keys.  A warp takes query heads
+// warp, warp + 4, ... of the kv head: lane j scores key j of the tile (HD FMAs in eight
+// chains), one max and one sum over the lanes a tile, then the lanes add p_j V_j into
+// their dims.  `attention` spends a warp butterfly per key and head instead, which at
+// 8000 keys took ~50 us a layer (L8).  Sums in another order than `attention`'s: the
+// backend picks one kernel per context width (never per row count), so a verify row
+// still equals its one-token step.
+#define DEC_BK 32
+extern "C" __global__ void __launch_bounds__(128) attn_tiles(
+        const float* __restrict__ q, const __half* __restrict__ kp, const __half* __restrict__ vp,
+        const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,
+        const int* __restrict__ positions, int block_size, int window, float scale, int n_splits, int kvh,
+        float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc,
+        float* __restrict__ out) {
+    constexpr int HD = ATT_HD, G = ATT_G, BK = DEC_BK, NW = 4;
+    constexpr int DP2 = HD / 64, RW = (G + NW - 1) / NW;
+    static_assert(HD % 64 == 0, "head dim a multiple of 64");
+    __shared__ __align__(16) float sq[G][HD];
+    __shared__ __half2 skt[HD / 2][BK + 1];
+    __shared__ __align__(16) __half2 sv[BK][HD / 2];
+    const int sp = blockIdx.x, kh = blockIdx.y, t = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int H = kvh * G;
+    const int pos = positions[t];
+    const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    const int chunk = (pos + 1 - lo + n_splits - 1) / n_splits;
+    const int j0 = lo + sp * chunk;
+    const int j1 = min(pos + 1, j0 + chunk);
+    const int* table = tables + (long long)seq_of_token[t] * max_blocks;
+    const long long rowstride = (long long)kvh * HD;
+    PDL_ENTER();
+    for (int e = threadIdx.x; e < G * HD; e += 128)
+        sq[e / HD][e % HD] = q[((long long)t * H + kh * G + e / HD) * HD + e % HD] * scale;
+    float acc[RW][2 * DP2], m[RW], l[RW];
+#pragma unroll
+    for (int i = 0; i < RW; i++) {
+        m[i] = NEG_INF; l[i] = 0.f;
+#pragma unroll
+        for (int k = 0; k < 2 * DP2; k++) acc[i][k] = 0.f;
+    }
+    for (int jt = j0; jt < j1; jt += BK) {
+        __syncthreads();                      // the previous tile is used up (and sq written)
+        for (int e = threadIdx.x; e < BK * (HD / 8); e += 128) {
+            const int jj = e / (HD / 8), c = (e % (HD / 8)) * 8, j = jt + jj;
+            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
+            if (j < j1) {
+                const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+                kv4 = *(const uint4*)(kp + slot * rowstride + kh * HD + c);
+                vv4 = *(const uint4*)(vp + slot * rowstride + kh * HD + c);
+            }
+            *(uint4*)&sv[jj][c / 2] = vv4;
+            const __half2* k2 = (const __half2*)&kv4;
+#pragma unroll
+            for (int i = 0; i < 4; i++) skt[c / 2 + i][jj] = k2[i];
+        }
+        __syncthreads();
+        const bool valid = jt + lane < j1;
+#pragma unroll
+        for (int i = 0; i < RW; i++) {
+            const int r = warp + NW * i;
+            if (r >= G) break;
+            float sa[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int d = 0; d < HD; d += 8) {
+                const float4 qa = *(const float4*)&sq[r][d], qb = *(const float4*)&sq[r][d + 4];
+                const float2 k0 = __half22float2(skt[d / 2][lane]), k1 = __half22float2(skt[d / 2 + 1][lane]);
+                const float2 k2v = __half22float2(skt[d / 2 + 2][lane]), k3 = __half22float2(skt[d / 2 + 3][lane]);
+                sa[0] = fmaf(qa.x, k0.x, sa[0]); sa[1] = fmaf(qa.y, k0.y, sa[1]);
+                sa[2] = fmaf(qa.z, k1.x, sa[2]); sa[3] = fmaf(qa.w, k1.y, sa[3]);
+                sa[4] = fmaf(qb.x, k2v.x, sa[4]); sa[5] = fmaf(qb.y, k2v.y, sa[5]);
+                sa[6] = fmaf(qb.z, k3.x, sa[6]); sa[7] = fmaf(qb.w, k3.y, sa[7]);
+            }
+            float s = ((sa[0] + sa[1]) + (sa[2] + sa[3])) + ((sa[4] + sa[5]) + (sa[6] + sa[7]));
+            s = valid ? s : NEG_INF;
+            float mt = s;                       // lane 0's key is always in the split
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+            const float mn = fmaxf(m[i], mt);
+            const float corr = expf(m[i] - mn);
+            const float p = valid ? expf(s - mn) : 0.f;
+            l[i] = fmaf(l[i], corr, warp_sum(p));
+#pragma unroll
+            for (int k = 0; k < 2 * DP2; k++) acc[i][k] *= corr;
+#pragma unroll 8
+            for (int jj = 0; jj < BK; jj++) {
+                const float pj = __shfl_sync(0xffffffffu, p, jj);
+#pragma unroll
+                for (int k = 0; k < DP2; k++) {
+                    const float2 vf = __half22float2(sv[jj][lane + 32 * k]);
+                    acc[i][2 * k] = fmaf(pj, vf.x, acc[i][2 * k]);
+                    acc[i][2 * k + 1] = fmaf(pj, vf.y, acc[i][2 * k + 1]);
+                }
+            }
+            m[i] = mn;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < RW; i++) {
+        const int r = warp + NW * i;
+        if (r >= G) continue;
+        if (n_splits == 1) {
+            float* o = out + ((long long)t * H + kh * G + r) * HD;
+            const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+#pragma unroll
+            for (int k = 0; k < DP2; k++)
+                *(float2*)&o[2 * (lane + 32 * k)] = make_float2(acc[i][2 * k] * inv, acc[i][2 * k + 1] * inv);
+        } else {
+            const long long pi = ((long long)(t * kvh + kh) * n_splits + sp) * G + r;
+#pragma unroll
+            for (int k = 0; k < DP2; k++)
+                *(float2*)&part_acc[pi * HD + 2 * (lane + 32 * k)] = make_float2(acc[i][2 * k], acc[i][2 * k + 1]);
+            if (lane == 0) { part_m[pi] = m[i]; part_l[pi] = l[i]; }
+        }
+    }
+}
+
 // Prompt attention (steps of more than 16 tokens of one sequence at consecutive
 // positions): block (query tile, kv head kh) of PRE_PQ tokens x G query heads, 4 warps.
 // Each tile of 32 keys is gathered from the paged cache once for all of the block's

@@ -71,6 +71,7 @@ class SplitBackend:
         self.gpu = CUDABackend(graphs=False)
         self.cpu = CPUBackend(threads=threads)
         self.cp = self.gpu.cp
+        self.exact_rows = min(self.gpu.exact_rows, self.cpu.exact_rows)
         self.n_gpu = max(0, int(gpu_layers))
         self.n_layers = None
         self.threads = self.cpu.threads

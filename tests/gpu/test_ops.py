@@ -101,7 +101,7 @@ def _paged_step(rng, seq_lens, new, block_size, window, n_blocks):
 
 @pytest.mark.parametrize("hd,heads,kvh", [(64, 9, 3), (128, 12, 2), (256, 4, 1), (128, 32, 8)])
 @pytest.mark.parametrize("case", ["prefill", "decode", "decode-split", "window", "prompt", "prompt-window",
-                                  "prompt-long"])
+                                  "prompt-long", "tiles", "tiles-split", "tiles-window"])
 def test_paged_attention(backends, hd, heads, kvh, case):
     import cupy as cp
     from runtime.backend.cuda import _DevStep, _pack_step, _views
@@ -111,7 +111,7 @@ def test_paged_attention(backends, hd, heads, kvh, case):
     window = 0
     if case == "prefill":
         lens, new = [0, 37], [20, 5]
-    elif case == "window":
+    elif case in ("window", "tiles-window"):
         lens, new, window = [300, 10], [3, 1], 64
     elif case == "prompt":          # one sequence's prompt after 37 cached tokens: the tiled kernel
         lens, new = [37], [40]
@@ -122,7 +122,10 @@ def test_paged_attention(backends, hd, heads, kvh, case):
     else:
         lens, new = [450], [1]
     step = _paged_step(rng, lens, new, bs, window, n_blocks)
-    splits = 5 if case == "decode-split" else 1
+    # attn_tiles (long-context decode): 451 keys in one split (15 tiles), in 5 splits of 91
+    # (3 tiles, the last partial); a sliding window over several tokens and sequences
+    splits = 5 if case in ("decode-split", "tiles-split") else 1
+    tiles = case.startswith("tiles")
     n_slots = n_blocks * bs
     kpool = (rng.standard_normal((n_slots, kvh, hd)) * 2).astype(np.float16)
     vpool = rng.standard_normal((n_slots, kvh, hd)).astype(np.float16)
@@ -142,7 +145,7 @@ def test_paged_attention(backends, hd, heads, kvh, case):
     gpu.kv.k[0][:] = cp.asarray(kpool)
     gpu.kv.v[0][:] = cp.asarray(vpool)
     flat, layout = _pack_step(step)
-    dstep = _DevStep(step, _views(cp.asarray(flat), layout), splits)
+    dstep = _DevStep(step, _views(cp.asarray(flat), layout), splits, tiles)
     assert dstep.prompt_tiles == case.startswith("prompt")
     gpu.arena.reset()
     got = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep).get()

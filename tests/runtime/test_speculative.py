@@ -525,6 +525,25 @@ def test_round_costs_compare_across_machine_drift():
     assert c.rate(3) == pytest.approx(e3 / (9.6 * c.t_draft), rel=0.02)
 
 
+def test_draft_length_stays_within_the_rows_the_target_verifies_exactly(smol_pair):
+    """k + 1 verify rows never exceed the target backend's exact_rows (the CUDA backend's
+    is 8: past it its matmuls leave the integer matvec, and a 16-row verify once crashed
+    its graph capture), and greedy output stays the target's."""
+    target, draft_eng = smol_pair
+    assert Drafter(draft_eng, target, k=15).k == target.backend.exact_rows - 1 == 15
+    target.backend.exact_rows = 4           # as a backend with a narrower exact range says
+    try:
+        drafter = Drafter(draft_eng, target, k=15, adaptive=False)
+        assert drafter.k == 3
+        plain = _generate(target, "def add(a, b):", GREEDY, 20)
+        spec = _generate(target, "def add(a, b):", GREEDY, 20, drafter)
+        assert spec.ids == plain.ids
+        assert spec.stats.speculative["drafted"] > 0
+        assert _released(target, plain.seq, spec.seq) == 0
+    finally:
+        del target.backend.exact_rows
+
+
 def test_drafter_falls_back_when_drafting_does_not_pay(smol_pair):
     """A draft as large as its target (and often wrong) cannot pay: the adaptive Drafter must
     notice, decode plainly, and say so in the stats, with the output unchanged."""
