@@ -55,6 +55,64 @@ ADEV float ldf(const float* p) {
     else return *p;
 }
 
+// Keys j0 .. j1-1 of context split sp of n_splits for a token at position pos: its
+// window's keys (all from 0 without one) in equal ranges, the last one shorter.  Every
+// decode kernel splits this way, so a split's keys do not depend on the kernel.
+ADEV void split_keys(int pos, int window, int sp, int n_splits, int& j0, int& j1) {
+    const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    const int chunk = (pos + 1 - lo + n_splits - 1) / n_splits;
+    j0 = lo + sp * chunk;
+    j1 = min(pos + 1, j0 + chunk);
+}
+
+// One query row against a tile of BK keys staged in shared memory (K transposed in dim
+// pairs, skt[HD/2][BK+1]: lane j reads key j without bank conflicts; V as rows,
+// sv[BK][HD/2]): lane j scores key j (eight independent FMA chains, not one of HD),
+// then the row's running max m and sum l, and the lane's dims 2 (lane + 32 k), +1 of acc
+// (p_j V_j, p_j shuffled from lane j).  q: the row's HD values (pre-scaled), valid: lane
+// j's key counts for the row.  False, nothing changed, when no lane's key counts.  The
+// prompt kernel (attn_prefill) and the long-context decode kernel (attn_tiles) share it.
+template <int HD, int BK>
+ADEV bool tile_row(const float* q, const __half2 (*skt)[BK + 1], const __half2 (*sv)[HD / 2], int lane,
+                   bool valid, float& m, float& l, float* acc) {
+    constexpr int DP2 = HD / 64;
+    float sa[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int d = 0; d < HD; d += 8) {
+        const float4 qa = *(const float4*)&q[d], qb = *(const float4*)&q[d + 4];
+        const float2 k0 = __half22float2(skt[d / 2][lane]), k1 = __half22float2(skt[d / 2 + 1][lane]);
+        const float2 k2v = __half22float2(skt[d / 2 + 2][lane]), k3 = __half22float2(skt[d / 2 + 3][lane]);
+        sa[0] = fmaf(qa.x, k0.x, sa[0]); sa[1] = fmaf(qa.y, k0.y, sa[1]);
+        sa[2] = fmaf(qa.z, k1.x, sa[2]); sa[3] = fmaf(qa.w, k1.y, sa[3]);
+        sa[4] = fmaf(qb.x, k2v.x, sa[4]); sa[5] = fmaf(qb.y, k2v.y, sa[5]);
+        sa[6] = fmaf(qb.z, k3.x, sa[6]); sa[7] = fmaf(qb.w, k3.y, sa[7]);
+    }
+    float s = ((sa[0] + sa[1]) + (sa[2] + sa[3])) + ((sa[4] + sa[5]) + (sa[6] + sa[7]));
+    s = valid ? s : NEG_INF;
+    float mt = s;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+    if (mt == NEG_INF) return false;          // the whole warp agrees
+    const float mn = fmaxf(m, mt);
+    const float corr = expf(m - mn);
+    const float p = valid ? expf(s - mn) : 0.f;
+    l = fmaf(l, corr, warp_sum(p));
+#pragma unroll
+    for (int k = 0; k < 2 * DP2; k++) acc[k] *= corr;
+#pragma unroll 8
+    for (int jj = 0; jj < BK; jj++) {
+        const float pj = __shfl_sync(0xffffffffu, p, jj);
+#pragma unroll
+        for (int k = 0; k < DP2; k++) {
+            const float2 vf = __half22float2(sv[jj][lane + 32 * k]);
+            acc[2 * k] = fmaf(pj, vf.x, acc[2 * k]);
+            acc[2 * k + 1] = fmaf(pj, vf.y, acc[2 * k + 1]);
+        }
+    }
+    m = mn;
+    return true;
+}
+
 // Key j's K and V rows, lane's HD/32 dims of kv head kh (a table entry, then the rows).
 template <int HD>
 ADEV void attn_key(const __half* kp, const __half* vp, const int* table, int j, int block_size, int kvh, int kh,

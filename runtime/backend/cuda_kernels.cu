@@ -119,10 +119,8 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
     __shared__ float sm_acc[ATT_WARPS * ATT_G * ATT_HD];
     const int sp = blockIdx.x, kh = blockIdx.y, t = blockIdx.z;
     const int pos = positions[t];
-    const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-    const int chunk = (pos + 1 - lo + n_splits - 1) / n_splits;
-    const int j0 = lo + sp * chunk;
-    const int j1 = min(pos + 1, j0 + chunk);
+    int j0, j1;
+    split_keys(pos, window, sp, n_splits, j0, j1);
     const int* table = tables + (long long)seq_of_token[t] * max_blocks;
     // The step's inputs (positions, tables) and the K/V rows of positions before the
     // step's first new token (an earlier step wrote them; a sequence has at most
@@ -152,6 +150,9 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
 // backend picks one kernel per context width (never per row count), so a verify row
 // still equals its one-token step.
 #define DEC_BK 32
+#ifndef ATT_TILE_PF                          // the next tile's loads in flight (H200 at 8000 tokens of
+#define ATT_TILE_PF 1                         // context: L8 -3.7%, Q15 -2.4%; at 2048, one tile a split:
+#endif                                        // L8 +0.4%, Q15 +3.2%); the same sums either way
 extern "C" __global__ void __launch_bounds__(128) attn_tiles(
         const float* __restrict__ q, const __half* __restrict__ kp, const __half* __restrict__ vp,
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,
@@ -168,12 +169,31 @@ extern "C" __global__ void __launch_bounds__(128) attn_tiles(
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int H = kvh * G;
     const int pos = positions[t];
-    const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-    const int chunk = (pos + 1 - lo + n_splits - 1) / n_splits;
-    const int j0 = lo + sp * chunk;
-    const int j1 = min(pos + 1, j0 + chunk);
+    int j0, j1;
+    split_keys(pos, window, sp, n_splits, j0, j1);
     const int* table = tables + (long long)seq_of_token[t] * max_blocks;
     const long long rowstride = (long long)kvh * HD;
+    // a thread's NCH 16-byte pieces of a tile's K and V rows; ATT_TILE_PF: the next tile's
+    // are loaded into registers while this one is computed (loads only: no sum changes)
+    constexpr int NCH = BK * (HD / 8) / 128;
+    static_assert(BK * (HD / 8) % 128 == 0, "whole pieces a thread");
+    uint4 kr[NCH], vr[NCH];
+    auto fetch = [&](int jt) {
+#pragma unroll
+        for (int c = 0; c < NCH; c++) {
+            const int e = threadIdx.x + 128 * c, jj = e / (HD / 8), cc = (e % (HD / 8)) * 8, j = jt + jj;
+            kr[c] = make_uint4(0, 0, 0, 0); vr[c] = make_uint4(0, 0, 0, 0);
+            if (j < j1) {
+                const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+                kr[c] = *(const uint4*)(kp + slot * rowstride + kh * HD + cc);
+                vr[c] = *(const uint4*)(vp + slot * rowstride + kh * HD + cc);
+            }
+        }
+    };
+    // the first tile's keys before the wait when an earlier step wrote them all (pdl.cuh;
+    // a sequence has at most gridDim.z new tokens): its loads overlap the kernel ahead
+    const bool early = ATT_TILE_PF && j0 < j1 && min(j1, j0 + BK) - 1 <= pos - (int)gridDim.z;
+    if (early) fetch(j0);
     PDL_ENTER();
     for (int e = threadIdx.x; e < G * HD; e += 128)
         sq[e / HD][e % HD] = q[((long long)t * H + kh * G + e / HD) * HD + e % HD] * scale;
@@ -184,60 +204,26 @@ extern "C" __global__ void __launch_bounds__(128) attn_tiles(
 #pragma unroll
         for (int k = 0; k < 2 * DP2; k++) acc[i][k] = 0.f;
     }
+    if (ATT_TILE_PF && j0 < j1 && !early) fetch(j0);
     for (int jt = j0; jt < j1; jt += BK) {
         __syncthreads();                      // the previous tile is used up (and sq written)
-        for (int e = threadIdx.x; e < BK * (HD / 8); e += 128) {
-            const int jj = e / (HD / 8), c = (e % (HD / 8)) * 8, j = jt + jj;
-            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
-            if (j < j1) {
-                const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-                kv4 = *(const uint4*)(kp + slot * rowstride + kh * HD + c);
-                vv4 = *(const uint4*)(vp + slot * rowstride + kh * HD + c);
-            }
-            *(uint4*)&sv[jj][c / 2] = vv4;
-            const __half2* k2 = (const __half2*)&kv4;
+        if (!ATT_TILE_PF) fetch(jt);
 #pragma unroll
-            for (int i = 0; i < 4; i++) skt[c / 2 + i][jj] = k2[i];
+        for (int c = 0; c < NCH; c++) {
+            const int e = threadIdx.x + 128 * c, jj = e / (HD / 8), cc = (e % (HD / 8)) * 8;
+            *(uint4*)&sv[jj][cc / 2] = vr[c];
+            const __half2* k2 = (const __half2*)&kr[c];
+#pragma unroll
+            for (int i = 0; i < 4; i++) skt[cc / 2 + i][jj] = k2[i];
         }
+        if (ATT_TILE_PF && jt + BK < j1) fetch(jt + BK);
         __syncthreads();
         const bool valid = jt + lane < j1;
 #pragma unroll
         for (int i = 0; i < RW; i++) {
             const int r = warp + NW * i;
             if (r >= G) break;
-            float sa[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int d = 0; d < HD; d += 8) {
-                const float4 qa = *(const float4*)&sq[r][d], qb = *(const float4*)&sq[r][d + 4];
-                const float2 k0 = __half22float2(skt[d / 2][lane]), k1 = __half22float2(skt[d / 2 + 1][lane]);
-                const float2 k2v = __half22float2(skt[d / 2 + 2][lane]), k3 = __half22float2(skt[d / 2 + 3][lane]);
-                sa[0] = fmaf(qa.x, k0.x, sa[0]); sa[1] = fmaf(qa.y, k0.y, sa[1]);
-                sa[2] = fmaf(qa.z, k1.x, sa[2]); sa[3] = fmaf(qa.w, k1.y, sa[3]);
-                sa[4] = fmaf(qb.x, k2v.x, sa[4]); sa[5] = fmaf(qb.y, k2v.y, sa[5]);
-                sa[6] = fmaf(qb.z, k3.x, sa[6]); sa[7] = fmaf(qb.w, k3.y, sa[7]);
-            }
-            float s = ((sa[0] + sa[1]) + (sa[2] + sa[3])) + ((sa[4] + sa[5]) + (sa[6] + sa[7]));
-            s = valid ? s : NEG_INF;
-            float mt = s;                       // lane 0's key is always in the split
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
-            const float mn = fmaxf(m[i], mt);
-            const float corr = expf(m[i] - mn);
-            const float p = valid ? expf(s - mn) : 0.f;
-            l[i] = fmaf(l[i], corr, warp_sum(p));
-#pragma unroll
-            for (int k = 0; k < 2 * DP2; k++) acc[i][k] *= corr;
-#pragma unroll 8
-            for (int jj = 0; jj < BK; jj++) {
-                const float pj = __shfl_sync(0xffffffffu, p, jj);
-#pragma unroll
-                for (int k = 0; k < DP2; k++) {
-                    const float2 vf = __half22float2(sv[jj][lane + 32 * k]);
-                    acc[i][2 * k] = fmaf(pj, vf.x, acc[i][2 * k]);
-                    acc[i][2 * k + 1] = fmaf(pj, vf.y, acc[i][2 * k + 1]);
-                }
-            }
-            m[i] = mn;
+            tile_row<HD, BK>(sq[r], skt, sv, lane, valid, m[i], l[i], acc[i]);   // lane 0's key counts: true
         }
     }
 #pragma unroll
@@ -332,41 +318,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
             const int tq = r / G, pr = p0 + tq;
             const int lr = (window > 0 && pr - window + 1 > 0) ? pr - window + 1 : 0;
             const bool valid = tq < nq && j <= pr && j >= lr;
-            // eight independent partial sums: the dot product is not one chain of HD FMAs
-            float sa[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int d = 0; d < HD; d += 8) {
-                const float4 qa = *(const float4*)&sq[r][d], qb = *(const float4*)&sq[r][d + 4];
-                const float2 k0 = __half22float2(skt[d / 2][lane]), k1 = __half22float2(skt[d / 2 + 1][lane]);
-                const float2 k2v = __half22float2(skt[d / 2 + 2][lane]), k3 = __half22float2(skt[d / 2 + 3][lane]);
-                sa[0] = fmaf(qa.x, k0.x, sa[0]); sa[1] = fmaf(qa.y, k0.y, sa[1]);
-                sa[2] = fmaf(qa.z, k1.x, sa[2]); sa[3] = fmaf(qa.w, k1.y, sa[3]);
-                sa[4] = fmaf(qb.x, k2v.x, sa[4]); sa[5] = fmaf(qb.y, k2v.y, sa[5]);
-                sa[6] = fmaf(qb.z, k3.x, sa[6]); sa[7] = fmaf(qb.w, k3.y, sa[7]);
-            }
-            float s = ((sa[0] + sa[1]) + (sa[2] + sa[3])) + ((sa[4] + sa[5]) + (sa[6] + sa[7]));
-            s = valid ? s : NEG_INF;
-            float mt = s;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
-            if (mt == NEG_INF) continue;          // no key of this tile for this row (the whole warp agrees)
-            const float mn = fmaxf(m[i], mt);
-            const float corr = expf(m[i] - mn);
-            const float p = valid ? expf(s - mn) : 0.f;
-            l[i] = fmaf(l[i], corr, warp_sum(p));
-#pragma unroll
-            for (int k = 0; k < 2 * DP2; k++) acc[i][k] *= corr;
-#pragma unroll 8
-            for (int jj = 0; jj < BK; jj++) {
-                const float pj = __shfl_sync(0xffffffffu, p, jj);
-#pragma unroll
-                for (int k = 0; k < DP2; k++) {
-                    const float2 vf = __half22float2(sv[jj][lane + 32 * k]);
-                    acc[i][2 * k] = fmaf(pj, vf.x, acc[i][2 * k]);
-                    acc[i][2 * k + 1] = fmaf(pj, vf.y, acc[i][2 * k + 1]);
-                }
-            }
-            m[i] = mn;
+            tile_row<HD, BK>(sq[r], skt, sv, lane, valid, m[i], l[i], acc[i]);
         }
     }
 #pragma unroll

@@ -503,15 +503,13 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
         float* sm = (float*)uni + grp * MG_ATT_FLOATS;
         __half* kc = (__half*)kv[2 * l];
         __half* vc = (__half*)kv[2 * l + 1];
-        const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-        const int chunk = (pos + 1 - lo + n_splits - 1) / n_splits;
         const int* table = tables + (long long)seq_of_token[0] * max_blocks;
         const int nvg = n_splits * kvh;
 #pragma unroll 1
         for (int vb = blockIdx.x * ATT_GROUPS + grp; vb < nvg; vb += gridDim.x * ATT_GROUPS) {
             const int sp = vb % n_splits, kh = vb / n_splits;
-            const int j0 = lo + sp * chunk;
-            const int j1 = min(pos + 1, j0 + chunk);
+            int j0, j1;
+            split_keys(pos, window, sp, n_splits, j0, j1);
             if (j0 <= pos && pos < j1) {          // this split holds the new token: its K/V first
                 const long long dst = ((long long)slots[0] * kvh + kh) * MG_HD;
                 for (int d = tid; d < MG_HD; d += 128) {

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+
 
 def _why_no_gpu():
     try:
@@ -31,3 +33,31 @@ def model_files() -> list[Path]:
         if (cache / name).exists():
             found.append(cache / name)
     return found
+
+
+def greedy_plain(eng, ids, n):
+    """n greedy tokens of the target alone after the prompt ids."""
+    seq = eng.new_sequence()
+    logits = eng.prefill(seq, ids)
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = eng.step([seq], [[out[-1]]])[0]
+    eng.release(seq)
+    return out
+
+
+def greedy_drafted(eng, drafter, ids, n):
+    """The loop Generation runs, without its detokenizer (test models carry no tokenizer)."""
+    from runtime.sampling import Sampler, SamplingParams
+    seq = eng.new_sequence()
+    logits = eng.prefill(seq, ids)
+    history, out = list(ids), []
+    for t in drafter.tokens(seq, logits, history, Sampler(SamplingParams(temperature=0.0))):
+        out.append(t)
+        history.append(t)
+        if len(out) == n:
+            break
+    drafter.finish(seq, len(history))
+    eng.release(seq)
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_env import model_files
+from gpu_env import greedy_drafted, greedy_plain, model_files
 
 pytestmark = pytest.mark.gpu
 
@@ -43,33 +43,6 @@ def test_verify_rows_equal_single_steps(gpu_pair):
             eng.release(seq)
 
 
-def _plain(eng, ids, n):
-    seq = eng.new_sequence()
-    logits = eng.prefill(seq, ids)
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = eng.step([seq], [[out[-1]]])[0]
-    eng.release(seq)
-    return out
-
-
-def _drafted(eng, drafter, ids, n):
-    """The loop Generation runs, without its detokenizer (test models carry no tokenizer)."""
-    from runtime.sampling import Sampler, SamplingParams
-    seq = eng.new_sequence()
-    logits = eng.prefill(seq, ids)
-    history, out = list(ids), []
-    for t in drafter.tokens(seq, logits, history, Sampler(SamplingParams(temperature=0.0))):
-        out.append(t)
-        history.append(t)
-        if len(out) == n:
-            break
-    drafter.finish(seq, len(history))
-    eng.release(seq)
-    return out
-
-
 @pytest.mark.parametrize("draft_vocab", [0, 500])
 def test_greedy_drafted_equals_target_alone(gpu_pair, draft_vocab, monkeypatch):
     """draft_vocab 0: the draft is the target on the GPU (accepts everything);
@@ -82,9 +55,9 @@ def test_greedy_drafted_equals_target_alone(gpu_pair, draft_vocab, monkeypatch):
     if draft_vocab:
         draft = Engine(lm, device="cpu", n_ctx=512)
     ids = np.random.default_rng(3).integers(1, target.config.vocab_size, 9).tolist()
-    plain = _plain(target, ids, 40)
+    plain = greedy_plain(target, ids, 40)
     drafter = sp.Drafter(draft, target, k=4, adaptive=False, draft_vocab=draft_vocab)
-    spec = _drafted(target, drafter, ids, 40)
+    spec = greedy_drafted(target, drafter, ids, 40)
     st = drafter.stats.as_dict()
     print(f"{lm.path.name} draft_vocab={draft_vocab}: drafted {st['drafted']} accepted {st['accepted']}")
     assert spec == plain

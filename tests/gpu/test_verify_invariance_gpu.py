@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gpu_env import greedy_drafted, greedy_plain
+
 pytestmark = pytest.mark.gpu
 
 SHAPES = {     # head dim 64; n_heads / n_kv_heads = 1 and 4
@@ -70,30 +72,13 @@ def test_drafted_greedy_equals_target_alone_at_eight_rows(engine, monkeypatch):
     the draft the target itself: every draft accepted) gives the target's greedy tokens."""
     import runtime.speculative as sp
     from runtime.engine import Engine
-    from runtime.sampling import Sampler, SamplingParams
-    from runtime.speculative import Drafter
     monkeypatch.setattr(sp, "check_same_vocab", lambda d, t: None)   # one file (no tokenizer): one vocabulary
     draft = Engine(engine.loaded, device="cuda", n_ctx=2048)
-    assert Drafter(draft, engine, k=15).k == 7
-    drafter = Drafter(draft, engine, k=7, adaptive=False)
+    assert sp.Drafter(draft, engine, k=15).k == 7
+    drafter = sp.Drafter(draft, engine, k=7, adaptive=False)
     ids = [int(t) for t in np.random.default_rng(5).integers(1, 1000, 200)]
-    seq = engine.new_sequence()
-    logits = engine.prefill(seq, ids)
-    plain = []
-    for _ in range(40):
-        plain.append(int(np.argmax(logits)))
-        logits = engine.step([seq], [[plain[-1]]])[0]
-    engine.release(seq)
-    seq = engine.new_sequence()
-    logits = engine.prefill(seq, ids)
-    history, out = list(ids), []
-    for t in drafter.tokens(seq, logits, history, Sampler(SamplingParams(temperature=0.0))):
-        out.append(t)
-        history.append(t)
-        if len(out) == len(plain):
-            break
-    drafter.finish(seq, len(history))
-    engine.release(seq)
+    plain = greedy_plain(engine, ids, 40)
+    out = greedy_drafted(engine, drafter, ids, 40)
     drafter.release()
     assert out == plain
     assert drafter.stats.verify_forwards > 0 and drafter.stats.accepted >= 7 * (drafter.stats.verify_forwards - 1)
