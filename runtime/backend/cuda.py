@@ -66,8 +66,8 @@ GRAPH_ROWS = MV_MAX_ROWS
 # decode attention by key tiles (attn_tiles) once a context split holds this many keys
 # (0: never), and the most context splits.  H200, graph replay of random-weight L8 / Q15
 # Q4_K_M decode steps (quant/cuda/NOTES.md, session 17): from 16 keys a split the tiles
-# win at every depth measured (8000 tokens of context: L8 3.220 -> 2.705 ms, Q15 1.738 ->
-# 1.455), at 8 (contexts below ~300 tokens) they lost up to 5% on Q15; 128 splits lost
+# won at every depth measured (8000 tokens of context: L8 3.231 -> 2.562 ms, Q15 1.750 ->
+# 1.367), from 8 (contexts below ~300 tokens) they lost up to 5% on Q15; 128 splits lost
 # to 64 at every depth.
 ATT_TILE_KEYS = int(os.environ.get("LLAMBA_ATT_TILE_KEYS", "16"))
 ATT_MAX_SPLITS = int(os.environ.get("LLAMBA_ATT_SPLITS", "64"))
@@ -493,7 +493,7 @@ class CUDABackend:
         width alone, like the splits, so a verify row keeps its one-token step's sums.
         The megakernel has only the first kind."""
         splits = self._splits(n_tokens, ctx, model)
-        tiles = (ATT_TILE_KEYS > 0 and splits > 0 and ctx // splits >= ATT_TILE_KEYS
+        tiles = (ATT_TILE_KEYS > 0 and ctx // splits >= ATT_TILE_KEYS
                  and model.cfg.head_dim % 64 == 0 and n_tokens <= GRAPH_ROWS
                  and not (self.use_mega and _mega_enabled()))
         return splits, tiles
