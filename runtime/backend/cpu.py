@@ -115,7 +115,7 @@ class CPUKVStorage:
 
 class CPUBackend:
     name = "cpu"
-    exact_rows = 16             # steps up to this many tokens are batch-invariant (EXACT_STEP)
+    exact_rows = 16             # steps up to this many tokens are batch-invariant (engine._splits' rule)
     plans_ok = True             # a subclass that overrides an op must route its kernels through
                                 # scratch.call and set this again to keep the plans (cpu_plan.py)
 
@@ -294,7 +294,7 @@ class CPUBackend:
         # steps of up to 16 tokens (decode, speculative verify) must give each token
         # the arithmetic it would get alone: tiles never mix differently split rows
         call(K.attention_tiles_into, step.seq_of_token, step.positions, ATTN_TILE, tile_t0, tile_n,
-             window, splits, step.block_size, n <= EXACT_STEP, n_tiles)
+             window, splits, step.block_size, n <= self.exact_rows, n_tiles)
         pshape = (n, kvh, splits, g) if splits > 1 else (1, 1, 1, 1)
         part_m = self.arena.get(pshape)
         part_l = self.arena.get(pshape)
@@ -309,6 +309,4 @@ class CPUBackend:
 
 # queries per prefill tile: each K/V block is converted once per tile and kv head
 ATTN_TILE = 16
-# steps up to this many tokens are batch-invariant (engine._splits' rule)
-EXACT_STEP = CPUBackend.exact_rows
 

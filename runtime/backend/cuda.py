@@ -26,7 +26,7 @@ import numpy as np
 import quant
 from quant import QTensor
 
-from . import DeviceUnavailable
+from . import DeviceUnavailable, cuda_mega
 from .cuda_memory import MIN_COMPUTE_CAPABILITY, estimate_bytes, format_bytes
 
 _SRC = Path(__file__).resolve().parent / "cuda_kernels.cu"
@@ -71,11 +71,6 @@ GRAPH_ROWS = MV_MAX_ROWS
 # to 64 at every depth.
 ATT_TILE_KEYS = int(os.environ.get("LLAMBA_ATT_TILE_KEYS", "16"))
 ATT_MAX_SPLITS = int(os.environ.get("LLAMBA_ATT_SPLITS", "64"))
-
-
-def _mega_enabled() -> bool:
-    from . import cuda_mega
-    return cuda_mega.ENABLED
 
 
 # steps of more tokens than this (prompts) take the tiled prompt attention (attn_prefill);
@@ -495,7 +490,7 @@ class CUDABackend:
         splits = self._splits(n_tokens, ctx, model)
         tiles = (ATT_TILE_KEYS > 0 and ctx // splits >= ATT_TILE_KEYS
                  and model.cfg.head_dim % 64 == 0 and n_tokens <= GRAPH_ROWS
-                 and not (self.use_mega and _mega_enabled()))
+                 and not (self.use_mega and cuda_mega.ENABLED))
         return splits, tiles
 
     def _forward_graph(self, model, step, argmax: bool):
@@ -632,7 +627,6 @@ class CUDABackend:
 
     def mega_for(self, model, dstep):
         """The decode megakernel for this model and step (cuda_mega.py), or None."""
-        from . import cuda_mega
         if not self.use_mega:
             return None
         hit = self._megas.get(id(model))
@@ -651,7 +645,6 @@ class CUDABackend:
         """Why decode steps of `model` do not use the megakernel (None: they do, or will)."""
         hit = self._megas.get(id(model))
         if hit is None:
-            from . import cuda_mega
             return cuda_mega.why_not(self, model)
         return hit[1] if isinstance(hit[1], str) else None
 

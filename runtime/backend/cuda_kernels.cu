@@ -150,9 +150,6 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
 // backend picks one kernel per context width (never per row count), so a verify row
 // still equals its one-token step.
 #define DEC_BK 32
-#ifndef ATT_TILE_PF                          // the next tile's loads in flight (H200 at 8000 tokens of
-#define ATT_TILE_PF 1                         // context: L8 -3.7%, Q15 -2.4%; at 2048, one tile a split:
-#endif                                        // L8 +0.4%, Q15 +3.2%); the same sums either way
 extern "C" __global__ void __launch_bounds__(128) attn_tiles(
         const float* __restrict__ q, const __half* __restrict__ kp, const __half* __restrict__ vp,
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,
@@ -173,8 +170,10 @@ extern "C" __global__ void __launch_bounds__(128) attn_tiles(
     split_keys(pos, window, sp, n_splits, j0, j1);
     const int* table = tables + (long long)seq_of_token[t] * max_blocks;
     const long long rowstride = (long long)kvh * HD;
-    // a thread's NCH 16-byte pieces of a tile's K and V rows; ATT_TILE_PF: the next tile's
-    // are loaded into registers while this one is computed (loads only: no sum changes)
+    // a thread's NCH 16-byte pieces of a tile's K and V rows; the next tile's are loaded
+    // into registers while this one is computed (H200 at 8000 tokens of context: L8 -3.7%,
+    // Q15 -2.4% against loading each tile at its turn; at 2048, one tile a split, +0.4% and
+    // +3.2%; the same sums either way)
     constexpr int NCH = BK * (HD / 8) / 128;
     static_assert(BK * (HD / 8) % 128 == 0, "whole pieces a thread");
     uint4 kr[NCH], vr[NCH];
@@ -192,7 +191,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_tiles(
     };
     // the first tile's keys before the wait when an earlier step wrote them all (pdl.cuh;
     // a sequence has at most gridDim.z new tokens): its loads overlap the kernel ahead
-    const bool early = ATT_TILE_PF && j0 < j1 && min(j1, j0 + BK) - 1 <= pos - (int)gridDim.z;
+    const bool early = j0 < j1 && min(j1, j0 + BK) - 1 <= pos - (int)gridDim.z;
     if (early) fetch(j0);
     PDL_ENTER();
     for (int e = threadIdx.x; e < G * HD; e += 128)
@@ -204,10 +203,9 @@ extern "C" __global__ void __launch_bounds__(128) attn_tiles(
 #pragma unroll
         for (int k = 0; k < 2 * DP2; k++) acc[i][k] = 0.f;
     }
-    if (ATT_TILE_PF && j0 < j1 && !early) fetch(j0);
+    if (j0 < j1 && !early) fetch(j0);
     for (int jt = j0; jt < j1; jt += BK) {
         __syncthreads();                      // the previous tile is used up (and sq written)
-        if (!ATT_TILE_PF) fetch(jt);
 #pragma unroll
         for (int c = 0; c < NCH; c++) {
             const int e = threadIdx.x + 128 * c, jj = e / (HD / 8), cc = (e % (HD / 8)) * 8;
@@ -216,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_tiles(
 #pragma unroll
             for (int i = 0; i < 4; i++) skt[cc / 2 + i][jj] = k2[i];
         }
-        if (ATT_TILE_PF && jt + BK < j1) fetch(jt + BK);
+        if (jt + BK < j1) fetch(jt + BK);
         __syncthreads();
         const bool valid = jt + lane < j1;
 #pragma unroll
