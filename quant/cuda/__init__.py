@@ -221,12 +221,17 @@ class _Modules:
         return m
 
     def fn(self, name):
-        mod = self.misc.get(pdl.MODE)
-        if mod is None:
-            names = [f"q8_act<{bs},{p}>" for bs in (32, 256) for p in range(4)]
-            mod = self.misc[pdl.MODE] = cp.RawModule(code=kernel_source(), options=_OPTIONS + pdl.options(),
-                                                     name_expressions=names)
-        return pdl.Kernel(mod.get_function(name))
+        """A kernel of no weight type: the activations' rounding, add_bias."""
+        fns = self.misc.get(pdl.MODE)
+        if fns is None:
+            names = [f"q8_act<{bs},{p}>" for bs in (32, 256) for p in range(4)] + [f"f16_act<{p}>" for p in range(4)]
+            mod = cp.RawModule(code=kernel_source(), options=_OPTIONS + pdl.options(), name_expressions=names)
+            fns = self.misc[pdl.MODE] = (mod, {})
+        mod, got = fns
+        f = got.get(name)
+        if f is None:
+            f = got[name] = pdl.Kernel(mod.get_function(name))
+        return f
 
 
 _mods = _Modules()
@@ -341,7 +346,7 @@ def set_int8_rows_per_warp(n: int) -> None:
 def warm(qtype) -> None:
     """Compile the kernels of one type now (before a CUDA-graph capture, say)."""
     _mods.get(qtype)
-    _mods.fn("f32_to_f16")
+    _mods.fn("f16_act<0>")
 
 
 class Workspace:
@@ -383,26 +388,31 @@ def int8_applies(n: int, Ws) -> bool:
 def matmul(x, Ws, outs, biases=None, accumulate=False, ws: Workspace | None = None, prologue=None):
     """outs[i] (+)= f(x) @ Ws[i].T (+ biases[i]).  x float32 [n, K] C-contiguous on the device;
     outs[i] float32 [n, M_i] (rows may be strided: ldy = outs[i].strides[0] / 4).
-    prologue (int8_applies(n, Ws), or n <= PROLOGUE_MAX_ROWS): f = ("rmsnorm", w, eps) or
-    ("silu"|"gelu", u); otherwise f is the identity."""
+    prologue (int8_applies(n, Ws), gemm_applies(n), or n <= PROLOGUE_MAX_ROWS):
+    f = ("rmsnorm", w, eps) or ("silu"|"gelu", u); otherwise f is the identity."""
     n, K = x.shape
     biases = list(biases) if biases else [None] * len(Ws)
     ws = ws or _default_ws
     if int8_applies(n, Ws):
         matvec_int8(x, Ws, outs, biases, accumulate, ws, prologue)
+    elif gemm_applies(n):
+        _gemms(x, Ws, outs, biases, accumulate, ws, prologue)
     elif prologue is not None:
         assert n <= PROLOGUE_MAX_ROWS
         _matvec(x, Ws, outs, biases, accumulate, prologue)
-    elif n <= MV_MAX_ROWS:
+    else:
         q = [i for i, W in enumerate(Ws) if INT8_MATVEC and int8_ok(W)]
         f = [i for i in range(len(Ws)) if i not in q]
         if q:
             matvec_int8(x, [Ws[i] for i in q], [outs[i] for i in q], [biases[i] for i in q], accumulate, ws)
         if f:
             _matvec(x, [Ws[i] for i in f], [outs[i] for i in f], [biases[i] for i in f], accumulate)
-    else:
-        for W, y, b in zip(Ws, outs, biases):
-            _gemm(x, W, y, b, accumulate, ws or _default_ws)
+
+
+def gemm_applies(n: int) -> bool:
+    """True when matmul takes x of n rows through cuBLAS (prompts), which folds any
+    prologue into the activations' fp16 conversion."""
+    return n > MV_MAX_ROWS
 
 
 def _ptr(a):
@@ -518,27 +528,53 @@ def _launch1d(f, n, args, block=256):
     f(((n + block - 1) // block,), (block,), args)
 
 
-def _gemm(x, W, y, bias, accumulate, ws: Workspace):
-    """Dequantize W to fp16 a tile of rows at a time; cuBLAS fp16 x fp16 -> fp32."""
+def _gemms(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
+    """The prompt path: x (after the prologue) converted to fp16 once for all of Ws, then
+    each W dequantized to fp16 a tile of rows at a time for cuBLAS (fp16 x fp16 -> fp32)."""
     from cupy_backends.cuda.libs import cublas
     n, K = x.shape
-    M = W.shape[0]
+    pro, pw, pu, eps = _prologue_args(prologue)
+    assert pu is None or pu.strides[0] == x.strides[0]
     x16 = ws.get("x16", n * K)
-    _launch1d(_mods.fn("f32_to_f16"), n * K, (x, x16, np.int64(n * K)))
+    _mods.fn(f"f16_act<{pro}>")(((K + 2047) // 2048, n), (256,),
+                                (x, np.int32(x.strides[0] // 4), pw if pw is not None else np.uint64(0),
+                                 pu if pu is not None else np.uint64(0), np.float32(eps), np.int32(K), x16))
+    handle = _cublas_on(cp.cuda.get_current_stream().ptr)
+    for W, y, b in zip(Ws, outs, biases):
+        _gemm(cublas, handle, x16, n, K, W, y, b, accumulate, ws)
+
+
+_handles: dict = {}     # device -> [our cuBLAS handle, the stream it was last given]
+
+
+def _cublas_on(stream: int) -> int:
+    """Our own cuBLAS handle (no other code sets its stream) on `stream`; the stream is
+    set only when it changes, so a step's GEMMs cost one call each."""
+    from cupy_backends.cuda.libs import cublas
+    dev = cp.cuda.runtime.getDevice()
+    h = _handles.get(dev)
+    if h is None:
+        h = _handles[dev] = [cublas.create(), None]
+    if h[1] != stream:
+        cublas.setStream(h[0], stream)
+        h[1] = stream
+    return h[0]
+
+
+def _gemm(cublas, handle, x16, n, K, W, y, bias, accumulate, ws: Workspace):
+    M = W.shape[0]
     tile = max(1, min(M, GEMM_TILE_ELEMS // K))
     w16 = ws.get("w16", tile * K)
     deq = _mods.get(W.qtype)[f"deq_f16<{STRUCT[W.qtype]}>"]
     qk = _KBLOCK[W.qtype][0]
-    ppb = 8 if qk == QK_K else 1
-    handle = cp.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    nparts = K // qk * (8 if qk == QK_K else 1)
     ldy = y.strides[0] // 4
     beta = ws._one if accumulate else ws._zero
+    base = W.data.data.ptr
     for r0 in range(0, M, tile):
         tm = min(tile, M - r0)
-        nparts = K // qk * ppb
-        sub = W.data[r0 * W.row_nbytes:(r0 + tm) * W.row_nbytes]
-        _launch1d(deq, tm * nparts, (sub, np.int32(tm), np.int32(K), np.int64(W.row_nbytes), w16), block=DEQ_THREADS)
+        _launch1d(deq, tm * nparts, (np.uint64(base + r0 * W.row_nbytes), np.int32(tm), np.int32(K),
+                                     np.int64(W.row_nbytes), w16), block=DEQ_THREADS)
         # row-major y[n, M] = x[n, K] @ w[M, K]^T  ==  column-major y^T = w^T(op T) x
         cublas.gemmEx(handle, 1, 0, tm, n, K,
                       ws._one.ctypes.data, w16.data.ptr, 2, K,

@@ -303,14 +303,14 @@ DEV void q8_store(const float (&v)[8], bool ok, int lane, int e, signed char* __
     }
 }
 
-template <int BS, int PRO>
-__global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int ldx, const float* __restrict__ pw,
-                                              const float* __restrict__ pu, float eps, int K,
-                                              signed char* __restrict__ xq, float* __restrict__ xd,
-                                              float* __restrict__ xs, short* __restrict__ xi) {
-    const int n = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// x's 8 values at element e of row n after the prologue (zeros past K), for q8_act and
+// f16_act: one definition of the prologue, so both paths see the same activations.  A
+// warp per 256 values (8 a lane), 8 warps a block; grid (ceil(K / 2048), n).
+template <int PRO>
+DEV void act_prologue(const float* __restrict__ x, int ldx, const float* __restrict__ pw,
+                      const float* __restrict__ pu, float eps, int K, int n, int e, int lane, int warp,
+                      float (&v)[8]) {
     const float* xr = x + (long long)n * ldx;
-    const int e = (blockIdx.x * 8 + warp) * 256 + lane * 8;
     const bool ok = e < K;                    // whole groups of 4 lanes (K % 32 == 0)
     float w[8];                               // the norm's weights: no kernel writes them,
     if constexpr (PRO == 1) {                 // so they load before the wait (pdl.cuh)
@@ -321,7 +321,6 @@ __global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int l
     }
     PDL_ENTER();
     float rn = 1.f;
-    float v[8];
     if constexpr (PRO == 1) {                 // every block sums the whole row's squares
         __shared__ float gs[Q8_MAXG];
         const int ng = (K + 255) / 256, gown = e / 256;
@@ -360,8 +359,37 @@ __global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int l
 #pragma unroll
         for (int i = 0; i < 8; i++) v[i] = 0.f;
     }
-    q8_store<BS>(v, ok, lane, e, xq + (long long)n * K, xd + (long long)n * (K / BS), xs + (long long)n * (K / 16),
+}
+
+template <int BS, int PRO>
+__global__ void __launch_bounds__(256) q8_act(const float* __restrict__ x, int ldx, const float* __restrict__ pw,
+                                              const float* __restrict__ pu, float eps, int K,
+                                              signed char* __restrict__ xq, float* __restrict__ xd,
+                                              float* __restrict__ xs, short* __restrict__ xi) {
+    const int n = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = (blockIdx.x * 8 + warp) * 256 + lane * 8;
+    float v[8];
+    act_prologue<PRO>(x, ldx, pw, pu, eps, K, n, e, lane, warp, v);
+    q8_store<BS>(v, e < K, lane, e, xq + (long long)n * K, xd + (long long)n * (K / BS), xs + (long long)n * (K / 16),
                  xi ? xi + (long long)n * (K / 16) : nullptr);
+}
+
+// The prompt path's activations: x after the prologue as fp16 [n, K] (cuBLAS's operand),
+// the rounding of each value the plain conversion's (__float2half_rn)
+template <int PRO>
+__global__ void __launch_bounds__(256) f16_act(const float* __restrict__ x, int ldx, const float* __restrict__ pw,
+                                               const float* __restrict__ pu, float eps, int K,
+                                               __half* __restrict__ y) {
+    const int n = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = (blockIdx.x * 8 + warp) * 256 + lane * 8;
+    float v[8];
+    act_prologue<PRO>(x, ldx, pw, pu, eps, K, n, e, lane, warp, v);
+    if (e < K) {
+        union { __half2 h[4]; uint4 u; } pk;
+#pragma unroll
+        for (int i = 0; i < 4; i++) pk.h[i] = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+        *(uint4*)(y + (long long)n * K + e) = pk.u;
+    }
 }
 
 // ---------------------------------------------------------------- the matvec

@@ -104,10 +104,11 @@ def test_embed_rows_and_dequantize(qtype):
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.F16],
                          ids=lambda t: t.name)
-@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("n", [1, 2, 40])
 @pytest.mark.parametrize("pro", ["rmsnorm", "silu", "gelu"])
 def test_matvec_prologues(qtype, n, pro, float_matvec):
-    """The op before a decode matvec folded into its loads: RMSNorm, SwiGLU, GeGLU."""
+    """The op before a matmul folded into it: RMSNorm, SwiGLU, GeGLU, in a decode matvec's
+    loads (1-2 rows) or a prompt GEMM's fp16 conversion (40)."""
     import cupy as cp
     import quant.cuda as qc
     M, K = 66, _K(qtype)
@@ -130,7 +131,40 @@ def test_matvec_prologues(qtype, n, pro, float_matvec):
     ref = h @ quant.dequantize(qt).astype(np.float64).T
     y = cp.full((n, M), np.nan, cp.float32)
     qc.matmul(cp.asarray(x), [W], [y], prologue=prologue)
-    assert _rel(y.get(), ref) < 1e-5
+    assert _rel(y.get(), ref) < (1e-5 if n <= qc.MV_MAX_ROWS else 2e-3)
+
+
+@pytest.mark.parametrize("pro", [None, "rmsnorm", "silu", "gelu"])
+def test_prompt_activations_fp16(pro):
+    """f16_act: the prompt GEMM's operand is x after the prologue, each value rounded to
+    the nearest fp16 once (no prologue: exactly numpy's float16 of x)."""
+    import cupy as cp
+    import quant.cuda as qc
+    n, K = 5, 1312                        # not a multiple of 256: a partial last group
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((n, K)) * 3).astype(np.float32)
+    x64 = x.astype(np.float64)
+    w = rng.standard_normal(K).astype(np.float32)
+    u = rng.standard_normal((n, K)).astype(np.float32)
+    if pro is None:
+        ref, prologue = x64, None
+    elif pro == "rmsnorm":
+        ref, prologue = x64 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + 1e-6) * w, ("rmsnorm", cp.asarray(w), 1e-6)
+    elif pro == "silu":
+        ref, prologue = x64 / (1 + np.exp(-x64)) * u, ("silu", cp.asarray(u))
+    else:
+        ref = 0.5 * x64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64 ** 3))) * u
+        prologue = ("gelu", cp.asarray(u))
+    pcode, pw, pu, eps = qc._prologue_args(prologue)
+    y = cp.full(n * K, np.nan, cp.float16)
+    qc._mods.fn(f"f16_act<{pcode}>")(((K + 2047) // 2048, n), (256,),
+                                     (cp.asarray(x), np.int32(K), pw if pw is not None else np.uint64(0),
+                                      pu if pu is not None else np.uint64(0), np.float32(eps), np.int32(K), y))
+    got = y.get().reshape(n, K)
+    if pro is None:
+        assert np.array_equal(got, x.astype(np.float16))
+    else:       # the float32 prologue's last bits, then one fp16 rounding (2^-11 relative)
+        assert np.all(np.abs(got.astype(np.float64) - ref) <= 5e-4 * np.abs(ref) + 1e-6)
 
 
 INT8_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
