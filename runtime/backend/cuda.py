@@ -83,6 +83,11 @@ PREFILL_TILED_MIN = 16
 PREFILL_ROWS = 32
 
 
+# prompt attention on the tensor cores (attn_prefill_mma: head dims 64 and 128, fp16
+# operands like the prompt's GEMMs); 0: attn_prefill's float32 sums for every head dim
+PREFILL_MMA = os.environ.get("LLAMBA_ATT_MMA", "1") != "0"
+
+
 def _prefill_pq(hd: int, g: int) -> int:
     """Tokens a block of attn_prefill takes (compiled in as PRE_PQ)."""
     return max(1, (8 if hd >= 256 else PREFILL_ROWS) // g)
@@ -865,8 +870,9 @@ class CUDABackend:
         splits = step.attn_splits
         out = self._buf((n, h, d))
         if getattr(step, "prompt_tiles", False) and splits == 1:
-            pq = _prefill_pq(d, g)
-            self._attn_fn(d, g, "attn_prefill")(
+            mma = PREFILL_MMA and d in (64, 128) and g <= 64
+            pq = 64 // g if mma else _prefill_pq(d, g)
+            self._attn_fn(d, g, "attn_prefill_mma" if mma else "attn_prefill")(
                 ((n + pq - 1) // pq, kvh), (128,),
                 (q, kv.k[layer], kv.v[layer], tables, np.int32(tables.shape[1]), step.seq_of_token, step.positions,
                  np.int32(n), np.int32(step.block_size), np.int32(step.window(layer)), np.float32(step.attn_scale),

@@ -331,6 +331,167 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
     }
 }
 
+// Prompt attention on the tensor cores (head dims 64 and 128; the kernel above takes the
+// rest): mma.sync m16n8k8 (fp16 operands, fp32 sums; sm_75 and newer), FlashAttention-2's
+// layout.  Block (query tile, kv head kh): 64 rows (MMA_PQ tokens x the G query heads
+// of kh), 16 a warp; tiles of 32 keys gathered from the paged cache into shared memory
+// once for the block (K as rows, V transposed, both padded against bank conflicts).
+// Per tile a warp's S = Q K^T (16 x 32) stays in the accumulator registers, its
+// online softmax runs there (a row's values on 4 lanes), and P, rounded to fp16, is
+// the A operand of P V as it lies (the accumulator's layout is the A fragment's).  Q is
+// rounded to fp16 once, pre-scaled by scale * log2(e) (exp2 in the softmax): the
+// prompt's GEMMs take fp16 operands too.  Rows of different tokens see different keys
+// (causal, windows) by masking; a warp skips tiles past its last row's position.
+#define MMA_BK 32
+ADEV unsigned pack_h2(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *(unsigned*)&h;
+}
+ADEV void mma_m16n8k8(float (&c)[4], const unsigned (&a)[2], unsigned b) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(b));
+}
+
+template <int HD, int G>
+ADEV void attn_prefill_mma_body(const float* __restrict__ q, const __half* __restrict__ kp,
+                                const __half* __restrict__ vp, const int* __restrict__ tables, int max_blocks,
+                                const int* __restrict__ seq_of_token, const int* __restrict__ positions, int n,
+                                int block_size, int window, float scale, int kvh, float* __restrict__ out) {
+    constexpr int NW = 4, PQ = 16 * NW / G, ROWS = PQ * G, BK = MMA_BK;
+    constexpr int KS = HD / 8, NT = BK / 8, ND = HD / 8, KP = HD + 8, VP = BK + 8;
+    __shared__ __align__(16) __half sk[BK][KP];
+    __shared__ __align__(16) __half svt[HD][VP];
+    PDL_ENTER();
+    const int t0 = (gridDim.x - 1 - blockIdx.x) * PQ, kh = blockIdx.y;
+    const int nq = min(PQ, n - t0);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gi = lane >> 2, ti = lane & 3;
+    const int H = kvh * G;
+    const int p0 = positions[t0], plast = p0 + nq - 1;
+    const int* table = tables + (long long)seq_of_token[t0] * max_blocks;
+    // this lane's rows of the warp's 16: gi and gi + 8
+    int rr[2], pr[2], lo[2];
+    bool ok[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        rr[h] = warp * 16 + gi + 8 * h;
+        ok[h] = rr[h] < ROWS && rr[h] / G < nq;
+        pr[h] = p0 + rr[h] / G;
+        lo[h] = (window > 0 && pr[h] - window + 1 > 0) ? pr[h] - window + 1 : 0;
+    }
+    const int wlast = min(warp * 16 + 15, ROWS - 1) / G;              // the warp's last token
+    const int pmax = p0 + min(wlast, nq - 1);
+    const bool active = warp * 16 < ROWS && warp * 16 / G < nq;
+    unsigned qa[KS][2];
+    const float qs = scale * 1.4426950408889634f;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const float* qr = q + ((long long)(t0 + rr[h] / G) * H + kh * G + rr[h] % G) * HD + 2 * ti;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            const float2 v = ok[h] ? *(const float2*)(qr + 8 * ks) : make_float2(0.f, 0.f);
+            qa[ks][h] = pack_h2(v.x * qs, v.y * qs);
+        }
+    }
+    float o[ND][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nd = 0; nd < ND; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+    const int jlo = (window > 0 && p0 - window + 1 > 0) ? p0 - window + 1 : 0;
+    const long long rowstride = (long long)kvh * HD;
+    for (int j0 = jlo; j0 <= plast; j0 += BK) {
+        __syncthreads();                      // the previous tile is used up
+        for (int e = threadIdx.x; e < BK * (HD / 8); e += 32 * NW) {
+            const int jj = e / (HD / 8), c = (e % (HD / 8)) * 8, j = j0 + jj;
+            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
+            if (j <= plast) {
+                const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+                kv4 = *(const uint4*)(kp + slot * rowstride + kh * HD + c);
+                vv4 = *(const uint4*)(vp + slot * rowstride + kh * HD + c);
+            }
+            *(uint4*)&sk[jj][c] = kv4;
+            const __half* vh = (const __half*)&vv4;
+#pragma unroll
+            for (int i = 0; i < 8; i++) svt[c + i][jj] = vh[i];
+        }
+        __syncthreads();
+        if (!active || j0 > pmax) continue;
+        float s[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+                mma_m16n8k8(s[nt], qa[ks], *(const unsigned*)&sk[8 * nt + gi][8 * ks + 2 * ti]);
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int h = i >> 1, j = j0 + 8 * nt + 2 * ti + (i & 1);
+                const bool valid = ok[h] && j <= pr[h] && j >= lo[h];
+                s[nt][i] = valid ? s[nt][i] : NEG_INF;
+                mx[h] = fmaxf(mx[h], s[nt][i]);
+            }
+        float corr[2], mn[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            mn[h] = fmaxf(m[h], mx[h]);
+            corr[h] = mn[h] == NEG_INF ? 1.f : exp2f(m[h] - mn[h]);
+        }
+        unsigned pa[NT][2];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            float p[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int h = i >> 1;
+                p[i] = mn[h] == NEG_INF ? 0.f : exp2f(s[nt][i] - mn[h]);
+                sum[h] += p[i];
+            }
+            pa[nt][0] = pack_h2(p[0], p[1]);
+            pa[nt][1] = pack_h2(p[2], p[3]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+            sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+            l[h] = fmaf(l[h], corr[h], sum[h]);
+            m[h] = mn[h];
+        }
+#pragma unroll
+        for (int nd = 0; nd < ND; nd++) {
+            o[nd][0] *= corr[0]; o[nd][1] *= corr[0]; o[nd][2] *= corr[1]; o[nd][3] *= corr[1];
+        }
+#pragma unroll
+        for (int ks = 0; ks < NT; ks++)
+#pragma unroll
+            for (int nd = 0; nd < ND; nd++)
+                mma_m16n8k8(o[nd], pa[ks], *(const unsigned*)&svt[8 * nd + gi][8 * ks + 2 * ti]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        if (!ok[h]) continue;
+        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        float* orow = out + ((long long)(t0 + rr[h] / G) * H + kh * G + rr[h] % G) * HD + 2 * ti;
+#pragma unroll
+        for (int nd = 0; nd < ND; nd++)
+            *(float2*)(orow + 8 * nd) = make_float2(o[nd][2 * h] * inv, o[nd][2 * h + 1] * inv);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
+        const float* __restrict__ q, const __half* __restrict__ kp, const __half* __restrict__ vp,
+        const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,
+        const int* __restrict__ positions, int n, int block_size, int window, float scale, int kvh,
+        float* __restrict__ out) {
+#if ATT_HD <= 128 && ATT_HD % 64 == 0 && ATT_G <= 64     // (the backend launches it for these only)
+    attn_prefill_mma_body<ATT_HD, ATT_G>(q, kp, vp, tables, max_blocks, seq_of_token, positions, n, block_size,
+                                         window, scale, kvh, out);
+#endif
+}
+
 // attn_merge_head's sums for up to MERGE_MAX splits in two trips to memory: every
 // split's (max, sum) at once, one thread a split, and each split's weight
 // exp(m - max) computed once into shared memory; then every split's part of a dim at
