@@ -265,7 +265,7 @@ def bench_ours(path, reps, n_prompt, n_gen, sweep=None, profile=False, host_path
     load_s = time.perf_counter() - t0
     est = eng.backend.estimate
     rng = np.random.default_rng(0)
-    pp = measure(lambda: time_pp(eng, n_prompt, rng), reps)
+    pp = measure(lambda: time_pp(eng, n_prompt, rng), reps, eng)
     by_host = tg_host_paths(eng, reps, n_gen, rng, host_paths)
     main_path = "new" if "new" in host_paths else host_paths[-1]
     main = by_host[main_path]

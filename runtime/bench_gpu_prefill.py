@@ -1,9 +1,9 @@
 """Where a prompt's time goes on the GPU: `python -m runtime.bench_gpu_prefill` (on the device).
 
 For random-weight models of the issue's shapes (runtime/backend/cuda_synth.py), a 512-token
-prompt step timed with the prompt attention kernel (`attn_prefill`, 32 and 16 rows a block)
-and with the decode kernel, alternating in one process; then one step's eager GPU-time
-profile by op, and a 2048-token prompt fed in four steps of 512 with each kernel.
+prompt step timed with each prompt attention kernel (`attn_prefill_mma` on the tensor cores,
+`attn_prefill` in float32) and with the decode kernel, alternating in one process; then one step's eager GPU-time
+profile by op, and 2048- and 4096-token prompts fed in steps of 512.
 """
 from __future__ import annotations
 
@@ -39,20 +39,24 @@ def main(argv=None) -> int:
         if not os.path.exists(path):
             write_random_gguf(path, mix=mix, **SHAPES[shape])
         eng = Engine(load_weights_only(path), device="cuda", n_ctx=4096)
-        toks = [int(t) for t in rng.integers(100, 30000, 2048)]
-        default = CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS
-        variants = (("tiles of 32 rows", default[0], 32), ("tiles of 16 rows", default[0], 16),
-                    ("decode kernel", 1 << 30, default[1]))
+        toks = [int(t) for t in rng.integers(100, 30000, 4096)]
+        default = CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS, CB.PREFILL_MMA, CB.PROMPT_GRAPH_ROWS
+        variants = (("tensor cores, graph replay", default[0], default[1], True, default[3]),
+                    ("tensor cores, eager", default[0], default[1], True, 0),
+                    ("float32 tiles, eager", default[0], 32, False, 0),
+                    ("decode kernel, eager", 1 << 30, default[1], False, 0))
         best = {}
         for _ in range(2):
-            for label, threshold, rows in variants:
-                CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS = threshold, rows
+            for label, threshold, rows, mma, graph_rows in variants:
+                CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS, CB.PREFILL_MMA, CB.PROMPT_GRAPH_ROWS = threshold, rows, mma, graph_rows
+                eng.backend.invalidate_plans()     # (graphs hold the kernels they were captured with)
                 _pp(eng, toks[:512])
+                _pp(eng, toks[:512])               # (the first chunk of a length runs eagerly, the second is captured)
                 t = min(_pp(eng, toks[:512]) for _ in range(3))
                 best[label] = min(best.get(label, t), t)
         for label, t in best.items():
             print(f"{shape} {mix} pp512 [{label}]: {1e3 * t:.2f} ms = {512 / t:.0f} t/s", flush=True)
-        CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS = default
+        CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS, CB.PREFILL_MMA, CB.PROMPT_GRAPH_ROWS = default
         eng.backend.profile_next = True
         seq = eng.new_sequence()
         eng.step([seq], [toks[:512]])
@@ -60,12 +64,16 @@ def main(argv=None) -> int:
         prof = eng.backend.last_profile
         print(f"  one step's GPU time {sum(t for _, t in prof):.2f} ms: "
               + "; ".join(f"{k} {v:.2f}" for k, v in prof[:10]), flush=True)
-        for label, threshold in (("prompt attention", default[0]), ("decode kernel", 1 << 30)):
-            CB.PREFILL_TILED_MIN = threshold
-            _pp(eng, toks)
-            t = min(_pp(eng, toks) for _ in range(3))
-            print(f"  2048 tokens in four steps of 512 [{label}]: {1e3 * t:.1f} ms = {2048 / t:.0f} t/s", flush=True)
-        CB.PREFILL_TILED_MIN = default[0]
+        for label, threshold, rows, mma, graph_rows in variants:
+            CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS, CB.PREFILL_MMA, CB.PROMPT_GRAPH_ROWS = threshold, rows, mma, graph_rows
+            eng.backend.invalidate_plans()
+            for n in (2048, 4096):
+                if label.startswith("decode") and n > 2048:
+                    continue
+                _pp(eng, toks[:n])
+                t = min(_pp(eng, toks[:n]) for _ in range(2))
+                print(f"  {n} tokens in steps of 512 [{label}]: {1e3 * t:.1f} ms = {n / t:.0f} t/s", flush=True)
+        CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS, CB.PREFILL_MMA, CB.PROMPT_GRAPH_ROWS = default
         del eng
     return 0
 

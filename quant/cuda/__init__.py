@@ -351,8 +351,10 @@ def warm(qtype) -> None:
 
 class Workspace:
     """Scratch, grown on demand and reused: fp16 tiles for the large-batch path, the
-    integer path's quantized activations.  A buffer that grows is kept alive, not
-    freed: a captured CUDA graph may still point at it."""
+    integer path's quantized activations.  A keep buffer that grows is kept alive, not
+    freed: a captured CUDA graph may still point at it.  The others (the prompt path's
+    fp16 tiles, sized by the largest weight) are freed when they grow, which bumps
+    `generation`: a graph captured before then is stale."""
 
     def __init__(self):
         self.w16 = None
@@ -360,12 +362,15 @@ class Workspace:
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
         self._retired = []
+        self.generation = 0
 
     def get(self, attr, n, dtype=None, keep=False):
         b = getattr(self, attr, None)
         if b is None or b.size < n:
             if keep and b is not None:
                 self._retired.append(b)
+            elif b is not None:
+                self.generation += 1
             size = 1 << max(8, (max(n, 1) - 1).bit_length()) if keep else max(n, 1)
             b = cp.empty(size, dtype or cp.float16)
             setattr(self, attr, b)
@@ -531,7 +536,6 @@ def _launch1d(f, n, args, block=256):
 def _gemms(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
     """The prompt path: x (after the prologue) converted to fp16 once for all of Ws, then
     each W dequantized to fp16 a tile of rows at a time for cuBLAS (fp16 x fp16 -> fp32)."""
-    from cupy_backends.cuda.libs import cublas
     n, K = x.shape
     pro, pw, pu, eps = _prologue_args(prologue)
     assert pu is None or pu.strides[0] == x.strides[0]
@@ -539,29 +543,77 @@ def _gemms(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
     _mods.fn(f"f16_act<{pro}>")(((K + 2047) // 2048, n), (256,),
                                 (x, np.int32(x.strides[0] // 4), pw if pw is not None else np.uint64(0),
                                  pu if pu is not None else np.uint64(0), np.float32(eps), np.int32(K), x16))
-    handle = _cublas_on(cp.cuda.get_current_stream().ptr)
+    blas = _blas()
+    handle = blas.on(cp.cuda.get_current_stream().ptr)
     for W, y, b in zip(Ws, outs, biases):
-        _gemm(cublas, handle, x16, n, K, W, y, b, accumulate, ws)
+        _gemm(blas.gemm_ex, handle, x16, n, K, W, y, b, accumulate, ws)
 
 
-_handles: dict = {}     # device -> [our cuBLAS handle, the stream it was last given]
+class _Cublas:
+    """The three cuBLAS calls of the prompt path, called through ctypes into the cuBLAS CuPy
+    loaded: CuPy's bindings refuse to run while a stream is being captured (prompt chunks
+    are replayed from CUDA graphs), cuBLAS itself does not.  Where the library is not
+    found by name, CuPy's bindings (and prompt chunks stay eager: their capture fails)."""
+
+    def __init__(self):
+        import ctypes
+        import sys
+        from cupy_backends.cuda.libs import cublas      # (loads the library)
+        self.handles: dict = {}     # device -> [our handle, the stream it was last given]
+        major = cp.cuda.runtime.runtimeGetVersion() // 1000
+        names = [f"cublas64_{major}.dll"] if sys.platform == "win32" else [f"libcublas.so.{major}"]
+        lib = None
+        for name in names:
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        if lib is None:
+            self.create, self.set_stream, self.gemm_ex = cublas.create, cublas.setStream, cublas.gemmEx
+            return
+        v, i = ctypes.c_void_p, ctypes.c_int
+        create, set_stream, gemm = lib.cublasCreate_v2, lib.cublasSetStream_v2, lib.cublasGemmEx
+        create.argtypes, set_stream.argtypes = [ctypes.POINTER(v)], [v, v]
+        gemm.argtypes = [v, i, i, i, i, i, v, v, i, i, v, i, i, v, v, i, i, i, i]
+        create.restype = set_stream.restype = gemm.restype = i
+
+        def check(rc, what):
+            if rc != 0:
+                raise RuntimeError(f"{what} failed (cublasStatus {rc})")
+
+        def make():
+            h = v()
+            check(create(ctypes.byref(h)), "cublasCreate")
+            return h.value
+        self.create = make
+        self.set_stream = lambda h, s: check(set_stream(h, s), "cublasSetStream")
+        self.gemm_ex = lambda *a: check(gemm(*a), "cublasGemmEx")
+
+    def on(self, stream: int) -> int:
+        """Our own handle (no other code sets its stream) on `stream`; the stream is set
+        only when it changes, so a step's GEMMs cost one call each."""
+        dev = cp.cuda.runtime.getDevice()
+        h = self.handles.get(dev)
+        if h is None:
+            h = self.handles[dev] = [self.create(), None]
+        if h[1] != stream:
+            self.set_stream(h[0], stream)
+            h[1] = stream
+        return h[0]
 
 
-def _cublas_on(stream: int) -> int:
-    """Our own cuBLAS handle (no other code sets its stream) on `stream`; the stream is
-    set only when it changes, so a step's GEMMs cost one call each."""
-    from cupy_backends.cuda.libs import cublas
-    dev = cp.cuda.runtime.getDevice()
-    h = _handles.get(dev)
-    if h is None:
-        h = _handles[dev] = [cublas.create(), None]
-    if h[1] != stream:
-        cublas.setStream(h[0], stream)
-        h[1] = stream
-    return h[0]
+_cublas = None
 
 
-def _gemm(cublas, handle, x16, n, K, W, y, bias, accumulate, ws: Workspace):
+def _blas() -> _Cublas:
+    global _cublas
+    if _cublas is None:
+        _cublas = _Cublas()
+    return _cublas
+
+
+def _gemm(gemm_ex, handle, x16, n, K, W, y, bias, accumulate, ws: Workspace):
     M = W.shape[0]
     tile = max(1, min(M, GEMM_TILE_ELEMS // K))
     w16 = ws.get("w16", tile * K)
@@ -576,11 +628,12 @@ def _gemm(cublas, handle, x16, n, K, W, y, bias, accumulate, ws: Workspace):
         _launch1d(deq, tm * nparts, (np.uint64(base + r0 * W.row_nbytes), np.int32(tm), np.int32(K),
                                      np.int64(W.row_nbytes), w16), block=DEQ_THREADS)
         # row-major y[n, M] = x[n, K] @ w[M, K]^T  ==  column-major y^T = w^T(op T) x
-        cublas.gemmEx(handle, 1, 0, tm, n, K,
-                      ws._one.ctypes.data, w16.data.ptr, 2, K,
-                      x16.data.ptr, 2, K,
-                      beta.ctypes.data, y.data.ptr + 4 * r0, 0, ldy,
-                      68, -1)
+        gemm_ex(handle, 1, 0, tm, n, K,
+                ws._one.ctypes.data, w16.data.ptr, 2, K,
+                x16.data.ptr, 2, K,
+                beta.ctypes.data, y.data.ptr + 4 * r0, 0, ldy,
+                68, -1)
+        pdl.fence()         # cuBLAS's kernels never trigger: the next of ours goes out plain
     if bias is not None and not accumulate:
         _launch1d(_mods.fn("add_bias"), n * M, (y, bias, np.int32(n), np.int32(M), np.int32(ldy)))
 

@@ -11,8 +11,11 @@
   index arrays in from pinned memory and, for greedy decoding, ends in the argmax,
   which writes the token into pinned host memory; Python fills the step in place,
   launches the graph and waits (forward_argmax; forward copies the logits out).
-* Prefill and other multi-token steps run eagerly (a few hundred launches per
-  forward, negligible beside the GEMMs).
+* Prompt chunks of PROMPT_GRAPH_ROWS tokens (every chunk of a long prompt but its
+  last) are captured too, one graph per table width, cuBLAS GEMMs included, and
+  replayed from the second chunk of that length on; other multi-token steps run
+  eagerly (~750 launches through Python a step: on small models the host, not the
+  GPU, sets an eager prompt's speed).
 * LLAMBA_CUDA_MEGA=1: llama-family decode steps as one persistent kernel
   (cuda_mega.py), bit-identical; off by default (slower on the H200 so far).
 """
@@ -72,6 +75,13 @@ GRAPH_ROWS = MV_MAX_ROWS
 ATT_TILE_KEYS = int(os.environ.get("LLAMBA_ATT_TILE_KEYS", "16"))
 ATT_MAX_SPLITS = int(os.environ.get("LLAMBA_ATT_SPLITS", "64"))
 
+
+# prompt chunks of exactly this many tokens (Engine.prefill's chunk: every chunk of a long
+# prompt but its last) are replayed from CUDA graphs, one per block-table width, from the
+# second chunk of this length on (a one-off prompt pays no capture); 0: always eager.
+# A prompt step is otherwise ~750 launches through Python: on small models the host,
+# not the GPU, sets the prompt's speed
+PROMPT_GRAPH_ROWS = int(os.environ.get("LLAMBA_PROMPT_GRAPH_ROWS", "512"))
 
 # steps of more tokens than this (prompts) take the tiled prompt attention (attn_prefill);
 # up to it (decode, speculative verify) every token gets the decode kernel's sums
@@ -327,6 +337,8 @@ class CUDABackend:
         self._mod = None
         self._graphs: dict = {}
         self._seen: set = set()
+        self._prompt_warm: dict = {}       # (model, rows) of prompt chunks run eagerly -> their logits' shape
+        self.prompt_graph_error = None     # why a prompt chunk could not be captured, if one could not
         if graphs is None:
             graphs = os.environ.get("LLAMBA_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = graphs
@@ -417,7 +429,9 @@ class CUDABackend:
             # tokens of one sequence, logits for every row): each shape its own graph
             graphable = (self.use_graphs and step.block_tables.shape[0] == 1
                          and (n == 1 and len(step.logit_rows) == 1
-                              or 1 < n <= GRAPH_ROWS and len(step.logit_rows) == n and self.host_path != "old"))
+                              or 1 < n <= GRAPH_ROWS and len(step.logit_rows) == n and self.host_path != "old"
+                              or n == PROMPT_GRAPH_ROWS and len(step.logit_rows) == 1 and not argmax
+                              and self.host_path != "old"))
             if graphable:
                 if self.host_path == "old":
                     return self._forward_graph_old(model, step)
@@ -508,12 +522,15 @@ class CUDABackend:
         is writing its token, position, slots and block tables into that buffer, one
         graph launch and one wait."""
         MB = self._graph_width(step.block_tables.shape[1])
-        key = (id(model), MB, len(step.tokens), "ids" if argmax else "logits")
+        n = len(step.tokens)
+        key = (id(model), MB, n, "ids" if argmax else "logits")
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._new_decode_graph(model, step, MB, argmax)
-        self._last_graph = g
         _fill_decode(g["fill"], step)
+        if n > GRAPH_ROWS:          # (logits only: forward_argmax's prompts stay eager)
+            return self._forward_prompt_graph(model, g, (id(model), n))
+        self._last_graph = g
         if g["graph"] is None:
             # eager once (compiles kernels, sizes the arena), then capture for the next tokens
             self.setup_events += 1
@@ -534,6 +551,43 @@ class CUDABackend:
             res = g["host_out"].copy()
         return res.astype(np.int64) if argmax else res   # the caller's own array either way
 
+    def _forward_prompt_graph(self, model, g, warm_key):
+        """A prompt chunk of PROMPT_GRAPH_ROWS tokens: the first of its length (on this
+        model) runs eagerly, which compiles its kernels and sizes the arena and the fp16
+        tiles; a later one at a new width is captured and then launched (about one eager
+        step's host time), the next ones at that width replayed.  The graph is recaptured
+        if the fp16 tiles have since been reallocated; where capture fails (a cuBLAS that
+        cannot be captured), prompts stay eager."""
+        ws = self.ws
+        if g["graph"] is not None and g["ws_gen"] != ws.generation:
+            g["graph"] = None
+        if g["graph"] is None and (warm_key not in self._prompt_warm or g.get("eager")):
+            if warm_key not in self._prompt_warm:
+                self.setup_events += 1      # (a first chunk of its length: its timing is no later one's)
+            self._decode_body(model, g, capture=False)
+            self._prompt_warm[warm_key] = g["host_out"].shape
+        else:
+            if g["graph"] is None:
+                self.setup_events += 1
+                if g["host_out"] is None:       # (no host allocation inside a capture)
+                    shape = self._prompt_warm[warm_key]
+                    mem = self.cp.cuda.alloc_pinned_memory(int(np.prod(shape)) * 4)
+                    g["host_out"] = np.frombuffer(mem, np.float32, int(np.prod(shape))).reshape(shape)
+                gen = ws.generation
+                try:
+                    self._capture(model, g)
+                except Exception as e:
+                    g["graph"], g["eager"] = None, True
+                    self.prompt_graph_error = f"{type(e).__name__}: {e}"
+                    self._decode_body(model, g, capture=False)
+                    self.stream.synchronize()
+                    return g["host_out"].copy()
+                g["ws_gen"] = gen
+            g["graph"].launch(self.stream)
+            self.graph_replays += 1
+        self.stream.synchronize()
+        return g["host_out"].copy()
+
     def _capture(self, model, g):
         g["graph"] = None
         self.stream.begin_capture()
@@ -551,7 +605,7 @@ class CUDABackend:
         dev = cp.empty(flat.size, cp.int32)
         dstep = _DevStep(step, _views(dev, layout), *self._attn_plan(len(step.tokens), MB * step.block_size, model))
         return {"host": host, "dev": dev, "dstep": dstep, "graph": None, "argmax": argmax,
-                "fill": _decode_fill_views(host, layout), "host_out": None, "mega": None}
+                "fill": _decode_fill_views(host, layout), "host_out": None, "mega": None, "ws_gen": None}
 
     def _decode_body(self, model, g, capture: bool):
         """Enqueue one decode step on the stream: copy in, forward, argmax or copy out."""
