@@ -113,6 +113,21 @@ ADEV bool tile_row(const float* q, const __half2 (*skt)[BK + 1], const __half2 (
     return true;
 }
 
+// Dims c .. c+7 of key j's K and V rows (kv head kh; a table entry, then 16 bytes of each),
+// zeros for keys from `end` on: the piece a thread gathers of a key tile (attn_tiles,
+// attn_prefill, attn_prefill_mma), each kernel then storing it in its own layout.
+template <int HD>
+ADEV void kv_piece(const __half* kp, const __half* vp, const int* table, int j, int end, int block_size, int kvh,
+                   int kh, int c, uint4& k, uint4& v) {
+    k = make_uint4(0, 0, 0, 0);
+    v = make_uint4(0, 0, 0, 0);
+    if (j < end) {
+        const long long off = ((long long)table[j / block_size] * block_size + j % block_size) * kvh * HD + kh * HD + c;
+        k = *(const uint4*)(kp + off);
+        v = *(const uint4*)(vp + off);
+    }
+}
+
 // Key j's K and V rows, lane's HD/32 dims of kv head kh (a table entry, then the rows).
 template <int HD>
 ADEV void attn_key(const __half* kp, const __half* vp, const int* table, int j, int block_size, int kvh, int kh,

@@ -169,7 +169,6 @@ extern "C" __global__ void __launch_bounds__(128) attn_tiles(
     int j0, j1;
     split_keys(pos, window, sp, n_splits, j0, j1);
     const int* table = tables + (long long)seq_of_token[t] * max_blocks;
-    const long long rowstride = (long long)kvh * HD;
     // a thread's NCH 16-byte pieces of a tile's K and V rows; the next tile's are loaded
     // into registers while this one is computed (H200 at 8000 tokens of context: L8 -3.7%,
     // Q15 -2.4% against loading each tile at its turn; at 2048, one tile a split, +0.4% and
@@ -180,13 +179,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_tiles(
     auto fetch = [&](int jt) {
 #pragma unroll
         for (int c = 0; c < NCH; c++) {
-            const int e = threadIdx.x + 128 * c, jj = e / (HD / 8), cc = (e % (HD / 8)) * 8, j = jt + jj;
-            kr[c] = make_uint4(0, 0, 0, 0); vr[c] = make_uint4(0, 0, 0, 0);
-            if (j < j1) {
-                const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-                kr[c] = *(const uint4*)(kp + slot * rowstride + kh * HD + cc);
-                vr[c] = *(const uint4*)(vp + slot * rowstride + kh * HD + cc);
-            }
+            const int e = threadIdx.x + 128 * c, jj = e / (HD / 8), cc = (e % (HD / 8)) * 8;
+            kv_piece<HD>(kp, vp, table, jt + jj, j1, block_size, kvh, kh, cc, kr[c], vr[c]);
         }
     };
     // the first tile's keys before the wait when an earlier step wrote them all (pdl.cuh;
@@ -291,17 +285,12 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
         for (int k = 0; k < 2 * DP2; k++) acc[i][k] = 0.f;
     }
     const int lo = (window > 0 && p0 - window + 1 > 0) ? p0 - window + 1 : 0;
-    const long long rowstride = (long long)kvh * HD;
     for (int j0 = lo; j0 <= plast; j0 += BK) {
         __syncthreads();                      // the previous tile is used up (and sq written)
         for (int e = threadIdx.x; e < BK * (HD / 8); e += 128) {
-            const int jj = e / (HD / 8), c = (e % (HD / 8)) * 8, j = j0 + jj;
-            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
-            if (j <= plast) {
-                const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-                kv4 = *(const uint4*)(kp + slot * rowstride + kh * HD + c);
-                vv4 = *(const uint4*)(vp + slot * rowstride + kh * HD + c);
-            }
+            const int jj = e / (HD / 8), c = (e % (HD / 8)) * 8;
+            uint4 kv4, vv4;
+            kv_piece<HD>(kp, vp, table, j0 + jj, plast + 1, block_size, kvh, kh, c, kv4, vv4);
             *(uint4*)&sv[jj][c / 2] = vv4;
             const __half2* k2 = (const __half2*)&kv4;
 #pragma unroll
@@ -343,11 +332,11 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
 // prompt's GEMMs take fp16 operands too.  Rows of different tokens see different keys
 // (causal, windows) by masking; a warp skips tiles past its last row's position.
 #define MMA_BK 32
-ADEV unsigned pack_h2(float a, float b) {
+__device__ __forceinline__ unsigned pack_h2(float a, float b) {   // (not static: unused at head dim 256)
     __half2 h = __floats2half2_rn(a, b);
     return *(unsigned*)&h;
 }
-ADEV void mma_m16n8k8(float (&c)[4], const unsigned (&a)[2], unsigned b) {
+__device__ __forceinline__ void mma_m16n8k8(float (&c)[4], const unsigned (&a)[2], unsigned b) {
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(b));
 }
@@ -396,17 +385,12 @@ ADEV void attn_prefill_mma_body(const float* __restrict__ q, const __half* __res
 #pragma unroll
     for (int nd = 0; nd < ND; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
     const int jlo = (window > 0 && p0 - window + 1 > 0) ? p0 - window + 1 : 0;
-    const long long rowstride = (long long)kvh * HD;
     for (int j0 = jlo; j0 <= plast; j0 += BK) {
         __syncthreads();                      // the previous tile is used up
         for (int e = threadIdx.x; e < BK * (HD / 8); e += 32 * NW) {
-            const int jj = e / (HD / 8), c = (e % (HD / 8)) * 8, j = j0 + jj;
-            uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
-            if (j <= plast) {
-                const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-                kv4 = *(const uint4*)(kp + slot * rowstride + kh * HD + c);
-                vv4 = *(const uint4*)(vp + slot * rowstride + kh * HD + c);
-            }
+            const int jj = e / (HD / 8), c = (e % (HD / 8)) * 8;
+            uint4 kv4, vv4;
+            kv_piece<HD>(kp, vp, table, j0 + jj, plast + 1, block_size, kvh, kh, c, kv4, vv4);
             *(uint4*)&sk[jj][c] = kv4;
             const __half* vh = (const __half*)&vv4;
 #pragma unroll
