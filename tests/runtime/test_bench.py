@@ -53,3 +53,26 @@ print(json.dumps([{{"test": "pp" + p, "t_s": 1.0, "sd": 0.0, "backend": "peer"}}
         assert len(ours[name]["runs"]) == 3
         ratios = sorted(r / speed for r in ours[name]["runs"])
         assert abs(theirs[name]["ratio_ours_to_peer_median"] - ratios[1]) < 1e-9
+
+
+def test_warm_up_runs_until_no_run_pays_a_one_time_cost():
+    """A CUDA prompt chunk's first run is eager, its second captures a graph: both count as
+    setup events, so the timed runs start at the third (and a plain step warms up once)."""
+    from runtime.bench import timed_runs
+
+    class Eng:
+        setup_events = 0
+
+    eng, calls = Eng(), []
+
+    def run():                      # the first two runs pay a one-time cost, as a prompt chunk does
+        calls.append(len(calls))
+        if len(calls) <= 2:
+            eng.setup_events += 1
+        return float(len(calls))
+
+    assert timed_runs(run, 2, eng) == [4.0, 5.0]
+    calls.clear()
+    assert timed_runs(lambda: float(calls.append(0) or len(calls)), 2, Eng()) == [2.0, 3.0]
+    calls.clear()
+    assert timed_runs(lambda: float(calls.append(0) or len(calls)), 2) == [2.0, 3.0]
