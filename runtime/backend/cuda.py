@@ -96,6 +96,7 @@ PREFILL_ROWS = 32
 # prompt attention on the tensor cores (attn_prefill_mma: head dims 64 and 128, fp16
 # operands like the prompt's GEMMs); 0: attn_prefill's float32 sums for every head dim
 PREFILL_MMA = os.environ.get("LLAMBA_ATT_MMA", "1") != "0"
+MMA_ROWS = 64       # its query rows a block (4 warps x 16): MMA_ROWS // G tokens
 
 
 def _prefill_pq(hd: int, g: int) -> int:
@@ -561,32 +562,33 @@ class CUDABackend:
         ws = self.ws
         if g["graph"] is not None and g["ws_gen"] != ws.generation:
             g["graph"] = None
-        if g["graph"] is None and (warm_key not in self._prompt_warm or g.get("eager")):
+        if g["graph"] is None and warm_key in self._prompt_warm and not g.get("eager"):
+            self.setup_events += 1
+            if g["host_out"] is None:       # (no host allocation inside a capture)
+                g["host_out"] = self._pinned(self._prompt_warm[warm_key], np.float32)
+            gen = ws.generation
+            try:
+                self._capture(model, g)
+                g["ws_gen"] = gen
+            except Exception as e:
+                g["graph"], g["eager"] = None, True
+                self.prompt_graph_error = f"{type(e).__name__}: {e}"
+        if g["graph"] is None:
             if warm_key not in self._prompt_warm:
                 self.setup_events += 1      # (a first chunk of its length: its timing is no later one's)
             self._decode_body(model, g, capture=False)
             self._prompt_warm[warm_key] = g["host_out"].shape
         else:
-            if g["graph"] is None:
-                self.setup_events += 1
-                if g["host_out"] is None:       # (no host allocation inside a capture)
-                    shape = self._prompt_warm[warm_key]
-                    mem = self.cp.cuda.alloc_pinned_memory(int(np.prod(shape)) * 4)
-                    g["host_out"] = np.frombuffer(mem, np.float32, int(np.prod(shape))).reshape(shape)
-                gen = ws.generation
-                try:
-                    self._capture(model, g)
-                except Exception as e:
-                    g["graph"], g["eager"] = None, True
-                    self.prompt_graph_error = f"{type(e).__name__}: {e}"
-                    self._decode_body(model, g, capture=False)
-                    self.stream.synchronize()
-                    return g["host_out"].copy()
-                g["ws_gen"] = gen
             g["graph"].launch(self.stream)
             self.graph_replays += 1
         self.stream.synchronize()
         return g["host_out"].copy()
+
+    def _pinned(self, shape, dtype):
+        """A host array in pinned memory (what the device copies into or out of inside a graph)."""
+        n = int(np.prod(shape))
+        mem = self.cp.cuda.alloc_pinned_memory(n * np.dtype(dtype).itemsize)
+        return np.frombuffer(mem, dtype, n).reshape(shape)
 
     def _capture(self, model, g):
         g["graph"] = None
@@ -600,7 +602,7 @@ class CUDABackend:
     def _new_decode_graph(self, model, step, MB, argmax):
         cp = self.cp
         flat, layout = _pack_step(step, MB)
-        host = np.frombuffer(cp.cuda.alloc_pinned_memory(flat.nbytes), np.int32, flat.size)
+        host = self._pinned(flat.shape, np.int32)
         host[:] = flat
         dev = cp.empty(flat.size, cp.int32)
         dstep = _DevStep(step, _views(dev, layout), *self._attn_plan(len(step.tokens), MB * step.block_size, model))
@@ -629,9 +631,8 @@ class CUDABackend:
         if out is None:
             out = self._run(model, g["dstep"])
         if g["host_out"] is None:
-            dtype, shape = (np.int32, out.shape[:1]) if g["argmax"] else (out.dtype, out.shape)
-            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-            g["host_out"] = np.frombuffer(cp.cuda.alloc_pinned_memory(nbytes), dtype, int(np.prod(shape))).reshape(shape)
+            g["host_out"] = (self._pinned(out.shape[:1], np.int32) if g["argmax"]
+                             else self._pinned(out.shape, out.dtype))
         if g["argmax"]:     # the kernel writes the ids into pinned host memory itself
             self._argmax(out, host_out=g["host_out"])
         else:
@@ -924,8 +925,8 @@ class CUDABackend:
         splits = step.attn_splits
         out = self._buf((n, h, d))
         if getattr(step, "prompt_tiles", False) and splits == 1:
-            mma = PREFILL_MMA and d in (64, 128) and g <= 64
-            pq = 64 // g if mma else _prefill_pq(d, g)
+            mma = PREFILL_MMA and d in (64, 128) and g <= MMA_ROWS
+            pq = MMA_ROWS // g if mma else _prefill_pq(d, g)
             self._attn_fn(d, g, "attn_prefill_mma" if mma else "attn_prefill")(
                 ((n + pq - 1) // pq, kvh), (128,),
                 (q, kv.k[layer], kv.v[layer], tables, np.int32(tables.shape[1]), step.seq_of_token, step.positions,

@@ -65,6 +65,17 @@ ADEV void split_keys(int pos, int window, int sp, int n_splits, int& j0, int& j1
     j1 = min(pos + 1, j0 + chunk);
 }
 
+// RW rows' running state for tile_row, empty: max -inf, sum 0, their dims' sums 0
+template <int RW, int NA>
+ADEV void rows_empty(float (&acc)[RW][NA], float (&m)[RW], float (&l)[RW]) {
+#pragma unroll
+    for (int i = 0; i < RW; i++) {
+        m[i] = NEG_INF; l[i] = 0.f;
+#pragma unroll
+        for (int k = 0; k < NA; k++) acc[i][k] = 0.f;
+    }
+}
+
 // One query row against a tile of BK keys staged in shared memory (K transposed in dim
 // pairs, skt[HD/2][BK+1]: lane j reads key j without bank conflicts; V as rows,
 // sv[BK][HD/2]): lane j scores key j (eight independent FMA chains, not one of HD),

@@ -191,12 +191,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_tiles(
     for (int e = threadIdx.x; e < G * HD; e += 128)
         sq[e / HD][e % HD] = q[((long long)t * H + kh * G + e / HD) * HD + e % HD] * scale;
     float acc[RW][2 * DP2], m[RW], l[RW];
-#pragma unroll
-    for (int i = 0; i < RW; i++) {
-        m[i] = NEG_INF; l[i] = 0.f;
-#pragma unroll
-        for (int k = 0; k < 2 * DP2; k++) acc[i][k] = 0.f;
-    }
+    rows_empty(acc, m, l);
     if (j0 < j1 && !early) fetch(j0);
     for (int jt = j0; jt < j1; jt += BK) {
         __syncthreads();                      // the previous tile is used up (and sq written)
@@ -278,12 +273,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
         sq[r][d] = tq < nq ? q[((long long)(t0 + tq) * H + kh * G + r % G) * HD + d] * scale : 0.f;
     }
     float acc[RW][2 * DP2], m[RW], l[RW];
-#pragma unroll
-    for (int i = 0; i < RW; i++) {
-        m[i] = NEG_INF; l[i] = 0.f;
-#pragma unroll
-        for (int k = 0; k < 2 * DP2; k++) acc[i][k] = 0.f;
-    }
+    rows_empty(acc, m, l);
     const int lo = (window > 0 && p0 - window + 1 > 0) ? p0 - window + 1 : 0;
     for (int j0 = lo; j0 <= plast; j0 += BK) {
         __syncthreads();                      // the previous tile is used up (and sq written)
