@@ -393,7 +393,7 @@ def int8_applies(n: int, Ws) -> bool:
 def matmul(x, Ws, outs, biases=None, accumulate=False, ws: Workspace | None = None, prologue=None):
     """outs[i] (+)= f(x) @ Ws[i].T (+ biases[i]).  x float32 [n, K] C-contiguous on the device;
     outs[i] float32 [n, M_i] (rows may be strided: ldy = outs[i].strides[0] / 4).
-    prologue (int8_applies(n, Ws), gemm_folds(n, K), or n <= PROLOGUE_MAX_ROWS):
+    prologue (int8_applies(n, Ws), gemm_applies(n), or n <= PROLOGUE_MAX_ROWS):
     f = ("rmsnorm", w, eps) or ("silu"|"gelu", u); otherwise f is the identity."""
     n, K = x.shape
     biases = list(biases) if biases else [None] * len(Ws)
@@ -415,14 +415,9 @@ def matmul(x, Ws, outs, biases=None, accumulate=False, ws: Workspace | None = No
 
 
 def gemm_applies(n: int) -> bool:
-    """True when matmul takes x of n rows through cuBLAS (prompts)."""
+    """True when matmul takes x of n rows through cuBLAS (prompts), which folds any
+    prologue into the activations' fp16 conversion."""
     return n > MV_MAX_ROWS
-
-
-def gemm_folds(n: int, K: int) -> bool:
-    """True when matmul takes x [n, K] through cuBLAS and can fold a prologue into the
-    activations' fp16 conversion (f16_act: whole 32-value groups)."""
-    return gemm_applies(n) and K % 32 == 0
 
 
 def _ptr(a):
@@ -545,13 +540,10 @@ def _gemms(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
     pro, pw, pu, eps = _prologue_args(prologue)
     assert pu is None or pu.strides[0] == x.strides[0]
     x16 = ws.get("x16", n * K)
-    if K % 32:
-        assert prologue is None, "a prologue folds into prompt GEMMs only at K % 32 == 0 (gemm_folds)"
-        _launch1d(_mods.fn("f32_to_f16"), n * K, (x, x16, np.int64(n * K)))
-    else:
-        _mods.fn(f"f16_act<{pro}>")(((K + 2047) // 2048, n), (256,),
-                                    (x, np.int32(x.strides[0] // 4), pw if pw is not None else np.uint64(0),
-                                     pu if pu is not None else np.uint64(0), np.float32(eps), np.int32(K), x16))
+    assert K % 32 == 0, "f16_act converts whole 32-value groups (kernel_supports admits no other width)"
+    _mods.fn(f"f16_act<{pro}>")(((K + 2047) // 2048, n), (256,),
+                                (x, np.int32(x.strides[0] // 4), pw if pw is not None else np.uint64(0),
+                                 pu if pu is not None else np.uint64(0), np.float32(eps), np.int32(K), x16))
     blas = _blas()
     handle = blas.on(cp.cuda.get_current_stream().ptr)
     for W, y, b in zip(Ws, outs, biases):

@@ -244,14 +244,6 @@ __global__ void deq_rows(const u8* __restrict__ W, const int* __restrict__ ids, 
             o[T::run_start(part, u) + j] = fmaf(sc[u], q[u * T::RLEN + j], mn[u]) * scale;
 }
 
-// float32 -> fp16, one value a thread: the prompt GEMM's operand at widths f16_act does
-// not take (K % 32 != 0, only unquantized weights can have them)
-extern "C" __global__ void f32_to_f16(const float* __restrict__ x, __half* __restrict__ y, long long n) {
-    PDL_ENTER();
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = __float2half_rn(x[i]);
-}
-
 // y[r, m] += bias[m] (after a GEMM)
 extern "C" __global__ void add_bias(float* __restrict__ y, const float* __restrict__ bias, int n, int M, int ldy) {
     PDL_ENTER();

@@ -830,7 +830,7 @@ class CUDABackend:
         # the integer path folds a pending RMSNorm/GLU into its activation quantization,
         # the prompt path into its fp16 conversion (one launch, not two); the float matvec
         # only when asked (LLAMBA_CUDA_FOLD=1)
-        if (self.qc.int8_applies(n, Ws) or self.qc.gemm_folds(n, x.shape[-1])
+        if (self.qc.int8_applies(n, Ws) or self.qc.gemm_applies(n)
                 or (self.fold and n <= self.qc.PROLOGUE_MAX_ROWS)):
             if self._pnorm is not None and self._pnorm[3] is x:
                 xin, w, eps, _ = self._pnorm

@@ -134,22 +134,6 @@ def test_matvec_prologues(qtype, n, pro, float_matvec):
     assert _rel(y.get(), ref) < (1e-5 if n <= qc.MV_MAX_ROWS else 2e-3)
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.F32, GGMLType.F16], ids=lambda t: t.name)
-def test_prompt_gemm_at_a_width_not_a_multiple_of_32(qtype):
-    """Unquantized weights may have any width: the prompt GEMM then converts x one value a
-    thread (f16_act takes whole 32-value groups) and no prologue is folded into it."""
-    import cupy as cp
-    import quant.cuda as qc
-    n, M, K = 40, 24, 200
-    assert qc.gemm_applies(n) and not qc.gemm_folds(n, K)
-    qt = _weight(qtype, M, K, 5)
-    x = np.random.default_rng(9).standard_normal((n, K)).astype(np.float32)
-    ref = x.astype(np.float64) @ quant.dequantize(qt).astype(np.float64).T
-    y = cp.full((n, M), np.nan, cp.float32)
-    qc.matmul(cp.asarray(x), [qc.upload(qt)], [y])
-    assert _rel(y.get(), ref) < 2e-3
-
-
 @pytest.mark.parametrize("pro", [None, "rmsnorm", "silu", "gelu"])
 def test_prompt_activations_fp16(pro):
     """f16_act: the prompt GEMM's operand is x after the prologue, each value rounded to
