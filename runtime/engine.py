@@ -17,7 +17,8 @@ from models import model_class
 from .backend import make_backend
 from .context import ContextOverflow, check_policy, rope_for_layer, shift_amount
 from .kv_cache import RELEASED, CacheFull, LayerGroup, PagedKVCache, Sequence
-from .loader import LoadedModel, load_model
+from .loaded_model import LoadedModel
+from .loader import load_model
 
 
 @dataclass

@@ -4,7 +4,6 @@ tokenizer.  Nothing is dequantized here: tensors are views into the memory map.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from models import ModelConfig, config_from_gguf
@@ -12,30 +11,7 @@ from models.catalog import CATALOG, DEFAULT_MODEL
 from quant import QTensor, UnsupportedQuantType
 
 from .gguf_file import GGUFError, GGUFFile
-
-
-@dataclass
-class LoadedModel:
-    path: Path
-    config: ModelConfig
-    tensors: dict          # name -> QTensor
-    tokenizer: object
-    metadata: dict = field(default_factory=dict)
-    chat_template: str | None = None
-
-    @property
-    def n_params(self) -> int:
-        n = 0
-        for t in self.tensors.values():
-            k = 1
-            for d in t.shape:
-                k *= d
-            n += k
-        return n
-
-    @property
-    def weight_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+from .loaded_model import LoadedModel
 
 
 def resolve_model_path(model: str | None, progress=None) -> Path:

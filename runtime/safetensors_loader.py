@@ -27,6 +27,8 @@ from models.hf_config import CheckpointError, config_from_hf, fix_layout, gguf_n
 from quant import GGMLType, QTensor, quantize
 from quant.policy import tensor_type
 
+from .loaded_model import LoadedModel
+
 # --quant value -> quantization scheme (quant.policy).  int4 is the Q4_K_M mix, not
 # plain Q4_0: perplexity on GPL-3 (c=512) went 18.33 -> 20.82 (q4_k_m) vs 22.70 (q4_0)
 # for SmolLM2-135M and 6.23 -> 7.60 vs 8.09 for Qwen2.5-Coder-0.5B, for 7% more bytes.
@@ -229,7 +231,6 @@ def load_type(ck: Checkpoint, name: str, scheme: str | None) -> GGMLType:
 
 def load_checkpoint(folder, quant: str | None = None, progress: bool | None = None):
     """LoadedModel from a checkpoint folder; quant: None/"none", "int8" or "int4"."""
-    from .loader import LoadedModel
     from .tokenizer import Tokenizer
 
     if quant not in QUANT_SCHEMES and quant is not None:

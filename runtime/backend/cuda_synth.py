@@ -161,7 +161,7 @@ def load_weights_only(path):
     """A LoadedModel without a tokenizer (random and trimmed test models carry none)."""
     from models import config_from_gguf
     from runtime.gguf_file import GGUFFile
-    from runtime.loader import LoadedModel
+    from runtime.loaded_model import LoadedModel
     g = GGUFFile(path)
     shapes = {n: t.shape for n, t in g.tensors.items()}
     cfg = config_from_gguf(g.metadata, shapes)
