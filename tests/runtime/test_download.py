@@ -30,11 +30,12 @@ class _Index:
     """Serves /simple/<project>/ (JSON or HTML), /files/<wheel> and, for the hub,
     /<repo>/resolve/main/<file> when `hub` holds the file's bytes."""
 
-    def __init__(self, html: bool = False, corrupt: int | None = None, hub: bytes | None = None):
+    def __init__(self, html: bool = False, corrupt: int | None = None, hub: bytes | None = None,
+                 tail: int = 0):
         self.html, self.hub, self.files, self.projects, self.hits = html, hub, {}, {}, []
         for i in range(3):
             dist = f"llamba_test_part{i + 1}"
-            whl = _wheel(dist, f"{dist}/data.bin", PAYLOAD[CUTS[i]:CUTS[i + 1]])
+            whl = _wheel(dist, f"{dist}/data.bin", PAYLOAD[CUTS[i]:CUTS[i + 1]] + bytes(tail))
             name = f"{dist}-1.0-py3-none-any.whl"
             sha = hashlib.sha256(whl).hexdigest()
             self.files[name] = whl if i != corrupt else whl[:-1] + bytes([whl[-1] ^ 1])
@@ -158,3 +159,25 @@ def test_the_index_is_pips_own_where_it_is_http(monkeypatch):
     assert dl.index_url() == "https://mirror.example/simple"
     monkeypatch.setenv("PIP_INDEX_URL", "file:///opt/pypi/simple")
     assert dl.index_url() == "https://pypi.org/simple"
+
+
+def test_fetch_stops_a_download_larger_than_its_file(catalog_entry, monkeypatch, tmp_path):
+    """A hub answering with more bytes than the catalog's file is cut off at the file's size."""
+    index = _serve(monkeypatch, hub=PAYLOAD + bytes(5 << 20))
+    index.files = {}
+    try:
+        with pytest.raises(RuntimeError, match="larger than the"):
+            dl.fetch(catalog_entry.name)
+    finally:
+        index.close()
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_fetch_stops_parts_that_add_up_to_more_than_the_file(catalog_entry, monkeypatch, tmp_path):
+    index = _serve(monkeypatch, tail=len(PAYLOAD))     # honest hashes, members too long
+    try:
+        with pytest.raises(RuntimeError, match="parts add up to more than"):
+            dl.fetch(catalog_entry.name)
+    finally:
+        index.close()
+    assert list((tmp_path / "models").iterdir()) == []
