@@ -27,6 +27,12 @@ def _pp(eng, toks, chunk=512):
     return t
 
 
+def _use(CB, cfg) -> None:
+    """Set the prompt path's knobs: tiled attention's threshold, its rows, the tensor-core
+    kernel, the graphed chunk length."""
+    CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS, CB.PREFILL_MMA, CB.PROMPT_GRAPH_ROWS = cfg
+
+
 def main(argv=None) -> int:
     import runtime.backend.cuda as CB
     from runtime.backend.cuda_synth import SHAPES, load_weights_only, write_random_gguf
@@ -47,8 +53,8 @@ def main(argv=None) -> int:
                     ("decode kernel, eager", 1 << 30, default[1], False, 0))
         best = {}
         for _ in range(2):
-            for label, threshold, rows, mma, graph_rows in variants:
-                CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS, CB.PREFILL_MMA, CB.PROMPT_GRAPH_ROWS = threshold, rows, mma, graph_rows
+            for label, *cfg in variants:
+                _use(CB, cfg)
                 eng.backend.invalidate_plans()     # (graphs hold the kernels they were captured with)
                 _pp(eng, toks[:512])
                 _pp(eng, toks[:512])               # (the first chunk of a length runs eagerly, the second is captured)
@@ -56,7 +62,7 @@ def main(argv=None) -> int:
                 best[label] = min(best.get(label, t), t)
         for label, t in best.items():
             print(f"{shape} {mix} pp512 [{label}]: {1e3 * t:.2f} ms = {512 / t:.0f} t/s", flush=True)
-        CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS, CB.PREFILL_MMA, CB.PROMPT_GRAPH_ROWS = default
+        _use(CB, default)
         eng.backend.profile_next = True
         seq = eng.new_sequence()
         eng.step([seq], [toks[:512]])
@@ -64,8 +70,8 @@ def main(argv=None) -> int:
         prof = eng.backend.last_profile
         print(f"  one step's GPU time {sum(t for _, t in prof):.2f} ms: "
               + "; ".join(f"{k} {v:.2f}" for k, v in prof[:10]), flush=True)
-        for label, threshold, rows, mma, graph_rows in variants:
-            CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS, CB.PREFILL_MMA, CB.PROMPT_GRAPH_ROWS = threshold, rows, mma, graph_rows
+        for label, *cfg in variants:
+            _use(CB, cfg)
             eng.backend.invalidate_plans()
             for n in (2048, 4096):
                 if label.startswith("decode") and n > 2048:
@@ -73,7 +79,7 @@ def main(argv=None) -> int:
                 _pp(eng, toks[:n])
                 t = min(_pp(eng, toks[:n]) for _ in range(2))
                 print(f"  {n} tokens in steps of 512 [{label}]: {1e3 * t:.1f} ms = {n / t:.0f} t/s", flush=True)
-        CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS, CB.PREFILL_MMA, CB.PROMPT_GRAPH_ROWS = default
+        _use(CB, default)
         del eng
     return 0
 

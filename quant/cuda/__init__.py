@@ -537,17 +537,24 @@ def _gemms(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
     """The prompt path: x (after the prologue) converted to fp16 once for all of Ws, then
     each W dequantized to fp16 a tile of rows at a time for cuBLAS (fp16 x fp16 -> fp32)."""
     n, K = x.shape
-    pro, pw, pu, eps = _prologue_args(prologue)
-    assert pu is None or pu.strides[0] == x.strides[0]
-    x16 = ws.get("x16", n * K)
-    assert K % 32 == 0, "f16_act converts whole 32-value groups (kernel_supports admits no other width)"
-    _mods.fn(f"f16_act<{pro}>")(((K + 2047) // 2048, n), (256,),
-                                (x, np.int32(x.strides[0] // 4), pw if pw is not None else np.uint64(0),
-                                 pu if pu is not None else np.uint64(0), np.float32(eps), np.int32(K), x16))
+    x16 = f16_activations(x, prologue, ws.get("x16", n * K))
     blas = _blas()
     handle = blas.on(cp.cuda.get_current_stream().ptr)
     for W, y, b in zip(Ws, outs, biases):
         _gemm(blas.gemm_ex, handle, x16, n, K, W, y, b, accumulate, ws)
+
+
+def f16_activations(x, prologue, out):
+    """out (fp16, n * K) = x [n, K] after the prologue, each value rounded to fp16 once
+    (f16_act: the prompt GEMM's operand)."""
+    n, K = x.shape
+    pro, pw, pu, eps = _prologue_args(prologue)
+    assert pu is None or pu.strides[0] == x.strides[0]
+    assert K % 32 == 0, "f16_act converts whole 32-value groups (kernel_supports admits no other width)"
+    _mods.fn(f"f16_act<{pro}>")(((K + 2047) // 2048, n), (256,),
+                                (x, np.int32(x.strides[0] // 4), pw if pw is not None else np.uint64(0),
+                                 pu if pu is not None else np.uint64(0), np.float32(eps), np.int32(K), out))
+    return out
 
 
 class _Cublas:
@@ -562,14 +569,10 @@ class _Cublas:
         from cupy_backends.cuda.libs import cublas      # (loads the library)
         self.handles: dict = {}     # device -> [our handle, the stream it was last given]
         major = cp.cuda.runtime.runtimeGetVersion() // 1000
-        names = [f"cublas64_{major}.dll"] if sys.platform == "win32" else [f"libcublas.so.{major}"]
-        lib = None
-        for name in names:
-            try:
-                lib = ctypes.CDLL(name)
-                break
-            except OSError:
-                continue
+        try:
+            lib = ctypes.CDLL(f"cublas64_{major}.dll" if sys.platform == "win32" else f"libcublas.so.{major}")
+        except OSError:
+            lib = None
         if lib is None:
             self.create, self.set_stream, self.gemm_ex = cublas.create, cublas.setStream, cublas.gemmEx
             return

@@ -55,11 +55,16 @@ ADEV float ldf(const float* p) {
     else return *p;
 }
 
+// The first key a token at position pos sees: its sliding window's first (0 without one)
+ADEV int window_lo(int pos, int window) {
+    return (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+}
+
 // Keys j0 .. j1-1 of context split sp of n_splits for a token at position pos: its
 // window's keys (all from 0 without one) in equal ranges, the last one shorter.  Every
 // decode kernel splits this way, so a split's keys do not depend on the kernel.
 ADEV void split_keys(int pos, int window, int sp, int n_splits, int& j0, int& j1) {
-    const int lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    const int lo = window_lo(pos, window);
     const int chunk = (pos + 1 - lo + n_splits - 1) / n_splits;
     j0 = lo + sp * chunk;
     j1 = min(pos + 1, j0 + chunk);

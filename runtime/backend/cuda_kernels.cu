@@ -274,7 +274,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
     }
     float acc[RW][2 * DP2], m[RW], l[RW];
     rows_empty(acc, m, l);
-    const int lo = (window > 0 && p0 - window + 1 > 0) ? p0 - window + 1 : 0;
+    const int lo = window_lo(p0, window);
     for (int j0 = lo; j0 <= plast; j0 += BK) {
         __syncthreads();                      // the previous tile is used up (and sq written)
         for (int e = threadIdx.x; e < BK * (HD / 8); e += 128) {
@@ -293,7 +293,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
             const int r = warp + NW * i;
             if (r >= ROWS) break;
             const int tq = r / G, pr = p0 + tq;
-            const int lr = (window > 0 && pr - window + 1 > 0) ? pr - window + 1 : 0;
+            const int lr = window_lo(pr, window);
             const bool valid = tq < nq && j <= pr && j >= lr;
             tile_row<HD, BK>(sq[r], skt, sv, lane, valid, m[i], l[i], acc[i]);
         }
@@ -355,7 +355,7 @@ ADEV void attn_prefill_mma_body(const float* __restrict__ q, const __half* __res
         rr[h] = warp * 16 + gi + 8 * h;
         ok[h] = rr[h] < ROWS && rr[h] / G < nq;
         pr[h] = p0 + rr[h] / G;
-        lo[h] = (window > 0 && pr[h] - window + 1 > 0) ? pr[h] - window + 1 : 0;
+        lo[h] = window_lo(pr[h], window);
     }
     const int wlast = min(warp * 16 + 15, ROWS - 1) / G;              // the warp's last token
     const int pmax = p0 + min(wlast, nq - 1);
@@ -374,7 +374,7 @@ ADEV void attn_prefill_mma_body(const float* __restrict__ q, const __half* __res
     float o[ND][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int nd = 0; nd < ND; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
-    const int jlo = (window > 0 && p0 - window + 1 > 0) ? p0 - window + 1 : 0;
+    const int jlo = window_lo(p0, window);
     for (int j0 = jlo; j0 <= plast; j0 += BK) {
         __syncthreads();                      // the previous tile is used up
         for (int e = threadIdx.x; e < BK * (HD / 8); e += 32 * NW) {

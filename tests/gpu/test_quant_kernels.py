@@ -155,11 +155,7 @@ def test_prompt_activations_fp16(pro):
     else:
         ref = 0.5 * x64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64 ** 3))) * u
         prologue = ("gelu", cp.asarray(u))
-    pcode, pw, pu, eps = qc._prologue_args(prologue)
-    y = cp.full(n * K, np.nan, cp.float16)
-    qc._mods.fn(f"f16_act<{pcode}>")(((K + 2047) // 2048, n), (256,),
-                                     (cp.asarray(x), np.int32(K), pw if pw is not None else np.uint64(0),
-                                      pu if pu is not None else np.uint64(0), np.float32(eps), np.int32(K), y))
+    y = qc.f16_activations(cp.asarray(x), prologue, cp.full(n * K, np.nan, cp.float16))
     got = y.get().reshape(n, K)
     if pro is None:
         assert np.array_equal(got, x.astype(np.float16))
