@@ -3,6 +3,7 @@ layout (views into the memory map for GGUF files), its tokenizer and metadata.  
 loaders (`loader` for GGUF files, `safetensors_loader` for checkpoint folders) build it."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,13 +21,7 @@ class LoadedModel:
 
     @property
     def n_params(self) -> int:
-        n = 0
-        for t in self.tensors.values():
-            k = 1
-            for d in t.shape:
-                k *= d
-            n += k
-        return n
+        return sum(math.prod(t.shape) for t in self.tensors.values())
 
     @property
     def weight_bytes(self) -> int:

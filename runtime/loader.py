@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models import ModelConfig, config_from_gguf
+from models import config_from_gguf
 from models.catalog import CATALOG, DEFAULT_MODEL
 from quant import QTensor, UnsupportedQuantType
 

@@ -572,8 +572,6 @@ class _Cublas:
         try:
             lib = ctypes.CDLL(f"cublas64_{major}.dll" if sys.platform == "win32" else f"libcublas.so.{major}")
         except OSError:
-            lib = None
-        if lib is None:
             self.create, self.set_stream, self.gemm_ex = cublas.create, cublas.setStream, cublas.gemmEx
             return
         v, i = ctypes.c_void_p, ctypes.c_int
