@@ -15,6 +15,8 @@ BACKEND = ROOT / "runtime" / "backend"
 
 # each block format's struct in qblocks.cuh
 STRUCTS = ["TQ4_0", "TQ4_1", "TQ5_0", "TQ5_1", "TQ8_0", "TQ4_K", "TQ5_K", "TQ6_K", "TF32", "TF16", "TBF16"]
+# the integer decode path's (quant.cuda.INT8_STRUCT)
+INT8_STRUCTS = ["IQ4_0", "IQ4_1", "IQ5_0", "IQ5_1", "IQ8_0", "IQ4_K", "IQ5_K", "IQ6_K"]
 ARCHS = ["compute_75", "compute_90"]
 
 
@@ -57,7 +59,12 @@ def _compile(source: Path, arch: str, options=(), names=()) -> str:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_weight_kernels_compile(arch):
     names = ([f"deq_f16<{s}>" for s in STRUCTS] + [f"deq_rows<{s}>" for s in STRUCTS]
-             + [f"mv<{s},{r},4,0>" for s in STRUCTS for r in (1, 2)])
+             + [f"mv<{s},{r},4,0>" for s in STRUCTS for r in (1, 2)]
+             # the integer matvecs: mvk4k (Q4_K), mvkt's type policies, mvs
+             + [f"mvk4k<{n},2,2,{v}>" for n in (1, 2) for v in (1, 3)]
+             + [f"mvkt<{t},{n},{r},2,1>" for t in ("MQ4_0", "MQ6_K") for n in (1, 2) for r in (1, 2)]
+             + [f"mvs<{t},{n},2>" for t in INT8_STRUCTS for n in (1, 2)]
+             + [f"q8_act<{bs},{p}>" for bs in (32, 256) for p in range(4)])
     # deq_f16's block size comes from the backend (quant.cuda.DEQ_THREADS, whose module
     # needs CuPy): checked here at its value
     _compile(QUANT_CUDA / "qkernels.cu", arch, options=("-DDEQ_THREADS=256",), names=names)
