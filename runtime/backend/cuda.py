@@ -93,9 +93,14 @@ PREFILL_TILED_MIN = 16
 PREFILL_ROWS = 32
 
 
-# prompt attention on the tensor cores (attn_prefill_mma: head dims 64 and 128, fp16
-# operands like the prompt's GEMMs); 0: attn_prefill's float32 sums for every head dim
+# prompt attention on the tensor cores (attn_prefill_mma: the head dims in MMA_HEAD_DIMS,
+# fp16 operands like the prompt's GEMMs); 0: attn_prefill's float32 sums for every head dim.
+# Not 256 (Gemma 3): it compiles without spills (253 registers) and is correct, but on the
+# H200 with one KV head it measured 1% faster at 512 prompt tokens and 7-10% slower at
+# 2048-4096 than attn_prefill (quant/cuda/NOTES.md, session 21): 64-row blocks leave
+# 32 blocks for a 512-token chunk.
 PREFILL_MMA = os.environ.get("LLAMBA_ATT_MMA", "1") != "0"
+MMA_HEAD_DIMS = (64, 128)
 MMA_ROWS = 64       # its query rows a block (4 warps x 16): MMA_ROWS // G tokens
 
 
@@ -925,7 +930,7 @@ class CUDABackend:
         splits = step.attn_splits
         out = self._buf((n, h, d))
         if getattr(step, "prompt_tiles", False) and splits == 1:
-            mma = PREFILL_MMA and d in (64, 128) and g <= MMA_ROWS
+            mma = PREFILL_MMA and d in MMA_HEAD_DIMS and g <= MMA_ROWS
             pq = MMA_ROWS // g if mma else _prefill_pq(d, g)
             self._attn_fn(d, g, "attn_prefill_mma" if mma else "attn_prefill")(
                 ((n + pq - 1) // pq, kvh), (128,),

@@ -97,6 +97,10 @@ SHAPES = {
                 vocab=151936, tied=True, rope_theta=1e6),
     "L8": dict(arch="llama", n_layers=32, d_model=4096, d_ff=14336, n_heads=32, n_kv_heads=8,
                vocab=128256, tied=False, rope_theta=5e5),
+    # Gemma 3 1B's attention (4 query heads of dim 256, one KV head) on a llama body: the
+    # prompt attention kernels at head dim 256 (bench_gpu_prefill)
+    "H256": dict(arch="llama", n_layers=26, d_model=1024, d_ff=6912, n_heads=4, n_kv_heads=1,
+                 vocab=32000, tied=True, rope_theta=1e6),
     # Q15's draft in the speculative pair (Qwen2.5-Coder-0.5B)
     "Q05": dict(arch="qwen2", n_layers=24, d_model=896, d_ff=4864, n_heads=14, n_kv_heads=2,
                 vocab=151936, tied=False, rope_theta=1e6),

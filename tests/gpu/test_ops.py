@@ -152,9 +152,9 @@ def test_paged_attention(backends, hd, heads, kvh, case, monkeypatch):
     got = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep).get()
     # prompts at head dims 64 and 128 take the tensor cores (attn_prefill_mma): q and the
     # softmax weights in fp16, as the prompt's GEMMs take their operands
-    mma = dstep.prompt_tiles and CB.PREFILL_MMA and hd in (64, 128)
+    mma = dstep.prompt_tiles and CB.PREFILL_MMA and hd in CB.MMA_HEAD_DIMS
     assert _rel(got, ref) < (4e-3 if mma else 1e-5), case
-    if mma:                         # and the float32 kernel, which takes head dims 256
+    if mma:                         # and the float32 kernel, which takes the other head dims
         monkeypatch.setattr(CB, "PREFILL_MMA", False)
         gpu.arena.reset()
         got32 = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep).get()
