@@ -150,8 +150,8 @@ def test_paged_attention(backends, hd, heads, kvh, case, monkeypatch):
     assert dstep.prompt_tiles == case.startswith("prompt")
     gpu.arena.reset()
     got = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep).get()
-    # prompts at head dims 64 and 128 take the tensor cores (attn_prefill_mma): q and the
-    # softmax weights in fp16, as the prompt's GEMMs take their operands
+    # prompts at the head dims in MMA_HEAD_DIMS take the tensor cores (attn_prefill_mma): q
+    # and the softmax weights in fp16, as the prompt's GEMMs take their operands
     mma = dstep.prompt_tiles and CB.PREFILL_MMA and hd in CB.MMA_HEAD_DIMS
     assert _rel(got, ref) < (4e-3 if mma else 1e-5), case
     if mma:                         # and the float32 kernel, which takes the other head dims
