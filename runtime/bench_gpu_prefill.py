@@ -2,8 +2,9 @@
 
 For random-weight models of the issue's shapes (runtime/backend/cuda_synth.py), a 512-token
 prompt step timed with each prompt attention kernel (`attn_prefill_mma` on the tensor cores,
-`attn_prefill` in float32) and with the decode kernel, alternating in one process; then one step's eager GPU-time
-profile by op, and 2048- and 4096-token prompts fed in steps of 512.
+with its key splits by the default rule, never and at every context; `attn_prefill` in
+float32) and with the decode kernel, alternating in one process; then one step's eager
+GPU-time profile by op, and 2048- and 4096-token prompts fed in steps of 512.
 """
 from __future__ import annotations
 
@@ -27,10 +28,14 @@ def _pp(eng, toks, chunk=512):
     return t
 
 
-def _use(CB, cfg) -> None:
-    """Set the prompt path's knobs: tiled attention's threshold, its rows, the tensor-core
-    kernel, the graphed chunk length."""
-    CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS, CB.PREFILL_MMA, CB.PROMPT_GRAPH_ROWS = cfg
+KNOBS = ("PREFILL_TILED_MIN", "PREFILL_ROWS", "PREFILL_MMA", "PROMPT_GRAPH_ROWS", "PREFILL_MAX_SPLITS",
+         "PREFILL_SPLIT_MIN_KEYS")
+
+
+def _use(CB, cfg: dict) -> None:
+    """Set the prompt path's knobs (runtime.backend.cuda's names in KNOBS)."""
+    for k, v in cfg.items():
+        setattr(CB, k, v)
 
 
 def main(argv=None) -> int:
@@ -46,14 +51,18 @@ def main(argv=None) -> int:
             write_random_gguf(path, mix=mix, **SHAPES[shape])
         eng = Engine(load_weights_only(path), device="cuda", n_ctx=4096)
         toks = [int(t) for t in rng.integers(100, 30000, 4096)]
-        default = CB.PREFILL_TILED_MIN, CB.PREFILL_ROWS, CB.PREFILL_MMA, CB.PROMPT_GRAPH_ROWS
-        variants = (("tensor cores, graph replay", default[0], default[1], True, default[3]),
-                    ("tensor cores, eager", default[0], default[1], True, 0),
-                    ("float32 tiles, eager", default[0], 32, False, 0),
-                    ("decode kernel, eager", 1 << 30, default[1], False, 0))
+        default = {k: getattr(CB, k) for k in KNOBS}
+        eager = dict(default, PROMPT_GRAPH_ROWS=0)
+        variants = (("tensor cores, graph replay", default),
+                    ("tensor cores, no key splits, graph replay", dict(default, PREFILL_MAX_SPLITS=1)),
+                    ("tensor cores, key splits at every context, graph replay",
+                     dict(default, PREFILL_SPLIT_MIN_KEYS=0)),
+                    ("tensor cores, eager", eager),
+                    ("float32 tiles, eager", dict(eager, PREFILL_ROWS=32, PREFILL_MMA=False)),
+                    ("decode kernel, eager", dict(eager, PREFILL_TILED_MIN=1 << 30, PREFILL_MMA=False)))
         best = {}
         for _ in range(2):
-            for label, *cfg in variants:
+            for label, cfg in variants:
                 _use(CB, cfg)
                 eng.backend.invalidate_plans()     # (graphs hold the kernels they were captured with)
                 _pp(eng, toks[:512])
@@ -70,7 +79,7 @@ def main(argv=None) -> int:
         prof = eng.backend.last_profile
         print(f"  one step's GPU time {sum(t for _, t in prof):.2f} ms: "
               + "; ".join(f"{k} {v:.2f}" for k, v in prof[:10]), flush=True)
-        for label, *cfg in variants:
+        for label, cfg in variants:
             _use(CB, cfg)
             eng.backend.invalidate_plans()
             for n in (2048, 4096):

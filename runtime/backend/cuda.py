@@ -57,7 +57,8 @@ def probe() -> dict:
         raise DeviceUnavailable(f"{name} has compute capability {props['major']}.{props['minor']}; "
                                 f"Llamba's CUDA kernels need 7.5 or newer")
     free, total = cp.cuda.runtime.memGetInfo()
-    return {"name": name, "cc": cc, "free": int(free), "total": int(total)}
+    return {"name": name, "cc": cc, "free": int(free), "total": int(total),
+            "sms": int(props.get("multiProcessorCount", 0))}
 
 
 # most tokens of one sequence a step replayed from a CUDA graph has (speculative
@@ -95,12 +96,20 @@ PREFILL_ROWS = 32
 
 # prompt attention on the tensor cores (attn_prefill_mma: the head dims in MMA_HEAD_DIMS,
 # fp16 operands like the prompt's GEMMs); 0: attn_prefill's float32 sums for every head dim.
-# Not 256 (Gemma 3): it compiles without spills (253 registers) and is correct, but on the
-# H200 with one KV head it measured 1% faster at 512 prompt tokens and 7-10% slower at
-# 2048-4096 than attn_prefill (quant/cuda/NOTES.md, session 21): 64-row blocks leave
-# 32 blocks for a 512-token chunk.
 PREFILL_MMA = os.environ.get("LLAMBA_ATT_MMA", "1") != "0"
-MMA_HEAD_DIMS = (64, 128)
+MMA_HEAD_DIMS = tuple(int(v) for v in os.environ.get("LLAMBA_ATT_MMA_DIMS", "64,128,256").split(",") if v)
+# Its key splits: with few KV heads (Q15's 2, Gemma 3's 1) a chunk's query tiles x KV
+# heads make fewer blocks than the GPU runs at once, so each block's key tiles are split
+# over up to PREFILL_MAX_SPLITS blocks (for PREFILL_SPLIT_WAVES x the SMs in all), merged
+# by attn_merge as decode's splits are; 1: never.  Writing and merging the shares costs
+# ~20 us a layer, which short contexts do not win back unless the blocks are very few:
+# so a chunk seeing fewer than PREFILL_SPLIT_MIN_KEYS keys splits only when its blocks are
+# under half the SMs.  H200, prompts from graphs (quant/cuda/NOTES.md, session 22), 4096
+# tokens in chunks of 512: Gemma-3-like head dim 256 and 1 KV head 70.5k t/s split, 26.8k
+# unsplit; Q15 49.1k against 40.7k; Q15's first chunk split at 512 keys 68.5k, unsplit 73.1k.
+PREFILL_MAX_SPLITS = int(os.environ.get("LLAMBA_ATT_PRE_SPLITS", "8"))
+PREFILL_SPLIT_WAVES = 2
+PREFILL_SPLIT_MIN_KEYS = 1024
 MMA_ROWS = 64       # its query rows a block (4 warps x 16): MMA_ROWS // G tokens
 
 
@@ -505,6 +514,17 @@ class CUDABackend:
         if n_tokens > GRAPH_ROWS and n_tokens * model.cfg.n_kv_heads >= 64 or ctx < 16:
             return 1
         return max(1, min(ATT_MAX_SPLITS, ctx // 8))
+
+    def _prefill_splits(self, blocks: int, ctx: int) -> int:
+        """Key splits of a tensor-core prompt attention launch of this many blocks, for a
+        step whose block tables span ctx keys (the graph width's, so a chunk replayed from
+        its prompt graph and the same chunk run eagerly split alike)."""
+        sms = self.device_info.get("sms", 0)
+        target = PREFILL_SPLIT_WAVES * sms
+        if (PREFILL_MAX_SPLITS <= 1 or blocks >= target
+                or ctx < PREFILL_SPLIT_MIN_KEYS and 2 * blocks >= sms):
+            return 1
+        return min(PREFILL_MAX_SPLITS, -(-target // blocks))
 
     def _attn_plan(self, n_tokens, ctx, model) -> tuple[int, bool]:
         """(context splits, by key tiles): the decode kernel `attention` walks a split's
@@ -932,11 +952,25 @@ class CUDABackend:
         if getattr(step, "prompt_tiles", False) and splits == 1:
             mma = PREFILL_MMA and d in MMA_HEAD_DIMS and g <= MMA_ROWS
             pq = MMA_ROWS // g if mma else _prefill_pq(d, g)
-            self._attn_fn(d, g, "attn_prefill_mma" if mma else "attn_prefill")(
-                ((n + pq - 1) // pq, kvh), (128,),
-                (q, kv.k[layer], kv.v[layer], tables, np.int32(tables.shape[1]), step.seq_of_token, step.positions,
-                 np.int32(n), np.int32(step.block_size), np.int32(step.window(layer)), np.float32(step.attn_scale),
-                 np.int32(kvh), out))
+            blocks = (n + pq - 1) // pq * kvh
+            args = (q, kv.k[layer], kv.v[layer], tables, np.int32(tables.shape[1]), step.seq_of_token,
+                    step.positions, np.int32(n), np.int32(step.block_size), np.int32(step.window(layer)),
+                    np.float32(step.attn_scale), np.int32(kvh), out)
+            if not mma:
+                self._attn_fn(d, g, "attn_prefill")(((n + pq - 1) // pq, kvh), (128,), args)
+                return out.reshape(n, h * d)
+            ns = self._prefill_splits(blocks, self._graph_width(tables.shape[1]) * step.block_size)
+            if ns > 1:
+                part_m = self._buf((n * kvh * ns * g,))
+                part_l = self._buf((n * kvh * ns * g,))
+                part_acc = self._buf((n * kvh * ns * g * d,))
+            else:
+                part_m = part_l = part_acc = np.uint64(0)     # (null: the kernel writes out)
+            self._attn_fn(d, g, "attn_prefill_mma")(((n + pq - 1) // pq, kvh, ns), (128,),
+                                                    args + (part_m, part_l, part_acc))
+            if ns > 1:
+                self._attn_fn(d, g, "attn_merge")((n * h,), (min(d, 256),),
+                                                  (part_m, part_l, part_acc, np.int32(ns), np.int32(kvh), out))
             return out.reshape(n, h * d)
         if splits > 1:
             part_m = self._buf((n * kvh * splits * g,))

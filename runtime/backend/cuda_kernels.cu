@@ -321,8 +321,11 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
 // rounded to fp16 once, pre-scaled by scale * log2(e) (exp2 in the softmax): the
 // prompt's GEMMs take fp16 operands too.  Rows of different tokens see different keys
 // (causal, windows) by masking; a warp skips tiles past its last row's position.
+// gridDim.z > 1 splits each block's key tiles into that many shares (a chunk of few query
+// tiles and KV heads would leave SMs idle): each share writes (max, sum, unnormalized
+// output) per row for attn_merge, in decode's layout, instead of the output.
 #define MMA_BK 32
-__device__ __forceinline__ unsigned pack_h2(float a, float b) {   // (not static: unused at head dim 256)
+__device__ __forceinline__ unsigned pack_h2(float a, float b) {
     __half2 h = __floats2half2_rn(a, b);
     return *(unsigned*)&h;
 }
@@ -335,7 +338,8 @@ template <int HD, int G>
 ADEV void attn_prefill_mma_body(const float* __restrict__ q, const __half* __restrict__ kp,
                                 const __half* __restrict__ vp, const int* __restrict__ tables, int max_blocks,
                                 const int* __restrict__ seq_of_token, const int* __restrict__ positions, int n,
-                                int block_size, int window, float scale, int kvh, float* __restrict__ out) {
+                                int block_size, int window, float scale, int kvh, float* __restrict__ out,
+                                float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc) {
     constexpr int NW = 4, PQ = 16 * NW / G, ROWS = PQ * G, BK = MMA_BK;
     constexpr int KS = HD / 8, NT = BK / 8, ND = HD / 8, KP = HD + 8, VP = BK + 8;
     __shared__ __align__(16) __half sk[BK][KP];
@@ -374,13 +378,18 @@ ADEV void attn_prefill_mma_body(const float* __restrict__ q, const __half* __res
     float o[ND][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int nd = 0; nd < ND; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+    // key split blockIdx.z of gridDim.z: a share of the block's key tiles (prompts with
+    // few KV heads have few query tiles; the splits give the GPU enough blocks)
     const int jlo = window_lo(p0, window);
-    for (int j0 = jlo; j0 <= plast; j0 += BK) {
+    const int n_tiles = (plast - jlo) / BK + 1, ns = gridDim.z, sp = blockIdx.z;
+    const int jb = jlo + BK * (int)((long long)n_tiles * sp / ns);
+    const int je = min(plast + 1, jlo + BK * (int)((long long)n_tiles * (sp + 1) / ns));
+    for (int j0 = jb; j0 < je; j0 += BK) {
         __syncthreads();                      // the previous tile is used up
         for (int e = threadIdx.x; e < BK * (HD / 8); e += 32 * NW) {
             const int jj = e / (HD / 8), c = (e % (HD / 8)) * 8;
             uint4 kv4, vv4;
-            kv_piece<HD>(kp, vp, table, j0 + jj, plast + 1, block_size, kvh, kh, c, kv4, vv4);
+            kv_piece<HD>(kp, vp, table, j0 + jj, je, block_size, kvh, kh, c, kv4, vv4);
             *(uint4*)&sk[jj][c] = kv4;
             const __half* vh = (const __half*)&vv4;
 #pragma unroll
@@ -444,6 +453,21 @@ ADEV void attn_prefill_mma_body(const float* __restrict__ q, const __half* __res
             for (int nd = 0; nd < ND; nd++)
                 mma_m16n8k8(o[nd], pa[ks], *(const unsigned*)&svt[8 * nd + gi][8 * ks + 2 * ti]);
     }
+    if (ns > 1) {       // (max in natural-log units, sum, unnormalized acc) for attn_merge
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (!ok[h]) continue;
+            const long long pi = ((long long)((t0 + rr[h] / G) * kvh + kh) * ns + sp) * G + rr[h] % G;
+            if (ti == 0) {
+                part_m[pi] = m[h] == NEG_INF ? NEG_INF : m[h] * 0.6931471805599453f;
+                part_l[pi] = l[h];
+            }
+#pragma unroll
+            for (int nd = 0; nd < ND; nd++)
+                *(float2*)(part_acc + pi * HD + 8 * nd + 2 * ti) = make_float2(o[nd][2 * h], o[nd][2 * h + 1]);
+        }
+        return;
+    }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         if (!ok[h]) continue;
@@ -459,10 +483,10 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
         const float* __restrict__ q, const __half* __restrict__ kp, const __half* __restrict__ vp,
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,
         const int* __restrict__ positions, int n, int block_size, int window, float scale, int kvh,
-        float* __restrict__ out) {
-#if ATT_HD <= 128 && ATT_HD % 64 == 0 && ATT_G <= 64     // (the backend launches it for these only)
+        float* __restrict__ out, float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc) {
+#if ATT_HD <= 256 && ATT_HD % 64 == 0 && ATT_G <= 64     // (the backend launches it for these only)
     attn_prefill_mma_body<ATT_HD, ATT_G>(q, kp, vp, tables, max_blocks, seq_of_token, positions, n, block_size,
-                                         window, scale, kvh, out);
+                                         window, scale, kvh, out, part_m, part_l, part_acc);
 #endif
 }
 

@@ -148,13 +148,26 @@ def test_paged_attention(backends, hd, heads, kvh, case, monkeypatch):
     flat, layout = _pack_step(step)
     dstep = _DevStep(step, _views(cp.asarray(flat), layout), splits, tiles)
     assert dstep.prompt_tiles == case.startswith("prompt")
+    # (short prompt chunks split their keys only when their blocks are very few: here
+    # they split whenever their blocks are fewer than the GPU runs at once)
+    monkeypatch.setattr(CB, "PREFILL_SPLIT_MIN_KEYS", 0)
     gpu.arena.reset()
     got = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep).get()
     # prompts at the head dims in MMA_HEAD_DIMS take the tensor cores (attn_prefill_mma): q
     # and the softmax weights in fp16, as the prompt's GEMMs take their operands
     mma = dstep.prompt_tiles and CB.PREFILL_MMA and hd in CB.MMA_HEAD_DIMS
     assert _rel(got, ref) < (4e-3 if mma else 1e-5), case
-    if mma:                         # and the float32 kernel, which takes the other head dims
+    if mma:
+        # these chunks make few blocks, so their keys were split over several (merged by
+        # attn_merge); the same chunk in one launch of whole key ranges
+        pq = CB.MMA_ROWS // (heads // kvh)
+        assert gpu._prefill_splits((n + pq - 1) // pq * kvh, 256) > 1
+        monkeypatch.setattr(CB, "PREFILL_MAX_SPLITS", 1)
+        gpu.arena.reset()
+        got1 = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep).get()
+        assert _rel(got1, ref) < 4e-3, case
+        assert _rel(got, got1) < 4e-3, case     # (each share rounds P to fp16 against its own max)
+        # and the float32 kernel, which takes the other head dims
         monkeypatch.setattr(CB, "PREFILL_MMA", False)
         gpu.arena.reset()
         got32 = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep).get()
