@@ -952,38 +952,32 @@ class CUDABackend:
         if getattr(step, "prompt_tiles", False) and splits == 1:
             mma = PREFILL_MMA and d in MMA_HEAD_DIMS and g <= MMA_ROWS
             pq = MMA_ROWS // g if mma else _prefill_pq(d, g)
-            blocks = (n + pq - 1) // pq * kvh
+            qtiles = (n + pq - 1) // pq
             args = (q, kv.k[layer], kv.v[layer], tables, np.int32(tables.shape[1]), step.seq_of_token,
                     step.positions, np.int32(n), np.int32(step.block_size), np.int32(step.window(layer)),
                     np.float32(step.attn_scale), np.int32(kvh), out)
             if not mma:
-                self._attn_fn(d, g, "attn_prefill")(((n + pq - 1) // pq, kvh), (128,), args)
+                self._attn_fn(d, g, "attn_prefill")((qtiles, kvh), (128,), args)
                 return out.reshape(n, h * d)
-            ns = self._prefill_splits(blocks, self._graph_width(tables.shape[1]) * step.block_size)
+            ns = self._prefill_splits(qtiles * kvh, self._graph_width(tables.shape[1]) * step.block_size)
+            parts = self._attn_parts(n, kvh, ns, g, d) if ns > 1 else (np.uint64(0),) * 3   # (null: writes out)
+            self._attn_fn(d, g, "attn_prefill_mma")((qtiles, kvh, ns), (128,), args + parts)
             if ns > 1:
-                part_m = self._buf((n * kvh * ns * g,))
-                part_l = self._buf((n * kvh * ns * g,))
-                part_acc = self._buf((n * kvh * ns * g * d,))
-            else:
-                part_m = part_l = part_acc = np.uint64(0)     # (null: the kernel writes out)
-            self._attn_fn(d, g, "attn_prefill_mma")(((n + pq - 1) // pq, kvh, ns), (128,),
-                                                    args + (part_m, part_l, part_acc))
-            if ns > 1:
-                self._attn_fn(d, g, "attn_merge")((n * h,), (min(d, 256),),
-                                                  (part_m, part_l, part_acc, np.int32(ns), np.int32(kvh), out))
+                self._attn_merge(parts, ns, n, h, kvh, g, d, out)
             return out.reshape(n, h * d)
-        if splits > 1:
-            part_m = self._buf((n * kvh * splits * g,))
-            part_l = self._buf((n * kvh * splits * g,))
-            part_acc = self._buf((n * kvh * splits * g * d,))
-        else:
-            part_m = part_l = part_acc = out
+        parts = self._attn_parts(n, kvh, splits, g, d) if splits > 1 else (out,) * 3
         self._attn_fn(d, g, "attn_tiles" if getattr(step, "attn_tiles", False) else "attention")(
             (splits, kvh, n), (128,),
             (q, kv.k[layer], kv.v[layer], tables, np.int32(tables.shape[1]), step.seq_of_token, step.positions,
              np.int32(step.block_size), np.int32(step.window(layer)), np.float32(step.attn_scale),
-             np.int32(splits), np.int32(kvh), part_m, part_l, part_acc, out))
+             np.int32(splits), np.int32(kvh)) + parts + (out,))
         if splits > 1:
-            self._attn_fn(d, g, "attn_merge")((n * h,), (min(d, 256),),
-                                              (part_m, part_l, part_acc, np.int32(splits), np.int32(kvh), out))
+            self._attn_merge(parts, splits, n, h, kvh, g, d, out)
         return out.reshape(n, h * d)
+
+    def _attn_parts(self, n, kvh, ns, g, d):
+        """(max, sum, unnormalized output) of ns key splits of every query row, for attn_merge."""
+        return self._buf((n * kvh * ns * g,)), self._buf((n * kvh * ns * g,)), self._buf((n * kvh * ns * g * d,))
+
+    def _attn_merge(self, parts, ns, n, h, kvh, g, d, out):
+        self._attn_fn(d, g, "attn_merge")((n * h,), (min(d, 256),), parts + (np.int32(ns), np.int32(kvh), out))
