@@ -1,0 +1,343 @@
+"""How fast could one persistent kernel stream a decode step's weights?  The ceiling of a
+dataflow decode kernel, measured before anyone writes one:
+
+    python -m runtime.bench_gpu_stream L8:Q4_K_M Q15:Q4_K_M
+
+The decode step today is a kernel an op (PDL between them), and its matvecs alone read L8's
+weights at ~70% of copy bandwidth (quant/cuda/NOTES.md).  The way past that is one kernel
+that keeps DRAM busy across op boundaries: each SM streams its share of the next op's
+weights into shared memory while it waits for the whole GPU to finish the op before.  This
+probe does exactly that with the arithmetic left out: a step's ops in order (q/k/v,
+attention over the KV cache at a context, the split merge, o, gate/up, down, per layer;
+then the output matrix), each op's bytes shared over one block an SM, copied by cp.async
+into a ring of S slots of 16 KB, XOR-ed from there (or, with W > 0, fed to W dp4a a 16
+bytes against values from shared memory, a Q4 matvec's arithmetic).  An op's bytes are
+shared contiguously (block b reads [B b / n, B (b + 1) / n), as a block owning a range of
+rows would), interleaved (block b reads slots b, b + n, ...: all SMs read neighbouring
+addresses at any moment), or dealt at run time (a block takes the op's next slot by an
+atomic when it issues one).  Variants:
+
+  free      no dependency between ops: the streaming ceiling itself;
+  barrier   an op starts (is read from its slots) only once every block has finished the
+            op before (a counter an op, as a dataflow kernel would keep), then reads the
+            op's input vector from L2; the ring keeps prefetching across the wait
+            ("no input read": the same without reading the input);
+  per-op    the same kernel launched once an op (free), captured in a graph: the ceiling of
+            a kernel an op, launch gaps included (no PDL).
+
+Figures are bytes per step over time per step (graph replay), against copy bandwidth
+measured in the same run.  No model files: byte sizes come from the shape and mix
+(runtime/backend/cuda_synth.py).
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+_SRC = r"""
+__device__ __forceinline__ void cp16(void* smem, const void* g) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(g));
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void wait_groups() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+// block b's share of op o, [lo, hi), walked in steps of `step` bytes (a slot read from
+// each): contiguous (il = 0: bytes [B b / n, B (b + 1) / n)) or interleaved (il = 1: slots
+// b, b + n, b + 2n, ... of the op: all SMs read neighbouring slots at any moment)
+__device__ __forceinline__ void share(const long long* bytes, int o, int b, int n, int il, long long SB,
+                                      long long& lo, long long& hi, long long& step) {
+    const long long B = bytes[o];
+    if (il) { lo = b * SB; hi = B; step = n * SB; return; }
+    lo = (B * b / n) & ~15LL;
+    hi = b == n - 1 ? B : (B * (b + 1) / n) & ~15LL;
+    step = SB;
+}
+
+template <int S, int W>
+__global__ void __launch_bounds__(512, 1)
+stream_ring(const char* __restrict__ base, const long long* __restrict__ start, const long long* __restrict__ bytes,
+            const int* __restrict__ act_v, int op0, int nops, unsigned* cnt, const uint4* act, int barriers,
+            int il, unsigned* sink) {
+    extern __shared__ uint4 ring[];
+    __shared__ int xs[512];                      // stands in for the rounded activations
+    const int t = threadIdx.x, nt = blockDim.x, b = blockIdx.x, n = gridDim.x, op_end = op0 + nops;
+    const int SV = 2 * nt;                       // uint4s a slot: 16 KB at 512 threads
+    const long long SB = 16LL * SV;
+    int pop = op0, cop = op0;
+    long long poff, pend, pstep, coff, cend, cstep;
+    share(bytes, op0, b, n, il, SB, poff, pend, pstep);
+    share(bytes, op0, b, n, il, SB, coff, cend, cstep);
+    auto issue = [&](int slot) {
+        while (pop < op_end && poff >= pend)
+            if (++pop < op_end) share(bytes, pop, b, n, il, SB, poff, pend, pstep);
+        if (pop < op_end) {
+            const long long nb = min(SB, pend - poff);
+            const char* g = base + start[pop] + poff;
+            uint4* s = ring + slot * SV;
+            for (int i = t; 16LL * i < nb; i += nt) cp16(s + i, g + 16LL * i);
+            poff += pstep;
+        }
+        commit();
+    };
+    // the consumer passes an op when its share is read (or empty), and says so: the counter
+    // of an op reaches n when every block has passed it
+    auto pass = [&]() {
+        while (cop < op_end && coff >= cend) {
+            if (barriers) {
+                __syncthreads();
+                if (t == 0) { __threadfence(); atomicAdd(cnt + cop, 1u); }
+            }
+            if (++cop < op_end) share(bytes, cop, b, n, il, SB, coff, cend, cstep);
+        }
+    };
+    xs[threadIdx.x] = threadIdx.x * 0x01010101;
+    for (int s = 0; s < S - 1; ++s) issue(s);
+    unsigned acc = 0;
+    int dot = 0;
+    pass();
+    bool wait = cop > op0;
+    for (int k = 0; cop < op_end; ++k) {
+        wait_groups<S - 2>();
+        __syncthreads();
+        if (wait && barriers) {                  // the op before must be done everywhere
+            if (t == 0) {
+                volatile unsigned* c = cnt + cop - 1;
+                while (*c < (unsigned)n) __nanosleep(20);
+                __threadfence();
+            }
+            __syncthreads();
+            for (int i = t; barriers == 1 && i < act_v[cop]; i += nt) {   // the op's input, fresh in L2
+                uint4 v = __ldcg(act + i);
+                acc ^= v.x ^ v.y ^ v.z ^ v.w;
+            }
+        }
+        const long long nb = min(SB, cend - coff);
+        const uint4* s = ring + (k % S) * SV;
+        for (int i = t; 16LL * i < nb; i += nt) {
+            uint4 v = s[i];
+            if (W == 0) {
+                acc ^= v.x ^ v.y ^ v.z ^ v.w;
+            } else {                             // a Q4 matvec's work on 16 bytes: 32 nibbles, 8 dp4a
+                const int x = xs[(i + k) & 511];
+                const unsigned q[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int j = 0; j < W; j++)
+                    dot = __dp4a((int)((q[j & 3] >> (4 * (j >> 2))) & 0x0F0F0F0Fu), x + j, dot);
+            }
+        }
+        coff += cstep;
+        const int was = cop;
+        pass();
+        wait = cop != was;
+        issue((k + S - 1) % S);
+    }
+    if ((acc ^ dot) == 0x9e3779b9u) sink[0] = acc;
+}
+
+// The same with slots dealt at run time: a block takes an op's next slot (an atomic a slot)
+// when it issues it, so no block idles at an op's end while others still read theirs;
+// cnt[o] counts slots taken, cnt[nops + o] slots read.
+template <int S, int W>
+__global__ void __launch_bounds__(512, 1)
+stream_dyn(const char* __restrict__ base, const long long* __restrict__ start, const long long* __restrict__ bytes,
+           const int* __restrict__ act_v, int nops, unsigned* cnt, const uint4* act, int barriers, unsigned* sink) {
+    extern __shared__ uint4 ring[];
+    __shared__ int xs[512];
+    __shared__ int slot_op[S], next_op[2];
+    __shared__ long long slot_off[S], next_off[2];
+    const int t = threadIdx.x, nt = blockDim.x;
+    const int SV = 2 * nt;
+    const long long SB = 16LL * SV;
+    unsigned* take = cnt;
+    unsigned* done = cnt + nops;
+    // thread 0 fires the atomic for the next slot a whole issue ahead and reads its result
+    // only then: the atomic's latency stays off the ring's critical path
+    int gop = 0, par = 0;
+    unsigned pend_j = 0;
+    auto fire = [&]() { if (gop < nops) pend_j = atomicAdd(take + gop, 1u); };
+    auto grab = [&](int p) {                     // thread 0: the next slot to issue into next_*[p]
+        while (gop < nops && (long long)pend_j * SB >= bytes[gop]) { ++gop; fire(); }
+        next_op[p] = gop;
+        next_off[p] = (long long)pend_j * SB;
+        fire();
+    };
+    auto issue = [&](int slot) {
+        const int o = next_op[par];
+        const long long off = next_off[par];
+        if (o < nops) {
+            const long long nb = min(SB, bytes[o] - off);
+            const char* g = base + start[o] + off;
+            uint4* s = ring + slot * SV;
+            for (int i = t; 16LL * i < nb; i += nt) cp16(s + i, g + 16LL * i);
+        }
+        commit();
+        if (t == 0) { slot_op[slot] = o; slot_off[slot] = off; grab(par ^ 1); }
+        par ^= 1;
+    };
+    xs[t] = t * 0x01010101;
+    if (t == 0) { fire(); grab(0); }
+    for (int s = 0; s < S - 1; ++s) { __syncthreads(); issue(s); }
+    unsigned acc = 0;
+    int dot = 0, cur = -1;
+    for (int k = 0;; ++k) {
+        wait_groups<S - 2>();
+        __syncthreads();
+        const int o = slot_op[k % S];
+        if (o >= nops) break;
+        if (o != cur && o > 0 && barriers) {     // every slot of the op before read, everywhere
+            if (t == 0) {
+                const unsigned need = (unsigned)((bytes[o - 1] + SB - 1) / SB);
+                volatile unsigned* c = done + o - 1;
+                while (*c < need) __nanosleep(20);
+                __threadfence();
+            }
+            __syncthreads();
+            for (int i = t; barriers == 1 && i < act_v[o]; i += nt) {
+                uint4 v = __ldcg(act + i);
+                acc ^= v.x ^ v.y ^ v.z ^ v.w;
+            }
+        }
+        cur = o;
+        const long long nb = min(SB, bytes[o] - slot_off[k % S]);
+        const uint4* sl = ring + (k % S) * SV;
+        for (int i = t; 16LL * i < nb; i += nt) {
+            uint4 v = sl[i];
+            if (W == 0) {
+                acc ^= v.x ^ v.y ^ v.z ^ v.w;
+            } else {
+                const int x = xs[(i + k) & 511];
+                const unsigned q[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int j = 0; j < W; j++)
+                    dot = __dp4a((int)((q[j & 3] >> (4 * (j >> 2))) & 0x0F0F0F0Fu), x + j, dot);
+            }
+        }
+        __syncthreads();
+        if (t == 0 && barriers) { __threadfence(); atomicAdd(done + o, 1u); }
+        issue((k + S - 1) % S);
+    }
+    if ((acc ^ dot) == 0x9e3779b9u) sink[0] = acc;
+}
+"""
+
+SLOT_BYTES = 16 << 10
+_MODULES = {}
+
+
+def _module(cp, kernels):
+    """The kernels, compiled once a run."""
+    if kernels not in _MODULES:
+        _MODULES[kernels] = cp.RawModule(code=_SRC, options=("-std=c++17",),
+                                         name_expressions=[f"stream_{k}<{s},{w}>" for s, w in kernels
+                                                           for k in ("ring", "dyn")])
+    return _MODULES[kernels]
+
+
+def step_ops(shape: str, mix: str, ctx: int, attention: bool = True):
+    """[(name, bytes, input bytes)] of one decode step's ops, in order."""
+    from quant import row_nbytes
+    from runtime.backend.cuda_synth import SHAPES, mix_type
+    s = SHAPES[shape]
+    L, d, ff, hd = s["n_layers"], s["d_model"], s["d_ff"], s["d_model"] // s["n_heads"]
+    q, kv = s["n_heads"] * hd, s["n_kv_heads"] * hd
+
+    def mat(name, rows, cols):
+        return rows * row_nbytes(mix_type(mix, name, L), cols)
+
+    ops = []
+    for i in range(L):
+        p = f"blk.{i}."
+        ops.append(("qkv", mat(p + "attn_q.weight", q, d) + mat(p + "attn_k.weight", kv, d)
+                    + mat(p + "attn_v.weight", kv, d), 4 * d))
+        if attention:
+            ops.append(("attention", 2 * 2 * ctx * kv, 4 * q))     # f16 K and V of the context
+            ops.append(("merge", 0, 0))
+        ops.append(("o", mat(p + "attn_output.weight", d, q), 4 * q))
+        ops.append(("gate/up", mat(p + "ffn_gate.weight", ff, d) + mat(p + "ffn_up.weight", ff, d), 4 * d))
+        ops.append(("down", mat(p + "ffn_down.weight", d, ff), 4 * ff))
+    out = "token_embd.weight" if s["tied"] else "output.weight"
+    ops.append(("output", mat(out, s["vocab"], d), 4 * d))
+    return ops
+
+
+# (ring slots S, dp4a a 16 bytes W, shares: 0 contiguous, 1 interleaved, 2 dealt at run time)
+CONFIGS = ((4, 0, 0), (4, 0, 1), (8, 0, 1), (4, 0, 2), (8, 0, 2), (12, 0, 2), (8, 8, 1), (8, 8, 2))
+SHARES = ("contiguous", "interleaved", "dealt at run time")
+
+
+def measure(cp, ops, configs=CONFIGS, reps=20):
+    """(bytes a step, [(S, W, shares, variant, seconds a step, bytes a second)])."""
+    from runtime.bench_gpu import _graph_seconds
+    sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+    floor = 16 * sms * 4                      # every block gets a share of every op
+    sizes = [max(floor, (b + 15) // 16 * 16) for _, b, _ in ops]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    base = cp.ones(int(sum(sizes)) // 4, cp.uint32)
+    d_start, d_bytes = cp.asarray(starts), cp.asarray(np.array(sizes, np.int64))
+    d_act = cp.asarray(np.array([a // 16 for _, _, a in ops], np.int32))
+    act = cp.ones(max(a for _, _, a in ops) // 4 + 4, cp.uint32)
+    cnt = cp.zeros(2 * len(ops), cp.uint32)
+    sink = cp.zeros(1, cp.uint32)
+    mod = _module(cp, tuple(sorted({(s, w) for s, w, _ in configs})))
+    step_bytes = sum(b for _, b, _ in ops)
+
+    def variants(f, S, il):
+        """(name, launch) of each variant of kernel f with S slots and shares il."""
+        def args(o0, n, bar):
+            if il == 2:
+                return base, d_start, d_bytes, d_act, np.int32(n), cnt, act, np.int32(bar), sink
+            return (base, d_start, d_bytes, d_act, np.int32(o0), np.int32(n), cnt, act, np.int32(bar),
+                    np.int32(il), sink)
+
+        def whole(bar):
+            def launch(_):
+                cnt.fill(0)
+                f((sms,), (512,), args(0, len(ops), bar), shared_mem=S * SLOT_BYTES)
+            return launch
+
+        def per_op(_):
+            for o in range(len(ops)):
+                f((sms,), (512,), args(o, 1, 0), shared_mem=S * SLOT_BYTES)
+
+        out = [("free", whole(0)), ("barrier", whole(1)), ("barrier, no input read", whole(2))]
+        return out + ([("per-op", per_op)] if il < 2 else [])
+
+    rows = []
+    for S, W, il in configs:
+        f = mod.get_function(f"stream_{'dyn' if il == 2 else 'ring'}<{S},{W}>")
+        f.max_dynamic_shared_size_bytes = S * SLOT_BYTES
+        for name, launch in variants(f, S, il):
+            t = _graph_seconds(cp, launch, 1, reps)
+            rows.append((S, W, il, name, t, step_bytes / t))
+    return step_bytes, rows
+
+
+def main(argv=None) -> int:
+    import cupy as cp
+
+    from runtime.bench_gpu import copy_bandwidth, read_bandwidth
+    specs = (argv or sys.argv[1:]) or ["L8:Q4_K_M"]
+    bw = copy_bandwidth(cp)
+    read = read_bandwidth(cp, 1 << 30)
+    print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}: copy {bw / 1e9:.0f} GB/s, "
+          f"a grid-stride read of 1 GB {read / 1e9:.0f} GB/s ({100 * read / bw:.1f}%)", flush=True)
+    for spec in specs:
+        shape, mix, *ctx = spec.split(":")
+        ctx = int(ctx[0]) if ctx else 128
+        for attention in (False, True):
+            ops = step_ops(shape, mix, ctx, attention)
+            step_bytes, rows = measure(cp, ops)
+            what = f"ctx {ctx}, attention and merge as ops" if attention else "matrices only"
+            print(f"\n{shape} {mix}, {what}: {len(ops)} ops, {step_bytes / 1e6:.1f} MB a step")
+            print("| ring slots | dp4a a 16 B | shares | variant | ms a step | GB/s | % of copy |")
+            print("|---|---|---|---|---|---|---|")
+            for S, W, il, name, t, g in rows:
+                print(f"| {S} | {W} | {SHARES[il]} | {name} | {t * 1e3:.4f} | "
+                      f"{g / 1e9:.0f} | {100 * g / bw:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""The streaming probe (runtime/bench_gpu_stream.py) reads exactly a decode step's weight
+bytes: its ops, summed, equal the matrices of a random-weight model of the same shape and
+mix as the loader sees them (the probe itself needs a GPU: tests/gpu does not run it)."""
+from __future__ import annotations
+
+import pytest
+
+from runtime.backend import cuda_synth
+from runtime.bench_gpu_stream import step_ops
+
+TINY = dict(arch="llama", n_layers=8, d_model=256, d_ff=512, n_heads=4, n_kv_heads=2, vocab=512,
+            rope_theta=1e4)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q8_0"])
+def test_step_ops_are_the_models_matrices(tmp_path, monkeypatch, mix, tied):
+    shape = dict(TINY, tied=tied)
+    monkeypatch.setitem(cuda_synth.SHAPES, "TINY", shape)
+    path = cuda_synth.write_random_gguf(tmp_path / "t.gguf", mix=mix, **shape)
+    lm = cuda_synth.load_weights_only(path)
+    per_token = {n: t.nbytes for n, t in lm.tensors.items() if len(t.shape) == 2}
+    if not tied:
+        del per_token["token_embd.weight"]      # looked up, not read whole
+    ops = step_ops("TINY", mix, ctx=64, attention=False)
+    assert [name for name, _, _ in ops[:4]] == ["qkv", "o", "gate/up", "down"]
+    assert len(ops) == 4 * TINY["n_layers"] + 1
+    assert sum(b for _, b, _ in ops) == sum(per_token.values())
+    # Q4_K_M's mix shows in the ops: layer 0's down is Q6_K, layer 1's Q4_K (bigger rows)
+    downs = [b for name, b, _ in ops if name == "down"]
+    assert (downs[0] > downs[1]) == (mix == "Q4_K_M")
+    with_attention = step_ops("TINY", mix, ctx=64)
+    kv = TINY["n_kv_heads"] * TINY["d_model"] // TINY["n_heads"]
+    assert [b for name, b, _ in with_attention if name == "attention"] == [2 * 2 * 64 * kv] * TINY["n_layers"]
