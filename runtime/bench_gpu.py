@@ -69,6 +69,7 @@ def matvec_bandwidth(cp, qc, qtype, M, K, reps=50) -> float:
 def _graph_seconds(cp, launch, n_bufs, reps) -> float:
     """Seconds per launch(i) (i: which of n_bufs buffers, in turn), replayed from a
     CUDA graph: Python's launch overhead would otherwise be what we time."""
+    cp.cuda.runtime.deviceSynchronize()     # inputs written on the default stream must land first
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         for j in range(n_bufs):
