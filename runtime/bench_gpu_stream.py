@@ -43,6 +43,34 @@ __device__ __forceinline__ void cp16(void* smem, const void* g) {
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void wait_groups() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
+// a slot of nb bytes from shared memory: XOR-ed (W = 0) or, as a Q4 matvec's work on 16
+// bytes, its 32 nibbles through W dp4a against values from shared memory
+template <int W>
+__device__ __forceinline__ void consume(const uint4* sl, long long nb, int k, const int* xs, unsigned& acc, int& dot) {
+    for (int i = threadIdx.x; 16LL * i < nb; i += blockDim.x) {
+        const uint4 v = sl[i];
+        if (W == 0) {
+            acc ^= v.x ^ v.y ^ v.z ^ v.w;
+        } else {
+            const int x = xs[(i + k) & 511];
+            const unsigned q[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int j = 0; j < W; j++)
+                dot = __dp4a((int)((q[j & 3] >> (4 * (j >> 2))) & 0x0F0F0F0Fu), x + j, dot);
+        }
+    }
+}
+
+// an op's input (n uint4s), written by other SMs: through L2, as a matvec must read it
+__device__ __forceinline__ unsigned read_input(const uint4* act, int n) {
+    unsigned acc = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const uint4 v = __ldcg(act + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    return acc;
+}
+
 // block b's share of op o, [lo, hi), walked in steps of `step` bytes (a slot read from
 // each): contiguous (il = 0: bytes [B b / n, B (b + 1) / n)) or interleaved (il = 1: slots
 // b, b + n, b + 2n, ... of the op: all SMs read neighbouring slots at any moment)
@@ -108,25 +136,9 @@ stream_ring(const char* __restrict__ base, const long long* __restrict__ start, 
                 __threadfence();
             }
             __syncthreads();
-            for (int i = t; barriers == 1 && i < act_v[cop]; i += nt) {   // the op's input, fresh in L2
-                uint4 v = __ldcg(act + i);
-                acc ^= v.x ^ v.y ^ v.z ^ v.w;
-            }
+            if (barriers == 1) acc ^= read_input(act, act_v[cop]);
         }
-        const long long nb = min(SB, cend - coff);
-        const uint4* s = ring + (k % S) * SV;
-        for (int i = t; 16LL * i < nb; i += nt) {
-            uint4 v = s[i];
-            if (W == 0) {
-                acc ^= v.x ^ v.y ^ v.z ^ v.w;
-            } else {                             // a Q4 matvec's work on 16 bytes: 32 nibbles, 8 dp4a
-                const int x = xs[(i + k) & 511];
-                const unsigned q[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int j = 0; j < W; j++)
-                    dot = __dp4a((int)((q[j & 3] >> (4 * (j >> 2))) & 0x0F0F0F0Fu), x + j, dot);
-            }
-        }
+        consume<W>(ring + (k % S) * SV, min(SB, cend - coff), k, xs, acc, dot);
         coff += cstep;
         const int was = cop;
         pass();
@@ -194,26 +206,10 @@ stream_dyn(const char* __restrict__ base, const long long* __restrict__ start, c
                 __threadfence();
             }
             __syncthreads();
-            for (int i = t; barriers == 1 && i < act_v[o]; i += nt) {
-                uint4 v = __ldcg(act + i);
-                acc ^= v.x ^ v.y ^ v.z ^ v.w;
-            }
+            if (barriers == 1) acc ^= read_input(act, act_v[o]);
         }
         cur = o;
-        const long long nb = min(SB, bytes[o] - slot_off[k % S]);
-        const uint4* sl = ring + (k % S) * SV;
-        for (int i = t; 16LL * i < nb; i += nt) {
-            uint4 v = sl[i];
-            if (W == 0) {
-                acc ^= v.x ^ v.y ^ v.z ^ v.w;
-            } else {
-                const int x = xs[(i + k) & 511];
-                const unsigned q[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int j = 0; j < W; j++)
-                    dot = __dp4a((int)((q[j & 3] >> (4 * (j >> 2))) & 0x0F0F0F0Fu), x + j, dot);
-            }
-        }
+        consume<W>(ring + (k % S) * SV, min(SB, bytes[o] - slot_off[k % S]), k, xs, acc, dot);
         __syncthreads();
         if (t == 0 && barriers) { __threadfence(); atomicAdd(done + o, 1u); }
         issue((k + S - 1) % S);
