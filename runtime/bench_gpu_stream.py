@@ -31,6 +31,7 @@ measured in the same run.  No model files: byte sizes come from the shape and mi
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import numpy as np
@@ -69,6 +70,17 @@ __device__ __forceinline__ unsigned read_input(const uint4* act, int n) {
         acc ^= v.x ^ v.y ^ v.z ^ v.w;
     }
     return acc;
+}
+
+// thread 0 waits for *c to reach need, the block for thread 0; then the op's input
+__device__ __forceinline__ unsigned wait_for(const unsigned* c, unsigned need, const uint4* act, int n_in,
+                                             bool input) {
+    if (threadIdx.x == 0) {
+        while (*(volatile const unsigned*)c < need) __nanosleep(20);
+        __threadfence();
+    }
+    __syncthreads();
+    return input ? read_input(act, n_in) : 0u;
 }
 
 // block b's share of op o, [lo, hi), walked in steps of `step` bytes (a slot read from
@@ -129,15 +141,8 @@ stream_ring(const char* __restrict__ base, const long long* __restrict__ start, 
     for (int k = 0; cop < op_end; ++k) {
         wait_groups<S - 2>();
         __syncthreads();
-        if (wait && barriers) {                  // the op before must be done everywhere
-            if (t == 0) {
-                volatile unsigned* c = cnt + cop - 1;
-                while (*c < (unsigned)n) __nanosleep(20);
-                __threadfence();
-            }
-            __syncthreads();
-            if (barriers == 1) acc ^= read_input(act, act_v[cop]);
-        }
+        if (wait && barriers)                    // the op before must be done everywhere
+            acc ^= wait_for(cnt + cop - 1, n, act, act_v[cop], barriers == 1);
         consume<W>(ring + (k % S) * SV, min(SB, cend - coff), k, xs, acc, dot);
         coff += cstep;
         const int was = cop;
@@ -198,16 +203,8 @@ stream_dyn(const char* __restrict__ base, const long long* __restrict__ start, c
         __syncthreads();
         const int o = slot_op[k % S];
         if (o >= nops) break;
-        if (o != cur && o > 0 && barriers) {     // every slot of the op before read, everywhere
-            if (t == 0) {
-                const unsigned need = (unsigned)((bytes[o - 1] + SB - 1) / SB);
-                volatile unsigned* c = done + o - 1;
-                while (*c < need) __nanosleep(20);
-                __threadfence();
-            }
-            __syncthreads();
-            if (barriers == 1) acc ^= read_input(act, act_v[o]);
-        }
+        if (o != cur && o > 0 && barriers)       // every slot of the op before read, everywhere
+            acc ^= wait_for(done + o - 1, (unsigned)((bytes[o - 1] + SB - 1) / SB), act, act_v[o], barriers == 1);
         cur = o;
         consume<W>(ring + (k % S) * SV, min(SB, bytes[o] - slot_off[k % S]), k, xs, acc, dot);
         __syncthreads();
@@ -219,16 +216,13 @@ stream_dyn(const char* __restrict__ base, const long long* __restrict__ start, c
 """
 
 SLOT_BYTES = 16 << 10
-_MODULES = {}
 
 
+@functools.cache
 def _module(cp, kernels):
     """The kernels, compiled once a run."""
-    if kernels not in _MODULES:
-        _MODULES[kernels] = cp.RawModule(code=_SRC, options=("-std=c++17",),
-                                         name_expressions=[f"stream_{k}<{s},{w}>" for s, w in kernels
-                                                           for k in ("ring", "dyn")])
-    return _MODULES[kernels]
+    return cp.RawModule(code=_SRC, options=("-std=c++17",),
+                        name_expressions=[f"stream_{k}<{s},{w}>" for s, w in kernels for k in ("ring", "dyn")])
 
 
 def step_ops(shape: str, mix: str, ctx: int, attention: bool = True):
@@ -240,7 +234,7 @@ def step_ops(shape: str, mix: str, ctx: int, attention: bool = True):
     q, kv = s["n_heads"] * hd, s["n_kv_heads"] * hd
 
     def mat(name, rows, cols):
-        return rows * row_nbytes(mix_type(mix, name, L), cols)
+        return rows * row_nbytes(mix_type(mix, name, L, cols), cols)
 
     ops = []
     for i in range(L):

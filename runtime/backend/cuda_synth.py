@@ -81,14 +81,16 @@ def _q4_k_m(name: str, n_layers: int) -> GGMLType:
     return GGMLType.Q4_K
 
 
-def mix_type(mix: str, name: str, n_layers: int) -> GGMLType:
-    if mix == "Q4_K_M":
-        return _q4_k_m(name, n_layers)
-    return GGMLType[mix]
-
-
 # K-quants need rows of whole 256-blocks; llama.cpp's types for narrower ones
 _K_FALLBACK = {GGMLType.Q4_K: GGMLType.Q5_0, GGMLType.Q5_K: GGMLType.Q5_1, GGMLType.Q6_K: GGMLType.Q8_0}
+
+
+def mix_type(mix: str, name: str, n_layers: int, cols: int) -> GGMLType:
+    """The type of matrix `name` with rows of `cols` values in quantization mix `mix`."""
+    t = _q4_k_m(name, n_layers) if mix == "Q4_K_M" else GGMLType[mix]
+    if cols % 256 and t in _K_FALLBACK:         # as llama.cpp quantizes such rows (Qwen2.5-0.5B: 896)
+        t = _K_FALLBACK[t]
+    return t
 
 
 SHAPES = {
@@ -125,9 +127,7 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
     w.add_rope_freq_base(rope_theta)
 
     def mat(name, rows, cols):
-        t = mix_type(mix, name, n_layers)
-        if cols % 256 and t in _K_FALLBACK:     # as llama.cpp quantizes such rows (Qwen2.5-0.5B: 896)
-            t = _K_FALLBACK[t]
+        t = mix_type(mix, name, n_layers, cols)
         w.add_tensor(name, random_weight(t, (rows, cols), noise), raw_dtype=gguf.GGMLQuantizationType(int(t)))
 
     def vec(name, n, value=None):

@@ -26,7 +26,7 @@ def test_step_ops_are_the_models_matrices(tmp_path, monkeypatch, mix, tied):
     assert [name for name, _, _ in ops[:4]] == ["qkv", "o", "gate/up", "down"]
     assert len(ops) == 4 * TINY["n_layers"] + 1
     assert sum(b for _, b, _ in ops) == sum(per_token.values())
-    # Q4_K_M's mix shows in the ops: layer 0's down is Q6_K, layer 1's Q4_K (bigger rows)
+    # Q4_K_M's mix shows in the ops: layer 0's down is Q6_K, layer 1's Q4_K (Q6_K's rows are bigger)
     downs = [b for name, b, _ in ops if name == "down"]
     assert (downs[0] > downs[1]) == (mix == "Q4_K_M")
     with_attention = step_ops("TINY", mix, ctx=64)
