@@ -22,6 +22,8 @@ atomic when it issues one).  Variants:
             op before (a counter an op, as a dataflow kernel would keep), then reads the
             op's input vector from L2; the ring keeps prefetching across the wait
             ("no input read": the same without reading the input);
+  segments  only q/k/v, gate/up and the output matrix wait for the op before (a split-K
+            dataflow step: see DEPS below), the ops between start at once: an upper bound;
   per-op    the same kernel launched once an op (free), captured in a graph: the ceiling of
             a kernel an op, launch gaps included (no PDL).
 
@@ -47,8 +49,9 @@ template <int N> __device__ __forceinline__ void wait_groups() { asm volatile("c
 // a slot of nb bytes from shared memory: XOR-ed (W = 0) or, as a Q4 matvec's work on 16
 // bytes, its 32 nibbles through W dp4a against values from shared memory
 template <int W>
-__device__ __forceinline__ void consume(const uint4* sl, long long nb, int k, const int* xs, unsigned& acc, int& dot) {
-    for (int i = threadIdx.x; 16LL * i < nb; i += blockDim.x) {
+__device__ __forceinline__ void consume(const uint4* sl, long long nb, int k, const int* xs, unsigned& acc, int& dot,
+                                        int t, int nt) {
+    for (int i = t; 16LL * i < nb; i += nt) {
         const uint4 v = sl[i];
         if (W == 0) {
             acc ^= v.x ^ v.y ^ v.z ^ v.w;
@@ -62,13 +65,15 @@ __device__ __forceinline__ void consume(const uint4* sl, long long nb, int k, co
     }
 }
 
-// an op's input (n uint4s), written by other SMs: through L2, as a matvec must read it
-__device__ __forceinline__ unsigned read_input(const uint4* act, int n) {
+// an op's input (n uint4s, at most 8 a thread), written by other SMs: through L2, as a matvec
+// must read it, every load issued before the first is used (one L2 round trip, not eight)
+__device__ __forceinline__ unsigned read_input(const uint4* act, int n, int t, int nt) {
+    uint4 v[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = t + j * nt < n ? __ldcg(act + t + j * nt) : make_uint4(0, 0, 0, 0);
     unsigned acc = 0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const uint4 v = __ldcg(act + i);
-        acc ^= v.x ^ v.y ^ v.z ^ v.w;
-    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
     return acc;
 }
 
@@ -80,7 +85,7 @@ __device__ __forceinline__ unsigned wait_for(const unsigned* c, unsigned need, c
         __threadfence();
     }
     __syncthreads();
-    return input ? read_input(act, n_in) : 0u;
+    return input ? read_input(act, n_in, threadIdx.x, blockDim.x) : 0u;
 }
 
 // block b's share of op o, [lo, hi), walked in steps of `step` bytes (a slot read from
@@ -95,11 +100,20 @@ __device__ __forceinline__ void share(const long long* bytes, int o, int b, int 
     step = SB;
 }
 
+__device__ __forceinline__ unsigned long long now() {
+    unsigned long long v;
+    asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(v));
+    return v;
+}
+
+// cnt[o] counts the blocks that have read their share of op o.  An op with dep[o] = 1 starts
+// only once every block has passed the op before, then reads its input; dep[o] = 0 starts at
+// once.  trace (if given): [op][block] (when the block passed the op, when it started it), ns.
 template <int S, int W>
 __global__ void __launch_bounds__(512, 1)
 stream_ring(const char* __restrict__ base, const long long* __restrict__ start, const long long* __restrict__ bytes,
-            const int* __restrict__ act_v, int op0, int nops, unsigned* cnt, const uint4* act, int barriers,
-            int il, unsigned* sink) {
+            const int* __restrict__ act_v, const int* __restrict__ dep, int op0, int nops, unsigned* cnt,
+            const uint4* act, int barriers, int il, unsigned* sink, unsigned long long* trace) {
     extern __shared__ uint4 ring[];
     __shared__ int xs[512];                      // stands in for the rounded activations
     const int t = threadIdx.x, nt = blockDim.x, b = blockIdx.x, n = gridDim.x, op_end = op0 + nops;
@@ -127,7 +141,11 @@ stream_ring(const char* __restrict__ base, const long long* __restrict__ start, 
         while (cop < op_end && coff >= cend) {
             if (barriers) {
                 __syncthreads();
-                if (t == 0) { __threadfence(); atomicAdd(cnt + cop, 1u); }
+                if (t == 0) {
+                    __threadfence();
+                    atomicAdd(cnt + cop, 1u);
+                    if (trace) trace[2 * (cop * n + b)] = now();
+                }
             }
             if (++cop < op_end) share(bytes, cop, b, n, il, SB, coff, cend, cstep);
         }
@@ -137,17 +155,18 @@ stream_ring(const char* __restrict__ base, const long long* __restrict__ start, 
     unsigned acc = 0;
     int dot = 0;
     pass();
-    bool wait = cop > op0;
+    bool first = true;                           // the slot is the first of its op here
     for (int k = 0; cop < op_end; ++k) {
         wait_groups<S - 2>();
         __syncthreads();
-        if (wait && barriers)                    // the op before must be done everywhere
+        if (first && barriers && cop > 0 && dep[cop])   // the op before must be done everywhere
             acc ^= wait_for(cnt + cop - 1, n, act, act_v[cop], barriers == 1);
-        consume<W>(ring + (k % S) * SV, min(SB, cend - coff), k, xs, acc, dot);
+        if (first && trace && t == 0) trace[2 * (cop * n + b) + 1] = now();
+        consume<W>(ring + (k % S) * SV, min(SB, cend - coff), k, xs, acc, dot, t, nt);
         coff += cstep;
         const int was = cop;
         pass();
-        wait = cop != was;
+        first = cop != was;
         issue((k + S - 1) % S);
     }
     if ((acc ^ dot) == 0x9e3779b9u) sink[0] = acc;
@@ -206,7 +225,7 @@ stream_dyn(const char* __restrict__ base, const long long* __restrict__ start, c
         if (o != cur && o > 0 && barriers)       // every slot of the op before read, everywhere
             acc ^= wait_for(done + o - 1, (unsigned)((bytes[o - 1] + SB - 1) / SB), act, act_v[o], barriers == 1);
         cur = o;
-        consume<W>(ring + (k % S) * SV, min(SB, bytes[o] - slot_off[k % S]), k, xs, acc, dot);
+        consume<W>(ring + (k % S) * SV, min(SB, bytes[o] - slot_off[k % S]), k, xs, acc, dot, t, nt);
         __syncthreads();
         if (t == 0 && barriers) { __threadfence(); atomicAdd(done + o, 1u); }
         issue((k + S - 1) % S);
@@ -252,47 +271,79 @@ def step_ops(shape: str, mix: str, ctx: int, attention: bool = True):
     return ops
 
 
-# (ring slots S, dp4a a 16 bytes W, shares: 0 contiguous, 1 interleaved, 2 dealt at run time)
-CONFIGS = ((4, 0, 0), (4, 0, 1), (8, 0, 1), (4, 0, 2), (8, 0, 2), (12, 0, 2), (8, 8, 1), (8, 8, 2))
+# What an op waits for (stream_ring's dep: 0 nothing, 1 all of the op before, then its input):
+#   barrier    every op waits for all of the op before: a kernel an op, or a counter an op;
+#   segments   only the ops that need all of their input wait (q/k/v and gate/up: the norm
+#              needs the whole residual; the output matrix); the rest start at once.  That is
+#              a split-K dataflow step: attention head h needs only head h's q/k/v rows, o
+#              split by heads needs only head h's attention, down split by ffn chunks only
+#              its chunk of gate/up (their outputs summed by atomics), so two all-to-all
+#              waits a layer are left.  An upper bound: the waits inside a segment are free.
+SEGMENT_STARTS = ("qkv", "gate/up", "output")
+DEPS = ("barrier", "segments")
+
+
+def deps(ops, kind):
+    """stream_ring's dep of each op (int32) for a kind in DEPS."""
+    out = [1 if kind == "barrier" or name in SEGMENT_STARTS else 0 for name, _, _ in ops]
+    out[0] = 0
+    return np.array(out, np.int32)
+
+
+# (ring slots S, dp4a a 16 bytes W, shares: 0 contiguous, 1 interleaved, 2 dealt at run time);
+# session 23 measured more (quant/cuda/NOTES.md): ring depth changed nothing
+CONFIGS = ((4, 0, 0), (8, 0, 1), (8, 8, 1), (8, 0, 2))
 SHARES = ("contiguous", "interleaved", "dealt at run time")
+
+
+def _buffers(cp, ops):
+    """The device side of a step's ops: weights (ones), op tables, inputs, counters."""
+    import types
+    sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+    floor = 16 * sms * 4                      # every op at least 16 bytes a block
+    sizes = [max(floor, (b + 15) // 16 * 16) for _, b, _ in ops]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    return types.SimpleNamespace(
+        sms=sms, base=cp.ones(int(sum(sizes)) // 4, cp.uint32),
+        start=cp.asarray(starts), bytes=cp.asarray(np.array(sizes, np.int64)),
+        act_v=cp.asarray(np.array([a // 16 for _, _, a in ops], np.int32)),
+        act=cp.ones(max(a for _, _, a in ops) // 4 + 4, cp.uint32),
+        cnt=cp.zeros(2 * len(ops), cp.uint32),           # blocks past an op (stream_dyn: slots taken, read)
+        deps={kind: cp.asarray(deps(ops, kind)) for kind in DEPS},
+        sink=cp.zeros(1, cp.uint32))
 
 
 def measure(cp, ops, configs=CONFIGS, reps=20):
     """(bytes a step, [(S, W, shares, variant, seconds a step, bytes a second)])."""
     from runtime.bench_gpu import _graph_seconds
-    sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
-    floor = 16 * sms * 4                      # every block gets a share of every op
-    sizes = [max(floor, (b + 15) // 16 * 16) for _, b, _ in ops]
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    base = cp.ones(int(sum(sizes)) // 4, cp.uint32)
-    d_start, d_bytes = cp.asarray(starts), cp.asarray(np.array(sizes, np.int64))
-    d_act = cp.asarray(np.array([a // 16 for _, _, a in ops], np.int32))
-    act = cp.ones(max(a for _, _, a in ops) // 4 + 4, cp.uint32)
-    cnt = cp.zeros(2 * len(ops), cp.uint32)
-    sink = cp.zeros(1, cp.uint32)
+    d = _buffers(cp, ops)
+    sms, base, d_start, d_bytes, d_act, act, cnt, d_deps, sink = (
+        d.sms, d.base, d.start, d.bytes, d.act_v, d.act, d.cnt, d.deps, d.sink)
     mod = _module(cp, tuple(sorted({(s, w) for s, w, _ in configs})))
     step_bytes = sum(b for _, b, _ in ops)
 
     def variants(f, S, il):
         """(name, launch) of each variant of kernel f with S slots and shares il."""
-        def args(o0, n, bar):
+        def args(o0, n, bar, dep):
             if il == 2:
                 return base, d_start, d_bytes, d_act, np.int32(n), cnt, act, np.int32(bar), sink
-            return (base, d_start, d_bytes, d_act, np.int32(o0), np.int32(n), cnt, act, np.int32(bar),
-                    np.int32(il), sink)
+            return (base, d_start, d_bytes, d_act, d_deps[dep], np.int32(o0), np.int32(n), cnt, act,
+                    np.int32(bar), np.int32(il), sink, np.uint64(0))
 
-        def whole(bar):
+        def whole(bar, dep="barrier"):
             def launch(_):
                 cnt.fill(0)
-                f((sms,), (512,), args(0, len(ops), bar), shared_mem=S * SLOT_BYTES)
+                f((sms,), (512,), args(0, len(ops), bar, dep), shared_mem=S * SLOT_BYTES)
             return launch
 
         def per_op(_):
             for o in range(len(ops)):
-                f((sms,), (512,), args(o, 1, 0), shared_mem=S * SLOT_BYTES)
+                f((sms,), (512,), args(o, 1, 0, "barrier"), shared_mem=S * SLOT_BYTES)
 
         out = [("free", whole(0)), ("barrier", whole(1)), ("barrier, no input read", whole(2))]
-        return out + ([("per-op", per_op)] if il < 2 else [])
+        if il == 2:
+            return out
+        return out + [("segments", whole(1, "segments")), ("per-op", per_op)]
 
     rows = []
     for S, W, il in configs:
@@ -302,6 +353,30 @@ def measure(cp, ops, configs=CONFIGS, reps=20):
             t = _graph_seconds(cp, launch, 1, reps)
             rows.append((S, W, il, name, t, step_bytes / t))
     return step_bytes, rows
+
+
+def timeline(cp, ops, dep="barrier", S=8, W=0):
+    """Where one step's time goes between ops, from one traced launch of stream_ring
+    (interleaved shares, each op waiting as `dep` says, inputs read): for each op, in ns,
+    (median block's start, median block's finish, last block's finish), blocks that had no
+    share of it left out, relative to the step's first start."""
+    d = _buffers(cp, ops)
+    f = _module(cp, ((S, W),)).get_function(f"stream_ring<{S},{W}>")
+    f.max_dynamic_shared_size_bytes = S * SLOT_BYTES
+    trace = cp.zeros((len(ops), d.sms, 2), cp.uint64)
+    for _ in range(3):                                   # the last launch's trace is kept
+        d.cnt.fill(0)
+        trace.fill(0)
+        f((d.sms,), (512,), (d.base, d.start, d.bytes, d.act_v, d.deps[dep], np.int32(0), np.int32(len(ops)),
+                             d.cnt, d.act, np.int32(1), np.int32(1), d.sink, trace), shared_mem=S * SLOT_BYTES)
+    tr = cp.asnumpy(trace).astype(np.int64)
+    t0 = tr[tr > 0].min()
+    out = []
+    for o in range(len(ops)):
+        fin = tr[o, :, 0][tr[o, :, 0] > 0] - t0
+        beg = tr[o, :, 1][tr[o, :, 1] > 0] - t0
+        out.append((int(np.median(beg)) if len(beg) else 0, int(np.median(fin)), int(fin.max())))
+    return out
 
 
 def main(argv=None) -> int:

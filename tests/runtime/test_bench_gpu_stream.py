@@ -32,3 +32,16 @@ def test_step_ops_are_the_models_matrices(tmp_path, monkeypatch, mix, tied):
     with_attention = step_ops("TINY", mix, ctx=64)
     kv = TINY["n_kv_heads"] * TINY["d_model"] // TINY["n_heads"]
     assert [b for name, b, _ in with_attention if name == "attention"] == [2 * 2 * 64 * kv] * TINY["n_layers"]
+
+
+def test_dataflow_waits_only_where_an_op_needs_all_of_its_input(monkeypatch):
+    from runtime.bench_gpu_stream import deps
+    monkeypatch.setitem(cuda_synth.SHAPES, "TINY", dict(TINY, tied=False))
+    ops = step_ops("TINY", "Q8_0", ctx=64)
+    names = [name for name, _, _ in ops]
+    assert names[:7] == ["qkv", "attention", "merge", "o", "gate/up", "down", "qkv"]
+    barrier, segments = (list(deps(ops, k)) for k in ("barrier", "segments"))
+    assert barrier == [0] + [1] * (len(ops) - 1)
+    # two all-to-all waits a layer (q/k/v after the residual, gate/up after o), and the output
+    assert segments[:7] == [0, 0, 0, 0, 1, 0, 1] and segments[-1] == 1
+    assert sum(segments) == 2 * TINY["n_layers"]
