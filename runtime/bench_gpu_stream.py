@@ -1,7 +1,7 @@
 """How fast could one persistent kernel stream a decode step's weights?  The ceiling of a
 dataflow decode kernel, measured before anyone writes one:
 
-    python -m runtime.bench_gpu_stream L8:Q4_K_M Q15:Q4_K_M
+    python -m runtime.bench_gpu_stream [--timeline] L8:Q4_K_M Q15:Q4_K_M
 
 The decode step today is a kernel an op (PDL between them), and its matvecs alone read L8's
 weights at ~70% of copy bandwidth (quant/cuda/NOTES.md).  The way past that is one kernel
@@ -379,11 +379,27 @@ def timeline(cp, ops, dep="barrier", S=8, W=0):
     return out
 
 
+def timeline_table(ops, tl, bw) -> str:
+    """timeline()'s step summed over the layers, an op name a row, in us (markdown)."""
+    rows, before = {}, 0
+    for (name, nbytes, _), (beg, med, last) in zip(ops, tl):
+        r = rows.setdefault(name, np.zeros(4))
+        r += (beg - before, med - beg, last - med, nbytes / bw * 1e9)
+        before = last
+    head = ("| op | start after the last block finished the op before | median block's run | "
+            "last block after the median | at copy bandwidth |")
+    out = [head, "|---|---|---|---|---|"]
+    out += [f"| {name} | " + " | ".join(f"{x / 1e3:.1f}" for x in r) + " |" for name, r in rows.items()]
+    return "\n".join(out) + f"\n(step: {tl[-1][2] / 1e3:.1f} us)"
+
+
 def main(argv=None) -> int:
     import cupy as cp
 
     from runtime.bench_gpu import copy_bandwidth, read_bandwidth
-    specs = (argv or sys.argv[1:]) or ["L8:Q4_K_M"]
+    args = list(argv or sys.argv[1:])
+    traced = "--timeline" in args                    # also where a step's time goes, by op
+    specs = [a for a in args if a != "--timeline"] or ["L8:Q4_K_M"]
     bw = copy_bandwidth(cp)
     read = read_bandwidth(cp, 1 << 30)
     print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}: copy {bw / 1e9:.0f} GB/s, "
@@ -401,6 +417,9 @@ def main(argv=None) -> int:
             for S, W, il, name, t, g in rows:
                 print(f"| {S} | {W} | {SHARES[il]} | {name} | {t * 1e3:.4f} | "
                       f"{g / 1e9:.0f} | {100 * g / bw:.1f} |", flush=True)
+            for dep in DEPS if traced else ():
+                print(f"\ntimeline, {dep} (summed over the layers, us):")
+                print(timeline_table(ops, timeline(cp, ops, dep), bw), flush=True)
     return 0
 
 

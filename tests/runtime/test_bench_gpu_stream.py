@@ -45,3 +45,14 @@ def test_dataflow_waits_only_where_an_op_needs_all_of_its_input(monkeypatch):
     # two all-to-all waits a layer (q/k/v after the residual, gate/up after o), and the output
     assert segments[:7] == [0, 0, 0, 0, 1, 0, 1] and segments[-1] == 1
     assert sum(segments) == 2 * TINY["n_layers"]
+
+
+def test_timeline_table_sums_each_op_over_the_layers():
+    from runtime.bench_gpu_stream import timeline_table
+    ops = [("qkv", 1000, 0), ("o", 500, 0), ("qkv", 1000, 0), ("o", 500, 0)]
+    # (median start, median finish, last finish), ns; 1 GB/s makes 1000 bytes 1 us
+    tl = [(0, 1000, 1200), (1300, 2000, 2100), (2600, 3600, 3700), (3800, 4000, 4500)]
+    lines = timeline_table(ops, tl, 1e9).splitlines()
+    assert lines[2] == "| qkv | 0.5 | 2.0 | 0.3 | 2.0 |"          # gaps 0 + 0.5 (2600 - 2100)
+    assert lines[3] == "| o | 0.2 | 0.9 | 0.6 | 1.0 |"
+    assert lines[-1] == "(step: 4.5 us)"
