@@ -108,7 +108,8 @@ __device__ __forceinline__ unsigned long long now() {
 
 // cnt[o] counts the blocks that have read their share of op o.  An op with dep[o] = 1 starts
 // only once every block has passed the op before, then reads its input; dep[o] = 0 starts at
-// once.  trace (if given): [op][block] (when the block passed the op, when it started it), ns.
+// once.  trace (if given): [op][block] (when the block finished its share of the op, when it
+started it), ns; zero where it had no share.
 template <int S, int W>
 __global__ void __launch_bounds__(512, 1)
 stream_ring(const char* __restrict__ base, const long long* __restrict__ start, const long long* __restrict__ bytes,
@@ -119,7 +120,7 @@ stream_ring(const char* __restrict__ base, const long long* __restrict__ start, 
     const int t = threadIdx.x, nt = blockDim.x, b = blockIdx.x, n = gridDim.x, op_end = op0 + nops;
     const int SV = 2 * nt;                       // uint4s a slot: 16 KB at 512 threads
     const long long SB = 16LL * SV;
-    int pop = op0, cop = op0;
+    int pop = op0, cop = op0, read_op = -1;      // read_op: the op of the slot read last
     long long poff, pend, pstep, coff, cend, cstep;
     share(bytes, op0, b, n, il, SB, poff, pend, pstep);
     share(bytes, op0, b, n, il, SB, coff, cend, cstep);
@@ -144,7 +145,7 @@ stream_ring(const char* __restrict__ base, const long long* __restrict__ start, 
                 if (t == 0) {
                     __threadfence();
                     atomicAdd(cnt + cop, 1u);
-                    if (trace) trace[2 * (cop * n + b)] = now();
+                    if (trace && read_op == cop) trace[2 * (cop * n + b)] = now();
                 }
             }
             if (++cop < op_end) share(bytes, cop, b, n, il, SB, coff, cend, cstep);
@@ -163,6 +164,7 @@ stream_ring(const char* __restrict__ base, const long long* __restrict__ start, 
             acc ^= wait_for(cnt + cop - 1, n, act, act_v[cop], barriers == 1);
         if (first && trace && t == 0) trace[2 * (cop * n + b) + 1] = now();
         consume<W>(ring + (k % S) * SV, min(SB, cend - coff), k, xs, acc, dot, t, nt);
+        read_op = cop;
         coff += cstep;
         const int was = cop;
         pass();
