@@ -109,7 +109,7 @@ __device__ __forceinline__ unsigned long long now() {
 // cnt[o] counts the blocks that have read their share of op o.  An op with dep[o] = 1 starts
 // only once every block has passed the op before, then reads its input; dep[o] = 0 starts at
 // once.  trace (if given): [op][block] (when the block finished its share of the op, when it
-started it), ns; zero where it had no share.
+// started it), ns; zero where it had no share.
 template <int S, int W>
 __global__ void __launch_bounds__(512, 1)
 stream_ring(const char* __restrict__ base, const long long* __restrict__ start, const long long* __restrict__ bytes,
