@@ -78,3 +78,13 @@ def test_step_kernels_compile(arch, hd, g):
     from runtime.backend.cuda import _prefill_pq
     _compile(BACKEND / "cuda_kernels.cu", arch,
              options=(f"-DATT_HD={hd}", f"-DATT_G={g}", f"-DPRE_PQ={_prefill_pq(hd, g)}"))
+
+
+def test_stream_probe_compiles(tmp_path):
+    """runtime/bench_gpu_stream.py keeps its kernels in a Python string: checked here, for
+    the Ampere it needs (cp.async), since no CPU test runs them."""
+    from runtime.bench_gpu_stream import _SRC, CONFIGS
+    src = tmp_path / "stream_probe.cu"
+    src.write_text(_SRC)
+    kernels = sorted({(s, w) for s, w, _ in CONFIGS})
+    _compile(src, "compute_80", names=[f"stream_{k}<{s},{w}>" for s, w in kernels for k in ("ring", "dyn")])
