@@ -239,11 +239,15 @@ stream_dyn(const char* __restrict__ base, const long long* __restrict__ start, c
 SLOT_BYTES = 16 << 10
 
 
+def kernel_names(kernels):
+    """_SRC's kernels instantiated for each (ring slots S, dp4a a 16 bytes W) in kernels."""
+    return [f"stream_{k}<{s},{w}>" for s, w in kernels for k in ("ring", "dyn")]
+
+
 @functools.cache
 def _module(cp, kernels):
     """The kernels, compiled once a run."""
-    return cp.RawModule(code=_SRC, options=("-std=c++17",),
-                        name_expressions=[f"stream_{k}<{s},{w}>" for s, w in kernels for k in ("ring", "dyn")])
+    return cp.RawModule(code=_SRC, options=("-std=c++17",), name_expressions=kernel_names(kernels))
 
 
 def step_ops(shape: str, mix: str, ctx: int, attention: bool = True):
@@ -305,6 +309,8 @@ def _buffers(cp, ops):
     floor = 16 * sms * 4                      # every op at least 16 bytes a block
     sizes = [max(floor, (b + 15) // 16 * 16) for _, b, _ in ops]
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    if max(a for _, _, a in ops) > 8 * 512 * 16:      # read_input's registers: 8 uint4s a thread
+        raise ValueError("an op's input is over 64 KB: read_input would read only part of it")
     return types.SimpleNamespace(
         sms=sms, base=cp.ones(int(sum(sizes)) // 4, cp.uint32),
         start=cp.asarray(starts), bytes=cp.asarray(np.array(sizes, np.int64)),
@@ -315,12 +321,17 @@ def _buffers(cp, ops):
         sink=cp.zeros(1, cp.uint32))
 
 
+def _ring_args(d, dep, o0, n, bar, il, trace=None):
+    """stream_ring's arguments: ops [o0, o0 + n) of d (_buffers), waiting as `dep` (DEPS)
+    says when bar (barriers) is set, shares il, traced into trace if given."""
+    return (d.base, d.start, d.bytes, d.act_v, d.deps[dep], np.int32(o0), np.int32(n), d.cnt, d.act,
+            np.int32(bar), np.int32(il), d.sink, np.uint64(0) if trace is None else trace)
+
+
 def measure(cp, ops, configs=CONFIGS, reps=20):
     """(bytes a step, [(S, W, shares, variant, seconds a step, bytes a second)])."""
     from runtime.bench_gpu import _graph_seconds
     d = _buffers(cp, ops)
-    sms, base, d_start, d_bytes, d_act, act, cnt, d_deps, sink = (
-        d.sms, d.base, d.start, d.bytes, d.act_v, d.act, d.cnt, d.deps, d.sink)
     mod = _module(cp, tuple(sorted({(s, w) for s, w, _ in configs})))
     step_bytes = sum(b for _, b, _ in ops)
 
@@ -328,19 +339,18 @@ def measure(cp, ops, configs=CONFIGS, reps=20):
         """(name, launch) of each variant of kernel f with S slots and shares il."""
         def args(o0, n, bar, dep):
             if il == 2:
-                return base, d_start, d_bytes, d_act, np.int32(n), cnt, act, np.int32(bar), sink
-            return (base, d_start, d_bytes, d_act, d_deps[dep], np.int32(o0), np.int32(n), cnt, act,
-                    np.int32(bar), np.int32(il), sink, np.uint64(0))
+                return d.base, d.start, d.bytes, d.act_v, np.int32(n), d.cnt, d.act, np.int32(bar), d.sink
+            return _ring_args(d, dep, o0, n, bar, il)
 
         def whole(bar, dep="barrier"):
             def launch(_):
-                cnt.fill(0)
-                f((sms,), (512,), args(0, len(ops), bar, dep), shared_mem=S * SLOT_BYTES)
+                d.cnt.fill(0)
+                f((d.sms,), (512,), args(0, len(ops), bar, dep), shared_mem=S * SLOT_BYTES)
             return launch
 
         def per_op(_):
             for o in range(len(ops)):
-                f((sms,), (512,), args(o, 1, 0, "barrier"), shared_mem=S * SLOT_BYTES)
+                f((d.sms,), (512,), args(o, 1, 0, "barrier"), shared_mem=S * SLOT_BYTES)
 
         out = [("free", whole(0)), ("barrier", whole(1)), ("barrier, no input read", whole(2))]
         if il == 2:
@@ -369,8 +379,7 @@ def timeline(cp, ops, dep="barrier", S=8, W=0):
     for _ in range(3):                                   # the last launch's trace is kept
         d.cnt.fill(0)
         trace.fill(0)
-        f((d.sms,), (512,), (d.base, d.start, d.bytes, d.act_v, d.deps[dep], np.int32(0), np.int32(len(ops)),
-                             d.cnt, d.act, np.int32(1), np.int32(1), d.sink, trace), shared_mem=S * SLOT_BYTES)
+        f((d.sms,), (512,), _ring_args(d, dep, 0, len(ops), 1, 1, trace), shared_mem=S * SLOT_BYTES)
     tr = cp.asnumpy(trace).astype(np.int64)
     t0 = tr[tr > 0].min()
     out = []

@@ -83,8 +83,7 @@ def test_step_kernels_compile(arch, hd, g):
 def test_stream_probe_compiles(tmp_path):
     """runtime/bench_gpu_stream.py keeps its kernels in a Python string: checked here, for
     the Ampere it needs (cp.async), since no CPU test runs them."""
-    from runtime.bench_gpu_stream import _SRC, CONFIGS
+    from runtime.bench_gpu_stream import _SRC, CONFIGS, kernel_names
     src = tmp_path / "stream_probe.cu"
     src.write_text(_SRC)
-    kernels = sorted({(s, w) for s, w, _ in CONFIGS})
-    _compile(src, "compute_80", names=[f"stream_{k}<{s},{w}>" for s, w in kernels for k in ("ring", "dyn")])
+    _compile(src, "compute_80", names=kernel_names(sorted({(s, w) for s, w, _ in CONFIGS})))
