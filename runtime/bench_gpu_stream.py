@@ -46,6 +46,46 @@ __device__ __forceinline__ void cp16(void* smem, const void* g) {
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void wait_groups() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
+// Hopper and later (sm_90, also Blackwell's consumer parts): thread 0 copies a whole slot with
+// one instruction (cp.async.bulk, the TMA engine's 1-D copy) and the slot's mbarrier counts
+// its bytes in, so no thread spends issue slots or registers on the copy
+__device__ __forceinline__ unsigned sh(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void bulk_init(unsigned long long* bar, int S) {
+#if __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(sh(bar + s)));
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void bulk_copy(void* smem, const void* g, unsigned nb, unsigned long long* bar) {
+#if __CUDA_ARCH__ >= 900
+    // the slot was last read through the generic proxy; the copy writes it through the async one
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n"
+                 :: "r"(sh(bar)), "r"(nb) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(sh(smem)), "l"(g), "r"(nb), "r"(sh(bar)) : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_none(unsigned long long* bar) {      // a slot with nothing to copy
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(sh(bar)) : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_wait(unsigned long long* bar, unsigned parity) {
+#if __CUDA_ARCH__ >= 900
+    unsigned ok;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(ok) : "r"(sh(bar)), "r"(parity) : "memory");
+    } while (!ok);
+#endif
+}
+
 // a slot of nb bytes from shared memory: XOR-ed (W = 0) or, as a Q4 matvec's work on 16
 // bytes, its 32 nibbles through W dp4a against values from shared memory
 template <int W>
@@ -109,8 +149,9 @@ __device__ __forceinline__ unsigned long long now() {
 // cnt[o] counts the blocks that have read their share of op o.  An op with dep[o] = 1 starts
 // only once every block has passed the op before, then reads its input; dep[o] = 0 starts at
 // once.  trace (if given): [op][block] (when the block finished its share of the op, when it
-// started it), ns; zero where it had no share.
-template <int S, int W>
+// started it), ns; zero where it had no share.  BULK: each slot copied by cp.async.bulk (sm_90)
+// rather than by every thread's cp.async.
+template <int S, int W, int BULK>
 __global__ void __launch_bounds__(512, 1)
 stream_ring(const char* __restrict__ base, const long long* __restrict__ start, const long long* __restrict__ bytes,
             const int* __restrict__ act_v, const int* __restrict__ dep, int op0, int nops, unsigned* cnt,
@@ -124,6 +165,7 @@ stream_ring(const char* __restrict__ base, const long long* __restrict__ start, 
     long long poff, pend, pstep, coff, cend, cstep;
     share(bytes, op0, b, n, il, SB, poff, pend, pstep);
     share(bytes, op0, b, n, il, SB, coff, cend, cstep);
+    __shared__ unsigned long long full[S];       // BULK: a slot's bytes have landed
     auto issue = [&](int slot) {
         while (pop < op_end && poff >= pend)
             if (++pop < op_end) share(bytes, pop, b, n, il, SB, poff, pend, pstep);
@@ -131,10 +173,16 @@ stream_ring(const char* __restrict__ base, const long long* __restrict__ start, 
             const long long nb = min(SB, pend - poff);
             const char* g = base + start[pop] + poff;
             uint4* s = ring + slot * SV;
-            for (int i = t; 16LL * i < nb; i += nt) cp16(s + i, g + 16LL * i);
+            if (BULK) {
+                if (t == 0) bulk_copy(s, g, (unsigned)nb, full + slot);
+            } else {
+                for (int i = t; 16LL * i < nb; i += nt) cp16(s + i, g + 16LL * i);
+            }
             poff += pstep;
+        } else if (BULK && t == 0) {
+            bulk_none(full + slot);
         }
-        commit();
+        if (!BULK) commit();
     };
     // the consumer passes an op when its share is read (or empty), and says so: the counter
     // of an op reaches n when every block has passed it
@@ -152,14 +200,16 @@ stream_ring(const char* __restrict__ base, const long long* __restrict__ start, 
         }
     };
     xs[threadIdx.x] = threadIdx.x * 0x01010101;
+    if (BULK) bulk_init(full, S);
     for (int s = 0; s < S - 1; ++s) issue(s);
     unsigned acc = 0;
     int dot = 0;
     pass();
     bool first = true;                           // the slot is the first of its op here
     for (int k = 0; cop < op_end; ++k) {
-        wait_groups<S - 2>();
-        __syncthreads();
+        if (BULK) bulk_wait(full + k % S, (k / S) & 1);   // slot k % S's (k / S)-th filling
+        else wait_groups<S - 2>();
+        __syncthreads();                         // and slot (k - 1) % S, refilled below, read by all
         if (first && barriers && cop > 0 && dep[cop])   // the op before must be done everywhere
             acc ^= wait_for(cnt + cop - 1, n, act, act_v[cop], barriers == 1);
         if (first && trace && t == 0) trace[2 * (cop * n + b) + 1] = now();
@@ -239,15 +289,26 @@ stream_dyn(const char* __restrict__ base, const long long* __restrict__ start, c
 SLOT_BYTES = 16 << 10
 
 
-def kernel_names(kernels):
-    """_SRC's kernels instantiated for each (ring slots S, dp4a a 16 bytes W) in kernels."""
-    return [f"stream_{k}<{s},{w}>" for s, w in kernels for k in ("ring", "dyn")]
+def kernel_name(S, W, shares):
+    """_SRC's kernel for ring slots S, dp4a a 16 bytes W and shares (an index of SHARES)."""
+    return f"stream_dyn<{S},{W}>" if shares == 2 else f"stream_ring<{S},{W},{int(shares == BULK)}>"
+
+
+def kernel_names(configs):
+    """The kernels configs (S, W, shares) need, each once, in a fixed order."""
+    return sorted({kernel_name(*c) for c in configs})
 
 
 @functools.cache
-def _module(cp, kernels):
+def _module(cp, names):
     """The kernels, compiled once a run."""
-    return cp.RawModule(code=_SRC, options=("-std=c++17",), name_expressions=kernel_names(kernels))
+    return cp.RawModule(code=_SRC, options=("-std=c++17",), name_expressions=list(names))
+
+
+def _kernel(cp, S, W, shares):
+    f = _module(cp, (kernel_name(S, W, shares),)).get_function(kernel_name(S, W, shares))
+    f.max_dynamic_shared_size_bytes = S * SLOT_BYTES
+    return f
 
 
 def step_ops(shape: str, mix: str, ctx: int, attention: bool = True):
@@ -296,10 +357,17 @@ def deps(ops, kind):
     return np.array(out, np.int32)
 
 
-# (ring slots S, dp4a a 16 bytes W, shares: 0 contiguous, 1 interleaved, 2 dealt at run time);
-# session 23 measured more (quant/cuda/NOTES.md): ring depth changed nothing
-CONFIGS = ((4, 0, 0), (8, 0, 1), (8, 8, 1), (8, 0, 2))
-SHARES = ("contiguous", "interleaved", "dealt at run time")
+# (ring slots S, dp4a a 16 bytes W, shares: an index of SHARES); session 23 measured more
+# (quant/cuda/NOTES.md): ring depth changed nothing.  The bulk copies need sm_90.
+SHARES = ("contiguous", "interleaved", "dealt at run time", "interleaved, a bulk copy a slot")
+BULK = 3
+CONFIGS = ((4, 0, 0), (8, 0, 1), (8, 8, 1), (8, 0, 2), (8, 0, BULK), (8, 8, BULK))
+
+
+def runnable(cp, configs):
+    """configs this GPU can run: the bulk copies need compute capability 9.0."""
+    cc = int(cp.cuda.Device().compute_capability)
+    return [c for c in configs if c[2] != BULK or cc >= 90]
 
 
 def _buffers(cp, ops):
@@ -332,7 +400,6 @@ def measure(cp, ops, configs=CONFIGS, reps=20):
     """(bytes a step, [(S, W, shares, variant, seconds a step, bytes a second)])."""
     from runtime.bench_gpu import _graph_seconds
     d = _buffers(cp, ops)
-    mod = _module(cp, tuple(sorted({(s, w) for s, w, _ in configs})))
     step_bytes = sum(b for _, b, _ in ops)
 
     def variants(f, S, il):
@@ -340,7 +407,7 @@ def measure(cp, ops, configs=CONFIGS, reps=20):
         def args(o0, n, bar, dep):
             if il == 2:
                 return d.base, d.start, d.bytes, d.act_v, np.int32(n), d.cnt, d.act, np.int32(bar), d.sink
-            return _ring_args(d, dep, o0, n, bar, il)
+            return _ring_args(d, dep, o0, n, bar, 1 if il == BULK else il)
 
         def whole(bar, dep="barrier"):
             def launch(_):
@@ -358,23 +425,22 @@ def measure(cp, ops, configs=CONFIGS, reps=20):
         return out + [("segments", whole(1, "segments")), ("per-op", per_op)]
 
     rows = []
-    for S, W, il in configs:
-        f = mod.get_function(f"stream_{'dyn' if il == 2 else 'ring'}<{S},{W}>")
-        f.max_dynamic_shared_size_bytes = S * SLOT_BYTES
+    for S, W, il in runnable(cp, configs):
+        f = _kernel(cp, S, W, il)
         for name, launch in variants(f, S, il):
             t = _graph_seconds(cp, launch, 1, reps)
             rows.append((S, W, il, name, t, step_bytes / t))
     return step_bytes, rows
 
 
-def timeline(cp, ops, dep="barrier", S=8, W=0):
+def timeline(cp, ops, dep="barrier", S=8, W=0, shares=1):
     """Where one step's time goes between ops, from one traced launch of stream_ring
-    (interleaved shares, each op waiting as `dep` says, inputs read): for each op, in ns,
-    (median block's start, median block's finish, last block's finish), blocks that had no
-    share of it left out, relative to the step's first start."""
+    (interleaved shares, copied per thread or, shares = BULK, by bulk copies; each op waiting
+    as `dep` says, inputs read): for each op, in ns, (median block's start, median block's
+    finish, last block's finish), blocks that had no share of it left out, relative to the
+    step's first start."""
     d = _buffers(cp, ops)
-    f = _module(cp, ((S, W),)).get_function(f"stream_ring<{S},{W}>")
-    f.max_dynamic_shared_size_bytes = S * SLOT_BYTES
+    f = _kernel(cp, S, W, shares)
     trace = cp.zeros((len(ops), d.sms, 2), cp.uint64)
     for _ in range(3):                                   # the last launch's trace is kept
         d.cnt.fill(0)
@@ -428,9 +494,10 @@ def main(argv=None) -> int:
             for S, W, il, name, t, g in rows:
                 print(f"| {S} | {W} | {SHARES[il]} | {name} | {t * 1e3:.4f} | "
                       f"{g / 1e9:.0f} | {100 * g / bw:.1f} |", flush=True)
-            for dep in DEPS if traced else ():
-                print(f"\ntimeline, {dep} (summed over the layers, us):")
-                print(timeline_table(ops, timeline(cp, ops, dep), bw), flush=True)
+            for sh in sorted({c[2] for c in runnable(cp, [(8, 0, 1), (8, 0, BULK)])}) if traced else ():
+                for dep in DEPS:
+                    print(f"\ntimeline, {SHARES[sh]}, {dep} (summed over the layers, us):")
+                    print(timeline_table(ops, timeline(cp, ops, dep, shares=sh), bw), flush=True)
     return 0
 
 

@@ -80,10 +80,12 @@ def test_step_kernels_compile(arch, hd, g):
              options=(f"-DATT_HD={hd}", f"-DATT_G={g}", f"-DPRE_PQ={_prefill_pq(hd, g)}"))
 
 
-def test_stream_probe_compiles(tmp_path):
+@pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
+def test_stream_probe_compiles(tmp_path, arch):
     """runtime/bench_gpu_stream.py keeps its kernels in a Python string: checked here, for
-    the Ampere it needs (cp.async), since no CPU test runs them."""
+    the Ampere it needs (cp.async) and the Hopper its bulk copies need, since no CPU test
+    runs them."""
     from runtime.bench_gpu_stream import _SRC, CONFIGS, kernel_names
     src = tmp_path / "stream_probe.cu"
     src.write_text(_SRC)
-    _compile(src, "compute_80", names=kernel_names(sorted({(s, w) for s, w, _ in CONFIGS})))
+    _compile(src, arch, names=kernel_names(CONFIGS))
