@@ -91,6 +91,7 @@ __device__ __forceinline__ void bulk_wait(unsigned long long* bar, unsigned pari
 template <int W>
 __device__ __forceinline__ void consume(const uint4* sl, long long nb, int k, const int* xs, unsigned& acc, int& dot,
                                         int t, int nt) {
+    int d[4] = {0, 0, 0, 0};                     // four chains, as a matvec's unrolled dots run
     for (int i = t; 16LL * i < nb; i += nt) {
         const uint4 v = sl[i];
         if (W == 0) {
@@ -100,9 +101,10 @@ __device__ __forceinline__ void consume(const uint4* sl, long long nb, int k, co
             const unsigned q[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int j = 0; j < W; j++)
-                dot = __dp4a((int)((q[j & 3] >> (4 * (j >> 2))) & 0x0F0F0F0Fu), x + j, dot);
+                d[j & 3] = __dp4a((int)((q[j & 3] >> (4 * (j >> 2))) & 0x0F0F0F0Fu), x + j, d[j & 3]);
         }
     }
+    dot += d[0] + d[1] + d[2] + d[3];
 }
 
 // an op's input (n uint4s, at most 8 a thread), written by other SMs: through L2, as a matvec
@@ -209,7 +211,8 @@ stream_ring(const char* __restrict__ base, const long long* __restrict__ start, 
     for (int k = 0; cop < op_end; ++k) {
         if (BULK) bulk_wait(full + k % S, (k / S) & 1);   // slot k % S's (k / S)-th filling
         else wait_groups<S - 2>();
-        __syncthreads();                         // and slot (k - 1) % S, refilled below, read by all
+        __syncthreads();                         // and slot (k - 1) % S read by all: refilled at once,
+        issue((k + S - 1) % S);                  // before this slot's wait and arithmetic
         if (first && barriers && cop > 0 && dep[cop])   // the op before must be done everywhere
             acc ^= wait_for(cnt + cop - 1, n, act, act_v[cop], barriers == 1);
         if (first && trace && t == 0) trace[2 * (cop * n + b) + 1] = now();
@@ -219,7 +222,6 @@ stream_ring(const char* __restrict__ base, const long long* __restrict__ start, 
         const int was = cop;
         pass();
         first = cop != was;
-        issue((k + S - 1) % S);
     }
     if ((acc ^ dot) == 0x9e3779b9u) sink[0] = acc;
 }
@@ -361,7 +363,7 @@ def deps(ops, kind):
 # (quant/cuda/NOTES.md): ring depth changed nothing.  The bulk copies need sm_90.
 SHARES = ("contiguous", "interleaved", "dealt at run time", "interleaved, a bulk copy a slot")
 BULK = 3
-CONFIGS = ((4, 0, 0), (8, 0, 1), (8, 8, 1), (8, 0, 2), (8, 0, BULK), (8, 8, BULK))
+CONFIGS = ((4, 0, 0), (8, 0, 1), (8, 4, 1), (8, 8, 1), (8, 0, 2), (8, 0, BULK), (8, 8, BULK))
 
 
 def runnable(cp, configs):
