@@ -363,7 +363,7 @@ def deps(ops, kind):
 # (quant/cuda/NOTES.md): ring depth changed nothing.  The bulk copies need sm_90.
 SHARES = ("contiguous", "interleaved", "dealt at run time", "interleaved, a bulk copy a slot")
 BULK = 3
-CONFIGS = ((4, 0, 0), (8, 0, 1), (8, 4, 1), (8, 8, 1), (8, 0, 2), (8, 0, BULK), (8, 8, BULK))
+CONFIGS = ((4, 0, 0), (8, 0, 1), (8, 4, 1), (8, 8, 1), (8, 0, 2), (8, 0, BULK), (8, 4, BULK), (8, 8, BULK), (12, 8, BULK))
 
 
 def runnable(cp, configs):
