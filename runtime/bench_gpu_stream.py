@@ -27,6 +27,12 @@ atomic when it issues one).  Variants:
   per-op    the same kernel launched once an op (free), captured in a graph: the ceiling of
             a kernel an op, launch gaps included (no PDL).
 
+A slot is refilled as soon as every thread has read it, before the next slot's wait and
+arithmetic.  Its bytes are copied by every thread's 16-byte cp.async or, on sm_90 and
+later, by one cp.async.bulk from thread 0 (the TMA engine's 1-D copy), which leaves the
+load/store pipe to the arithmetic: session 25 measured it 3-9 points ahead under
+dependencies with arithmetic (quant/cuda/NOTES.md).
+
 Figures are bytes per step over time per step (graph replay), against copy bandwidth
 measured in the same run.  No model files: byte sizes come from the shape and mix
 (runtime/backend/cuda_synth.py).
