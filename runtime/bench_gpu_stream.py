@@ -44,14 +44,8 @@ import sys
 
 import numpy as np
 
-_SRC = r"""
-__device__ __forceinline__ void cp16(void* smem, const void* g) {
-    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(g));
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void wait_groups() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
-
+# one slot copied by one instruction (sm_90+); also used by runtime/bench_gpu_q8ring.py
+BULK_SRC = r"""
 // Hopper and later (sm_90, also Blackwell's consumer parts): thread 0 copies a whole slot with
 // one instruction (cp.async.bulk, the TMA engine's 1-D copy) and the slot's mbarrier counts
 // its bytes in, so no thread spends issue slots or registers on the copy
@@ -91,6 +85,16 @@ __device__ __forceinline__ void bulk_wait(unsigned long long* bar, unsigned pari
     } while (!ok);
 #endif
 }
+
+"""
+
+_SRC = BULK_SRC + r"""
+__device__ __forceinline__ void cp16(void* smem, const void* g) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(g));
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void wait_groups() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
 // a slot of nb bytes from shared memory: XOR-ed (W = 0) or, as a Q4 matvec's work on 16
 // bytes, its 32 nibbles through W dp4a against values from shared memory

@@ -89,3 +89,11 @@ def test_stream_probe_compiles(tmp_path, arch):
     src = tmp_path / "stream_probe.cu"
     src.write_text(_SRC)
     _compile(src, arch, names=kernel_names(CONFIGS))
+
+
+def test_q8_ring_compiles(tmp_path):
+    """runtime/bench_gpu_q8ring.py's kernel (bulk copies: sm_90 and later)."""
+    from runtime.bench_gpu_q8ring import _source
+    src = tmp_path / "q8_ring.cu"
+    src.write_text(_source())
+    _compile(src, "compute_90", names=["q8_ring<8>"])
