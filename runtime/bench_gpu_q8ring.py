@@ -33,7 +33,9 @@ _KERNEL = r"""
 // op o: rows[o] rows of kdim[o] Q8_0 weights at base + start[o], rps[o] rows a slot (a slot
 // of op o is rows [rps s, rps (s + 1))); block b reads slots b, b + n, ... of every op.
 // Its outputs go to y + ystart[o].  barriers: op o waits for cnt[o - 1] to reach n.
-template <int S>
+// PART (what the time is made of): 0 the whole work, 1 without the dot products (no weight
+// or input reads from shared memory), 2 without the row sums (each thread's value stored)
+template <int S, int PART>
 __global__ void __launch_bounds__(512, 1)
 q8_ring(const char* __restrict__ base, const long long* __restrict__ start, const int* __restrict__ rows,
         const int* __restrict__ kdim, const int* __restrict__ rps, const long long* __restrict__ ystart, int nops,
@@ -93,7 +95,7 @@ q8_ring(const char* __restrict__ base, const long long* __restrict__ start, cons
         }
         const int r0 = cs * rps[cop], nr = min(rps[cop], rows[cop] - r0);
         float v = 0.f;
-        if (t < nr * nb) {                                 // a thread a Q8_0 block
+        if (PART != 1 && t < nr * nb) {                    // a thread a Q8_0 block
             const int bi = t % nb;
             const unsigned short* h = (const unsigned short*)((const char*)(ring + (k % S) * (SLOT_BYTES / 16)) + t * 34);
             int s0 = 0, s1 = 0;
@@ -103,6 +105,12 @@ q8_ring(const char* __restrict__ base, const long long* __restrict__ start, cons
                 s1 = __dp4a((int)(h[3 + 2 * i] | ((unsigned)h[4 + 2 * i] << 16)), xs[bi * 8 + i + 1], s1);
             }
             v = __half2float(__ushort_as_half(h[0])) * xds[bi] * (float)(s0 + s1);
+        }
+        if (PART == 2) {
+            if (t < nr * nb && v == 1.2345f) y[ystart[cop] + r0] = v;
+            cs += n;
+            pass();
+            continue;
         }
         // a row is nb consecutive threads, nb a multiple of 32: a warp's lanes share a row
 #pragma unroll
@@ -140,10 +148,14 @@ def slot_rows(k: int) -> int:
     return max(1, min(SLOT_BYTES // (nb * BLOCK_BYTES), 512 // nb))
 
 
+PARTS = ("whole work", "no dot products", "no row sums")
+
+
 @functools.cache
-def _kernel(cp, S):
-    mod = cp.RawModule(code=_source(), options=("-std=c++17",), name_expressions=[f"q8_ring<{S}>"])
-    f = mod.get_function(f"q8_ring<{S}>")
+def _kernel(cp, S, part=0):
+    name = f"q8_ring<{S},{part}>"
+    mod = cp.RawModule(code=_source(), options=("-std=c++17",), name_expressions=[name])
+    f = mod.get_function(name)
     f.max_dynamic_shared_size_bytes = S * SLOT_BYTES + MAX_K + MAX_K // 8
     return f
 
@@ -190,9 +202,10 @@ def measure(cp, shape="L8", S=8, reps=10, check_ops=4):
                                 xq=cp.asarray(xq.view(np.int32)), xd=cp.asarray(xd.astype(np.float32)),
                                 y=cp.zeros(int(sum(rows)), cp.float32))
     sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
-    f = _kernel(cp, S)
 
-    def launch(barriers):
+    def launch(barriers, part=0):
+        f = _kernel(cp, S, part)
+
         def run(_):
             dev.cnt.fill(0)
             f((sms,), (512,), (base, dev.start, dev.rows, dev.kdim, dev.rps, dev.ystart,
@@ -213,7 +226,8 @@ def measure(cp, shape="L8", S=8, reps=10, check_ops=4):
             raise RuntimeError(f"barriers={barriers}: {int(np.isnan(y).sum())} outputs never written")
         if max(errors) > 1e-4:                 # float32 sums of exact block products: ~1e-6
             raise RuntimeError(f"barriers={barriers}: outputs wrong (max relative error {max(errors):.2e})")
-    times = {name: _graph_seconds(cp, launch(bar), 1, reps) for name, bar in (("free", 0), ("barrier", 1))}
+    times = {f"{name}, {PARTS[part]}": _graph_seconds(cp, launch(bar, part), 1, reps)
+             for part in range(len(PARTS)) for name, bar in (("free", 0), ("barrier", 1))}
     return int(sum(sizes)), times, errors
 
 
