@@ -12,8 +12,11 @@ each row's sum across the block, and the outputs written.  Slots are whole rows 
 K = 4096, one of K = 14336), dealt to the SMs interleaved as in the probe.  Variants: `free`
 (no op waits), `barrier` (each op waits for every block to finish the op before: a counter
 an op).  What is left out: the ops between the matvecs (norms, RoPE, attention, the
-activations' rounding), so the input is one fixed vector.  The first op's outputs are
+activations' rounding), so the input is one fixed vector.  The first ops' outputs are
 checked against float64 on the host before anything is timed.
+
+Session 25's first run: correct, but 31-32% of copy against the probe's 86-87%: the
+consumer, not the streaming, sets the pace (quant/cuda/NOTES.md).  PART splits its time.
 """
 from __future__ import annotations
 
