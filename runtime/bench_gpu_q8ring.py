@@ -16,7 +16,8 @@ activations' rounding), so the input is one fixed vector.  The first ops' output
 checked against float64 on the host before anything is timed.
 
 Session 25's first run: correct, but 31-32% of copy against the probe's 86-87%: the
-consumer, not the streaming, sets the pace (quant/cuda/NOTES.md).  PART splits its time.
+consumer, not the streaming, sets the pace (quant/cuda/NOTES.md).  PART splits its time;
+V2 is a lighter consumer written after that run and not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -37,8 +38,11 @@ _KERNEL = r"""
 // of op o is rows [rps s, rps (s + 1))); block b reads slots b, b + n, ... of every op.
 // Its outputs go to y + ystart[o].  barriers: op o waits for cnt[o - 1] to reach n.
 // PART (what the time is made of): 0 the whole work, 1 without the dot products (no weight
-// or input reads from shared memory), 2 without the row sums (each thread's value stored)
-template <int S, int PART>
+// or input reads from shared memory), 2 without the row sums (each thread's value stored).
+// V2 (with PART 0): the op's sizes kept in registers, the input transposed in shared memory
+// (lane l reads word l: no bank conflict), a block's 32 weights as 9 aligned words shifted
+// into place, a slot's row sums finished after the next slot's barrier (no second barrier)
+template <int S, int PART, int V2>
 __global__ void __launch_bounds__(512, 1)
 q8_ring(const char* __restrict__ base, const long long* __restrict__ start, const int* __restrict__ rows,
         const int* __restrict__ kdim, const int* __restrict__ rps, const long long* __restrict__ ystart, int nops,
@@ -46,7 +50,7 @@ q8_ring(const char* __restrict__ base, const long long* __restrict__ start, cons
         int barriers) {
     extern __shared__ uint4 ring[];                        // S slots, then the op's input
     __shared__ unsigned long long full[S];
-    __shared__ float ws[16];
+    __shared__ float ws[32];                               // warps' sums (V2: two slots' worth)
     int* xs = (int*)(ring + S * (SLOT_BYTES / 16));
     float* xds = (float*)(xs + MAX_K / 4);
     const int t = threadIdx.x, b = blockIdx.x, n = gridDim.x;
@@ -67,10 +71,26 @@ q8_ring(const char* __restrict__ base, const long long* __restrict__ start, cons
         if (pop < nops) ps += n;
     };
     int cop = 0, cs = b, xop = -1;                         // the next slot to read; the input held
+    int K = 0, nb = 0, crps = 0, crows = 0;                // V2: op cop's sizes
+    long long cys = 0;
+    int pend_nr = 0, pend_buf = 0, pend_wpr = 0;           // V2: the row sums left to finish
+    long long pend_y = 0;
+    auto flush = [&]() {                                   // after a barrier
+        if (t < pend_nr) {
+            float a = 0.f;
+            for (int w = t * pend_wpr; w < (t + 1) * pend_wpr; ++w) a += ws[16 * pend_buf + w];
+            y[pend_y + t] = a;
+        }
+        pend_nr = 0;
+    };
     auto pass = [&]() {                                    // ops whose share this block has read
         while (cop < nops && cs >= nslots(cop)) {
             if (barriers) {
                 __syncthreads();
+                if (V2) {                                  // the op's outputs written before it is passed
+                    flush();
+                    __syncthreads();
+                }
                 if (t == 0) { __threadfence(); atomicAdd(cnt + cop, 1u); }
             }
             ++cop;
@@ -84,21 +104,43 @@ q8_ring(const char* __restrict__ base, const long long* __restrict__ start, cons
         bulk_wait(full + k % S, (k / S) & 1);
         __syncthreads();                                   // slot (k - 1) % S read by all
         issue((k + S - 1) % S);
-        const int K = kdim[cop], nb = K / 32;
+        if (V2) flush();
+        else { K = kdim[cop]; nb = K / 32; }
         if (xop != cop) {                                  // the op's input, once the op before is done
             if (t == 0 && barriers && cop > 0) {
                 while (*(volatile const unsigned*)(cnt + cop - 1) < (unsigned)n) __nanosleep(20);
                 __threadfence();
             }
             __syncthreads();
-            for (int i = t; i < K / 4; i += 512) xs[i] = __ldcg(xq + i);
+            if (V2) {
+                K = kdim[cop]; nb = K / 32; crps = rps[cop]; crows = rows[cop]; cys = ystart[cop];
+                for (int w = t; w < K / 4; w += 512) xs[(w & 7) * nb + (w >> 3)] = __ldcg(xq + w);
+            } else {
+                for (int i = t; i < K / 4; i += 512) xs[i] = __ldcg(xq + i);
+            }
             for (int i = t; i < nb; i += 512) xds[i] = __ldcg(xd + i);
             __syncthreads();
             xop = cop;
         }
-        const int r0 = cs * rps[cop], nr = min(rps[cop], rows[cop] - r0);
+        const int r0 = cs * (V2 ? crps : rps[cop]), nr = min(V2 ? crps : rps[cop], (V2 ? crows : rows[cop]) - r0);
         float v = 0.f;
-        if (PART != 1 && t < nr * nb) {                    // a thread a Q8_0 block
+        if (V2 && t < nr * nb) {                           // block t of the slot starts at byte 34 t
+            const unsigned* W = (const unsigned*)(ring + (k % S) * (SLOT_BYTES / 16)) + ((34 * t) >> 2);
+            const unsigned sh = (t & 1) ? 32u : 16u;       // odd blocks' weights are word-aligned
+            unsigned w[9];
+#pragma unroll
+            for (int i = 0; i < 9; ++i) w[i] = W[i];
+            const int bi = t % nb;
+            int s0 = 0, s1 = 0;
+#pragma unroll
+            for (int i = 0; i < 8; i += 2) {
+                s0 = __dp4a((int)__funnelshift_rc(w[i], w[i + 1], sh), xs[i * nb + bi], s0);
+                s1 = __dp4a((int)__funnelshift_rc(w[i + 1], w[i + 2], sh), xs[(i + 1) * nb + bi], s1);
+            }
+            const unsigned short d = (unsigned short)(w[0] >> (sh - 16));
+            v = __half2float(__ushort_as_half(d)) * xds[bi] * (float)(s0 + s1);
+        }
+        if (!V2 && PART != 1 && t < nr * nb) {             // a thread a Q8_0 block
             const int bi = t % nb;
             const unsigned short* h = (const unsigned short*)((const char*)(ring + (k % S) * (SLOT_BYTES / 16)) + t * 34);
             int s0 = 0, s1 = 0;
@@ -118,6 +160,13 @@ q8_ring(const char* __restrict__ base, const long long* __restrict__ start, cons
         // a row is nb consecutive threads, nb a multiple of 32: a warp's lanes share a row
 #pragma unroll
         for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+        if (V2) {
+            if ((t & 31) == 0) ws[16 * (k & 1) + (t >> 5)] = v;
+            pend_nr = nr; pend_buf = k & 1; pend_wpr = nb / 32; pend_y = cys + r0;
+            cs += n;
+            pass();
+            continue;
+        }
         if ((t & 31) == 0) ws[t >> 5] = v;
         __syncthreads();
         if (t < nr) {
@@ -127,6 +176,10 @@ q8_ring(const char* __restrict__ base, const long long* __restrict__ start, cons
         }
         cs += n;                                           // this block's next slot of the op
         pass();
+    }
+    if (V2) {
+        __syncthreads();
+        flush();
     }
 }
 """
@@ -151,12 +204,15 @@ def slot_rows(k: int) -> int:
     return max(1, min(SLOT_BYTES // (nb * BLOCK_BYTES), 512 // nb))
 
 
-PARTS = ("whole work", "no dot products", "no row sums")
+# (PART, V2) of each variant measured, and what it is
+VARIANTS = {(0, 0): "whole work", (1, 0): "no dot products", (2, 0): "no row sums",
+            (0, 1): "V2: aligned words, input transposed, row sums after the next barrier"}
+CHECKED = [v for v, what in VARIANTS.items() if v[0] == 0]     # the variants that do the whole work
 
 
 @functools.cache
-def _kernel(cp, S, part=0):
-    name = f"q8_ring<{S},{part}>"
+def _kernel(cp, S, part=0, v2=0):
+    name = f"q8_ring<{S},{part},{v2}>"
     mod = cp.RawModule(code=_source(), options=("-std=c++17",), name_expressions=[name])
     f = mod.get_function(name)
     f.max_dynamic_shared_size_bytes = S * SLOT_BYTES + MAX_K + MAX_K // 8
@@ -206,8 +262,8 @@ def measure(cp, shape="L8", S=8, reps=10, check_ops=4):
                                 y=cp.zeros(int(sum(rows)), cp.float32))
     sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
 
-    def launch(barriers, part=0):
-        f = _kernel(cp, S, part)
+    def launch(barriers, variant=(0, 0)):
+        f = _kernel(cp, S, *variant)
 
         def run(_):
             dev.cnt.fill(0)
@@ -217,20 +273,21 @@ def measure(cp, shape="L8", S=8, reps=10, check_ops=4):
         return run
 
     errors = []
-    for barriers in (0, 1):
+    for variant, barriers in ((v, bar) for v in CHECKED for bar in (0, 1)):
         dev.y.fill(np.nan)
-        launch(barriers)(0)
+        launch(barriers, variant)(0)
         y = cp.asnumpy(dev.y)
         for o, blocks in enumerate(host):
             ref = _reference(blocks, xq, xd.astype(np.float32).astype(np.float64))
             got = y[ystart[o]:ystart[o] + rows[o]]
             errors.append(float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))))
         if np.isnan(y).any():
-            raise RuntimeError(f"barriers={barriers}: {int(np.isnan(y).sum())} outputs never written")
+            raise RuntimeError(f"{VARIANTS[variant]}, barriers={barriers}: {int(np.isnan(y).sum())} outputs never written")
         if max(errors) > 1e-4:                 # float32 sums of exact block products: ~1e-6
-            raise RuntimeError(f"barriers={barriers}: outputs wrong (max relative error {max(errors):.2e})")
-    times = {f"{name}, {PARTS[part]}": _graph_seconds(cp, launch(bar, part), 1, reps)
-             for part in range(len(PARTS)) for name, bar in (("free", 0), ("barrier", 1))}
+            raise RuntimeError(f"{VARIANTS[variant]}, barriers={barriers}: outputs wrong "
+                               f"(max relative error {max(errors):.2e})")
+    times = {f"{name}, {what}": _graph_seconds(cp, launch(bar, v), 1, reps)
+             for v, what in VARIANTS.items() for name, bar in (("free", 0), ("barrier", 1))}
     return int(sum(sizes)), times, errors
 
 

@@ -96,4 +96,5 @@ def test_q8_ring_compiles(tmp_path):
     from runtime.bench_gpu_q8ring import _source
     src = tmp_path / "q8_ring.cu"
     src.write_text(_source())
-    _compile(src, "compute_90", names=[f"q8_ring<8,{p}>" for p in range(3)])
+    from runtime.bench_gpu_q8ring import VARIANTS
+    _compile(src, "compute_90", names=[f"q8_ring<8,{p},{v}>" for p, v in VARIANTS])
