@@ -15,8 +15,9 @@ an op).  What is left out: the ops between the matvecs (norms, RoPE, attention, 
 activations' rounding), so the input is one fixed vector.  The first ops' outputs are
 checked against float64 on the host before anything is timed.
 
-Session 25's first run: correct, but 31-32% of copy against the probe's 86-87%: the
-consumer, not the streaming, sets the pace (quant/cuda/NOTES.md).  PART splits its time;
+Session 25's first run: correct, but 31-32% of copy against the probe's ~100% (free) and
+~86% (barrier) for the same bytes: the consumer, not the streaming, sets the pace
+(quant/cuda/NOTES.md).  PART splits its time;
 V2 is a lighter consumer written after that run and not yet run on a GPU.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ import types
 
 import numpy as np
 
-from runtime.bench_gpu_stream import BULK_SRC, SLOT_BYTES
+from runtime.bench_gpu_stream import BULK_SRC, SLOT_BYTES, step_matrices
 
 BLOCK_BYTES = 34            # Q8_0: fp16 scale, 32 int8
 MAX_K = 16384               # the input in shared memory: K int8 and K / 32 float scales
@@ -187,13 +188,16 @@ q8_ring(const char* __restrict__ base, const long long* __restrict__ start, cons
 
 def _source():
     return (BULK_SRC + _KERNEL).replace("SLOT_BYTES", str(SLOT_BYTES)).replace("MAX_K", str(MAX_K))
+
+
+def _smem(S):
+    """Dynamic shared memory: S slots, then the op's input (K int8 and K / 32 float scales)."""
+    return S * SLOT_BYTES + MAX_K + MAX_K // 8
+
+
 def q8_ops(shape: str):
     """[(rows, K)] of one decode step's matrices, in order (q/k/v and gate/up as one matrix each)."""
-    from runtime.backend.cuda_synth import SHAPES
-    s = SHAPES[shape]
-    d, ff, hd = s["d_model"], s["d_ff"], s["d_model"] // s["n_heads"]
-    q, kv = s["n_heads"] * hd, s["n_kv_heads"] * hd
-    return [(q + 2 * kv, d), (d, q), (2 * ff, d), (d, ff)] * s["n_layers"] + [(s["vocab"], d)]
+    return [(sum(r for _, r, _ in mats), mats[0][2]) for _, mats in step_matrices(shape)]
 
 
 def slot_rows(k: int) -> int:
@@ -215,7 +219,7 @@ def _kernel(cp, S, part=0, v2=0):
     name = f"q8_ring<{S},{part},{v2}>"
     mod = cp.RawModule(code=_source(), options=("-std=c++17",), name_expressions=[name])
     f = mod.get_function(name)
-    f.max_dynamic_shared_size_bytes = S * SLOT_BYTES + MAX_K + MAX_K // 8
+    f.max_dynamic_shared_size_bytes = _smem(S)
     return f
 
 
@@ -239,8 +243,7 @@ def measure(cp, shape="L8", S=8, reps=10, check_ops=4):
     check_ops ops' outputs against float64])."""
     from runtime.bench_gpu import _graph_seconds
     ops = q8_ops(shape)
-    rb = [k // 32 * BLOCK_BYTES for _, k in ops]
-    sizes = [r * b for (r, _), b in zip(ops, rb)]
+    sizes = [r * (k // 32 * BLOCK_BYTES) for r, k in ops]
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     base = cp.zeros(int(sum(sizes)), cp.uint8)
     rng = np.random.default_rng(0)
@@ -269,16 +272,16 @@ def measure(cp, shape="L8", S=8, reps=10, check_ops=4):
             dev.cnt.fill(0)
             f((sms,), (512,), (base, dev.start, dev.rows, dev.kdim, dev.rps, dev.ystart,
                                np.int32(len(ops)), dev.cnt, dev.xq, dev.xd, dev.y, np.int32(barriers)),
-              shared_mem=S * SLOT_BYTES + MAX_K + MAX_K // 8)
+              shared_mem=_smem(S))
         return run
 
+    refs = [_reference(blocks, xq, xd.astype(np.float32).astype(np.float64)) for blocks in host]
     errors = []
     for variant, barriers in ((v, bar) for v in CHECKED for bar in (0, 1)):
         dev.y.fill(np.nan)
         launch(barriers, variant)(0)
         y = cp.asnumpy(dev.y)
-        for o, blocks in enumerate(host):
-            ref = _reference(blocks, xq, xd.astype(np.float32).astype(np.float64))
+        for o, ref in enumerate(refs):
             got = y[ystart[o]:ystart[o] + rows[o]]
             errors.append(float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))))
         if np.isnan(y).any():

@@ -323,30 +323,43 @@ def _kernel(cp, S, W, shares):
     return f
 
 
-def step_ops(shape: str, mix: str, ctx: int, attention: bool = True):
-    """[(name, bytes, input bytes)] of one decode step's ops, in order."""
-    from quant import row_nbytes
-    from runtime.backend.cuda_synth import SHAPES, mix_type
+def _sizes(shape: str):
+    """(layers, d_model, d_ff, query width, key/value width) of a cuda_synth shape."""
+    from runtime.backend.cuda_synth import SHAPES
     s = SHAPES[shape]
-    L, d, ff, hd = s["n_layers"], s["d_model"], s["d_ff"], s["d_model"] // s["n_heads"]
-    q, kv = s["n_heads"] * hd, s["n_kv_heads"] * hd
+    hd = s["d_model"] // s["n_heads"]
+    return s["n_layers"], s["d_model"], s["d_ff"], s["n_heads"] * hd, s["n_kv_heads"] * hd
 
-    def mat(name, rows, cols):
-        return rows * row_nbytes(mix_type(mix, name, L, cols), cols)
 
+def step_matrices(shape: str):
+    """[(op, [(tensor, rows, cols)])] of one decode step's matrices, in order: q/k/v, o,
+    gate/up and down a layer, then the output matrix."""
+    from runtime.backend.cuda_synth import SHAPES
+    L, d, ff, q, kv = _sizes(shape)
     ops = []
     for i in range(L):
         p = f"blk.{i}."
-        ops.append(("qkv", mat(p + "attn_q.weight", q, d) + mat(p + "attn_k.weight", kv, d)
-                    + mat(p + "attn_v.weight", kv, d), 4 * d))
-        if attention:
+        ops += [("qkv", [(p + "attn_q.weight", q, d), (p + "attn_k.weight", kv, d), (p + "attn_v.weight", kv, d)]),
+                ("o", [(p + "attn_output.weight", d, q)]),
+                ("gate/up", [(p + "ffn_gate.weight", ff, d), (p + "ffn_up.weight", ff, d)]),
+                ("down", [(p + "ffn_down.weight", d, ff)])]
+    s = SHAPES[shape]
+    ops.append(("output", [("token_embd.weight" if s["tied"] else "output.weight", s["vocab"], d)]))
+    return ops
+
+
+def step_ops(shape: str, mix: str, ctx: int, attention: bool = True):
+    """[(name, bytes, input bytes)] of one decode step's ops, in order."""
+    from quant import row_nbytes
+    from runtime.backend.cuda_synth import mix_type
+    L, _, _, q, kv = _sizes(shape)
+    ops = []
+    for name, mats in step_matrices(shape):
+        cols = mats[0][2]                                  # an op's matrices share their input
+        ops.append((name, sum(r * row_nbytes(mix_type(mix, t, L, c), c) for t, r, c in mats), 4 * cols))
+        if attention and name == "qkv":
             ops.append(("attention", 2 * 2 * ctx * kv, 4 * q))     # f16 K and V of the context
             ops.append(("merge", 0, 0))
-        ops.append(("o", mat(p + "attn_output.weight", d, q), 4 * q))
-        ops.append(("gate/up", mat(p + "ffn_gate.weight", ff, d) + mat(p + "ffn_up.weight", ff, d), 4 * d))
-        ops.append(("down", mat(p + "ffn_down.weight", d, ff), 4 * ff))
-    out = "token_embd.weight" if s["tied"] else "output.weight"
-    ops.append(("output", mat(out, s["vocab"], d), 4 * d))
     return ops
 
 
@@ -506,7 +519,7 @@ def main(argv=None) -> int:
             for S, W, il, name, t, g in rows:
                 print(f"| {S} | {W} | {SHARES[il]} | {name} | {t * 1e3:.4f} | "
                       f"{g / 1e9:.0f} | {100 * g / bw:.1f} |", flush=True)
-            for sh in sorted({c[2] for c in runnable(cp, [(8, 0, 1), (8, 0, BULK)])}) if traced else ():
+            for _, _, sh in runnable(cp, [(8, 0, 1), (8, 0, BULK)]) if traced else ():
                 for dep in DEPS:
                     print(f"\ntimeline, {SHARES[sh]}, {dep} (summed over the layers, us):")
                     print(timeline_table(ops, timeline(cp, ops, dep, shares=sh), bw), flush=True)

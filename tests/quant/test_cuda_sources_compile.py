@@ -93,8 +93,7 @@ def test_stream_probe_compiles(tmp_path, arch):
 
 def test_q8_ring_compiles(tmp_path):
     """runtime/bench_gpu_q8ring.py's kernel (bulk copies: sm_90 and later)."""
-    from runtime.bench_gpu_q8ring import _source
+    from runtime.bench_gpu_q8ring import VARIANTS, _source
     src = tmp_path / "q8_ring.cu"
     src.write_text(_source())
-    from runtime.bench_gpu_q8ring import VARIANTS
     _compile(src, "compute_90", names=[f"q8_ring<8,{p},{v}>" for p, v in VARIANTS])
