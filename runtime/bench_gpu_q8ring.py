@@ -32,6 +32,7 @@ from runtime.bench_gpu_stream import BULK_SRC, SLOT_BYTES, step_matrices
 
 BLOCK_BYTES = 34            # Q8_0: fp16 scale, 32 int8
 MAX_K = 16384               # the input in shared memory: K int8 and K / 32 float scales
+MAX_OPS = 256               # q8_stream's op tables in shared memory
 
 _KERNEL = r"""
 #include <cuda_fp16.h>
@@ -183,16 +184,135 @@ q8_ring(const char* __restrict__ base, const long long* __restrict__ start, cons
         flush();
     }
 }
+
+// The consumer made light (session 26): q8_ring's V2 ran at 35% of copy with ~3500 warp
+// instructions a slot an SM, its block in lockstep, every latency of a slot's chain in
+// series.  Here: the op tables in shared memory, read by thread 0 alone (no global load or
+// division a slot in 511 threads), slots of SB bytes (32 KB: twice the rows for the same
+// chain), a thread P blocks of a slot, the weights as aligned words, the input transposed,
+// a slot's row sums finished by the last warp after the next slot's barrier.
+template <int S, int SB>
+__global__ void __launch_bounds__(512, 1)
+q8_stream(const char* __restrict__ base, const long long* __restrict__ start, const int* __restrict__ rows,
+          const int* __restrict__ kdim, const int* __restrict__ rps, const long long* __restrict__ ystart, int nops,
+          unsigned* cnt, const int* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y,
+          int barriers) {
+    constexpr int P = (SB / 34 + 511) / 512;               // blocks a thread a slot, at most
+    extern __shared__ uint4 ring[];                        // S slots, then the op's input
+    __shared__ unsigned long long full[S];
+    __shared__ float ws[2][16 * P];                        // a warp's sum, two slots' worth
+    __shared__ long long o_start[MAX_OPS], o_y[MAX_OPS];
+    __shared__ int o_rows[MAX_OPS], o_k[MAX_OPS], o_rps[MAX_OPS], o_ns[MAX_OPS];
+    int* xs = (int*)(ring + S * (SB / 16));
+    float* xds = (float*)(xs + MAX_K / 4);
+    const int t = threadIdx.x, b = blockIdx.x, n = gridDim.x;
+    for (int o = t; o < nops; o += 512) {
+        o_start[o] = start[o]; o_y[o] = ystart[o]; o_rows[o] = rows[o]; o_k[o] = kdim[o]; o_rps[o] = rps[o];
+        o_ns[o] = (rows[o] + rps[o] - 1) / rps[o];
+    }
+    int pop = 0, ps = b;                                   // thread 0: the next slot to copy
+    auto issue = [&](int slot) {
+        while (pop < nops && ps >= o_ns[pop]) { ++pop; ps = b; }
+        if (pop < nops) {
+            const int r0 = ps * o_rps[pop], nr = min(o_rps[pop], o_rows[pop] - r0);
+            const long long rb = (long long)(o_k[pop] / 32) * 34;
+            bulk_copy(ring + slot * (SB / 16), base + o_start[pop] + r0 * rb, (unsigned)(nr * rb), full + slot);
+            ps += n;
+        } else {
+            bulk_none(full + slot);
+        }
+    };
+    int cop = 0, cs = b, xop = -1, cns = 0, nb = 0, crps = 0, crows = 0;   // the slot to read, op's sizes
+    long long cys = 0;
+    int bi[P];                                             // block j = t + 512 p's index in its row
+    int pend_nr = 0, pend_buf = 0, pend_wpr = 0;           // the row sums left to finish
+    long long pend_y = 0;
+    auto flush = [&]() {                                   // after a barrier, by the last warp
+        if (t >= 480 && t - 480 < pend_nr) {
+            const int r = t - 480;
+            float a = 0.f;
+            for (int w = r * pend_wpr; w < (r + 1) * pend_wpr; ++w) a += ws[pend_buf][w];
+            y[pend_y + r] = a;
+        }
+        pend_nr = 0;
+    };
+    auto pass = [&]() {                                    // ops whose share this block has read
+        while (cop < nops && cs >= cns) {
+            if (barriers) {
+                __syncthreads();
+                flush();                                   // the op's outputs written before it is passed
+                __syncthreads();
+                if (t == 0) { __threadfence(); atomicAdd(cnt + cop, 1u); }
+            }
+            if (++cop < nops) cns = o_ns[cop];
+            cs = b;
+        }
+    };
+    bulk_init(full, S);                                    // (its barrier also orders the tables)
+    if (t == 0) for (int s = 0; s < S - 1; ++s) issue(s);
+    if (nops) cns = o_ns[0];
+    pass();
+    for (int k = 0; cop < nops; ++k) {
+        bulk_wait(full + k % S, (k / S) & 1);
+        __syncthreads();                                   // slot (k - 1) % S read by all
+        if (t == 0) issue((k + S - 1) % S);
+        flush();
+        if (xop != cop) {                                  // the op's input, once the op before is done
+            if (t == 0 && barriers && cop > 0) {
+                while (*(volatile const unsigned*)(cnt + cop - 1) < (unsigned)n) __nanosleep(20);
+                __threadfence();
+            }
+            __syncthreads();
+            const int K = o_k[cop];
+            nb = K / 32; crps = o_rps[cop]; crows = o_rows[cop]; cys = o_y[cop];
+            for (int w = t; w < K / 4; w += 512) xs[(w & 7) * nb + (w >> 3)] = __ldcg(xq + w);
+            for (int i = t; i < nb; i += 512) xds[i] = __ldcg(xd + i);
+#pragma unroll
+            for (int p = 0; p < P; ++p) bi[p] = (t + 512 * p) % nb;
+            __syncthreads();
+            xop = cop;
+        }
+        const int r0 = cs * crps, nr = min(crps, crows - r0), nblk = nr * nb;
+        const unsigned* sl = (const unsigned*)(ring + (k % S) * (SB / 16));
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            const int j = t + 512 * p;
+            if (j < nblk) {                                // warp-uniform: nblk is whole warps
+                const unsigned* W = sl + ((34 * j) >> 2);  // block j starts at byte 34 j
+                const unsigned sh = (j & 1) ? 32u : 16u;   // odd blocks' weights are word-aligned
+                unsigned w[9];
+#pragma unroll
+                for (int i = 0; i < 9; ++i) w[i] = W[i];
+                int s0 = 0, s1 = 0;
+#pragma unroll
+                for (int i = 0; i < 8; i += 2) {
+                    s0 = __dp4a((int)__funnelshift_rc(w[i], w[i + 1], sh), xs[i * nb + bi[p]], s0);
+                    s1 = __dp4a((int)__funnelshift_rc(w[i + 1], w[i + 2], sh), xs[(i + 1) * nb + bi[p]], s1);
+                }
+                const unsigned short d = (unsigned short)(w[0] >> (sh - 16));
+                float v = __half2float(__ushort_as_half(d)) * xds[bi[p]] * (float)(s0 + s1);
+#pragma unroll
+                for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+                if ((t & 31) == 0) ws[k & 1][j >> 5] = v;
+            }
+        }
+        pend_nr = nr; pend_buf = k & 1; pend_wpr = nb / 32; pend_y = cys + r0;
+        cs += n;
+        pass();
+    }
+    __syncthreads();
+    flush();
+}
 """
 
 
 def _source():
-    return (BULK_SRC + _KERNEL).replace("SLOT_BYTES", str(SLOT_BYTES)).replace("MAX_K", str(MAX_K))
+    return (BULK_SRC + _KERNEL).replace("SLOT_BYTES", str(SLOT_BYTES)).replace("MAX_K", str(MAX_K)).replace("MAX_OPS", str(MAX_OPS))
 
 
-def _smem(S):
-    """Dynamic shared memory: S slots, then the op's input (K int8 and K / 32 float scales)."""
-    return S * SLOT_BYTES + MAX_K + MAX_K // 8
+def _smem(S, sb=SLOT_BYTES):
+    """Dynamic shared memory: S slots of sb bytes, then the op's input (K int8, K / 32 float scales)."""
+    return S * sb + MAX_K + MAX_K // 8
 
 
 def q8_ops(shape: str):
@@ -200,26 +320,39 @@ def q8_ops(shape: str):
     return [(sum(r for _, r, _ in mats), mats[0][2]) for _, mats in step_matrices(shape)]
 
 
-def slot_rows(k: int) -> int:
-    """Whole rows a slot holds; a thread a Q8_0 block, so at most 512 blocks a slot."""
+def slot_rows(k: int, sb: int = SLOT_BYTES, blocks: int = 512) -> int:
+    """Whole rows a slot of sb bytes holds, at most `blocks` Q8_0 blocks (q8_ring: a thread a
+    block; q8_stream: P blocks a thread) and 32 rows (q8_stream: a lane a row's sum)."""
     nb = k // 32
-    if k % 1024 or k > MAX_K:
-        raise ValueError(f"K = {k}: rows must be whole warps of blocks (K % 1024 == 0) and K <= {MAX_K}")
-    return max(1, min(SLOT_BYTES // (nb * BLOCK_BYTES), 512 // nb))
+    if k % 1024 or k > MAX_K or nb * BLOCK_BYTES > sb:
+        raise ValueError(f"K = {k}: rows must be whole warps of blocks (K % 1024 == 0), K <= {MAX_K}, "
+                         f"a row within a slot of {sb} bytes")
+    return max(1, min(sb // (nb * BLOCK_BYTES), blocks // nb, 32))
 
 
-# (PART, V2) of each variant measured, and what it is
-VARIANTS = {(0, 0): "whole work", (1, 0): "no dot products", (2, 0): "no row sums",
-            (0, 1): "V2: aligned words, input transposed, row sums after the next barrier"}
-CHECKED = [v for v, what in VARIANTS.items() if v[0] == 0]     # the variants that do the whole work
+def _blocks(name, sb):
+    """Q8_0 blocks one slot may hold: a thread's share of 512 threads."""
+    return 512 * -(-sb // BLOCK_BYTES // 512) if name.startswith("q8_stream") else 512
+
+
+# each variant timed: (kernel, slots, slot bytes, whether it does the whole work): what it is
+VARIANTS = {
+    ("q8_ring<8,0,0>", 8, SLOT_BYTES, True): "q8_ring, whole work",
+    ("q8_ring<8,1,0>", 8, SLOT_BYTES, False): "q8_ring, no dot products",
+    ("q8_ring<8,2,0>", 8, SLOT_BYTES, False): "q8_ring, no row sums",
+    ("q8_ring<8,0,1>", 8, SLOT_BYTES, True): "q8_ring V2: aligned words, input transposed, row sums after the next barrier",
+    ("q8_stream<8,16384>", 8, 16384, True): "q8_stream, 8 slots of 16 KB",
+    ("q8_stream<4,32768>", 4, 32768, True): "q8_stream, 4 slots of 32 KB",
+    ("q8_stream<6,32768>", 6, 32768, True): "q8_stream, 6 slots of 32 KB",
+}
+CHECKED = [v for v in VARIANTS if v[3]]
 
 
 @functools.cache
-def _kernel(cp, S, part=0, v2=0):
-    name = f"q8_ring<{S},{part},{v2}>"
+def _kernel(cp, name, S, sb):
     mod = cp.RawModule(code=_source(), options=("-std=c++17",), name_expressions=[name])
     f = mod.get_function(name)
-    f.max_dynamic_shared_size_bytes = _smem(S)
+    f.max_dynamic_shared_size_bytes = _smem(S, sb)
     return f
 
 
@@ -238,9 +371,10 @@ def _reference(blocks, xq, xd):
     return ((q * x).sum(-1) * d * xd[: q.shape[1]]).sum(-1)
 
 
-def measure(cp, shape="L8", S=8, reps=10, check_ops=4):
+def measure(cp, shape="L8", reps=10, check_ops=4, only=None):
     """(weight bytes a step, {variant: seconds a step}, [max relative error of the first
-    check_ops ops' outputs against float64])."""
+    check_ops ops' outputs against float64]); only: the kernels to run (default all)."""
+    only = only or [v[0] for v in VARIANTS]
     from runtime.bench_gpu import _graph_seconds
     ops = q8_ops(shape)
     sizes = [r * (k // 32 * BLOCK_BYTES) for r, k in ops]
@@ -259,25 +393,26 @@ def measure(cp, shape="L8", S=8, reps=10, check_ops=4):
     ystart = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
     dev = types.SimpleNamespace(start=cp.asarray(starts), rows=cp.asarray(np.array(rows, np.int32)),
                                 kdim=cp.asarray(np.array([k for _, k in ops], np.int32)),
-                                rps=cp.asarray(np.array([slot_rows(k) for _, k in ops], np.int32)),
                                 ystart=cp.asarray(ystart), cnt=cp.zeros(len(ops), cp.uint32),
                                 xq=cp.asarray(xq.view(np.int32)), xd=cp.asarray(xd.astype(np.float32)),
                                 y=cp.zeros(int(sum(rows)), cp.float32))
     sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
 
-    def launch(barriers, variant=(0, 0)):
-        f = _kernel(cp, S, *variant)
+    def launch(barriers, variant):
+        name, S, sb, _ = variant
+        f = _kernel(cp, name, S, sb)
+        rps = cp.asarray(np.array([slot_rows(k, sb, _blocks(name, sb)) for _, k in ops], np.int32))
 
         def run(_):
             dev.cnt.fill(0)
-            f((sms,), (512,), (base, dev.start, dev.rows, dev.kdim, dev.rps, dev.ystart,
+            f((sms,), (512,), (base, dev.start, dev.rows, dev.kdim, rps, dev.ystart,
                                np.int32(len(ops)), dev.cnt, dev.xq, dev.xd, dev.y, np.int32(barriers)),
-              shared_mem=_smem(S))
+              shared_mem=_smem(S, sb))
         return run
 
     refs = [_reference(blocks, xq, xd.astype(np.float32).astype(np.float64)) for blocks in host]
     errors = []
-    for variant, barriers in ((v, bar) for v in CHECKED for bar in (0, 1)):
+    for variant, barriers in ((v, bar) for v in CHECKED if v[0] in only for bar in (0, 1)):
         dev.y.fill(np.nan)
         launch(barriers, variant)(0)
         y = cp.asnumpy(dev.y)
@@ -290,7 +425,8 @@ def measure(cp, shape="L8", S=8, reps=10, check_ops=4):
             raise RuntimeError(f"{VARIANTS[variant]}, barriers={barriers}: outputs wrong "
                                f"(max relative error {max(errors):.2e})")
     times = {f"{name}, {what}": _graph_seconds(cp, launch(bar, v), 1, reps)
-             for v, what in VARIANTS.items() for name, bar in (("free", 0), ("barrier", 1))}
+             for v, what in VARIANTS.items() if v[0] in only
+             for name, bar in (("free", 0), ("barrier", 1))}
     return int(sum(sizes)), times, errors
 
 
@@ -298,21 +434,21 @@ def main(argv=None) -> int:
     import cupy as cp
 
     from runtime.bench_gpu import copy_bandwidth
-    args = list(argv or sys.argv[1:]) or ["L8"]
+    args = list(argv or sys.argv[1:])
+    only = [a for a in args if "<" in a] or None             # kernels named, e.g. 'q8_stream<4,32768>'
+    args = [a for a in args if "<" not in a] or ["L8"]
     if int(cp.cuda.Device().compute_capability) < 90:
         print("bulk copies need compute capability 9.0 or later")
         return 1
     bw = copy_bandwidth(cp)
     print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}: copy {bw / 1e9:.0f} GB/s")
     for shape in args:
-        for S in (8,):
-            nbytes, times, errors = measure(cp, shape, S)
-            print(f"{shape} Q8_0 matvecs, {len(q8_ops(shape))} ops, {nbytes / 1e6:.1f} MB a step, {S} slots; "
-                  f"first ops' max error against float64 (relative to the largest output): "
-                  f"{max(errors):.2e}")
-            for name, t in times.items():
-                print(f"  {name}: {t * 1e3:.4f} ms a step, {nbytes / t / 1e9:.0f} GB/s, "
-                      f"{100 * nbytes / t / bw:.1f}% of copy", flush=True)
+        nbytes, times, errors = measure(cp, shape, only=only)
+        print(f"{shape} Q8_0 matvecs, {len(q8_ops(shape))} ops, {nbytes / 1e6:.1f} MB a step; "
+              f"first ops' max error against float64 (relative to the largest output): {max(errors, default=np.nan):.2e}")
+        for name, t in times.items():
+            print(f"  {name}: {t * 1e3:.4f} ms a step, {nbytes / t / 1e9:.0f} GB/s, "
+                  f"{100 * nbytes / t / bw:.1f}% of copy", flush=True)
     return 0
 
 

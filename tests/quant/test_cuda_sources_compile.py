@@ -96,4 +96,4 @@ def test_q8_ring_compiles(tmp_path):
     from runtime.bench_gpu_q8ring import VARIANTS, _source
     src = tmp_path / "q8_ring.cu"
     src.write_text(_source())
-    _compile(src, "compute_90", names=[f"q8_ring<8,{p},{v}>" for p, v in VARIANTS])
+    _compile(src, "compute_90", names=[v[0] for v in VARIANTS])
