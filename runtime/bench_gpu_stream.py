@@ -41,52 +41,12 @@ from __future__ import annotations
 
 import functools
 import sys
+from pathlib import Path
 
 import numpy as np
 
 # one slot copied by one instruction (sm_90+); also used by runtime/bench_gpu_q8ring.py
-BULK_SRC = r"""
-// Hopper and later (sm_90, also Blackwell's consumer parts): thread 0 copies a whole slot with
-// one instruction (cp.async.bulk, the TMA engine's 1-D copy) and the slot's mbarrier counts
-// its bytes in, so no thread spends issue slots or registers on the copy
-__device__ __forceinline__ unsigned sh(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void bulk_init(unsigned long long* bar, int S) {
-#if __CUDA_ARCH__ >= 900
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < S; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(sh(bar + s)));
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-#else
-    __trap();
-#endif
-}
-__device__ __forceinline__ void bulk_copy(void* smem, const void* g, unsigned nb, unsigned long long* bar) {
-#if __CUDA_ARCH__ >= 900
-    // the slot was last read through the generic proxy; the copy writes it through the async one
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n"
-                 :: "r"(sh(bar)), "r"(nb) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 :: "r"(sh(smem)), "l"(g), "r"(nb), "r"(sh(bar)) : "memory");
-#endif
-}
-__device__ __forceinline__ void bulk_none(unsigned long long* bar) {      // a slot with nothing to copy
-#if __CUDA_ARCH__ >= 900
-    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(sh(bar)) : "memory");
-#endif
-}
-__device__ __forceinline__ void bulk_wait(unsigned long long* bar, unsigned parity) {
-#if __CUDA_ARCH__ >= 900
-    unsigned ok;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(ok) : "r"(sh(bar)), "r"(parity) : "memory");
-    } while (!ok);
-#endif
-}
-
-"""
+BULK_SRC = (Path(__file__).resolve().parent.parent / "quant" / "cuda" / "bulk.cuh").read_text()
 
 _SRC = BULK_SRC + r"""
 __device__ __forceinline__ void cp16(void* smem, const void* g) {

@@ -64,6 +64,17 @@
 #ifndef MG_G
 #define MG_G 4
 #endif
+#ifndef MG_BULK
+#define MG_BULK 0               // sm_90+, Q8_0 matvecs: a block's ring of whole-row slots, bulk-copied
+#endif
+#ifndef MG_SB
+#define MG_SB 32768             // bytes a bulk slot
+#endif
+#if MG_BULK
+#include "bulk.cuh"
+constexpr int MB_P = (MG_SB / 34 + MG_WARPS * 32 - 1) / (MG_WARPS * 32);   // Q8_0 blocks a thread a slot
+constexpr int MB_BLOCKS = MB_P * MG_WARPS * 32;                             // ... a slot
+#endif
 constexpr int ATT_GROUPS = MG_WARPS / 4;
 constexpr int MG_OPS = 6;                        // ops a layer (grid barriers between)         // 4-warp groups, one attention split each
 constexpr int QB = (MG_KMAX / 256 + MG_WARPS - 1) / MG_WARPS;   // 256-value groups a warp rounds
@@ -92,7 +103,7 @@ struct SPh {
     int K, ntasks, kind, nseg, act, bs, nsl;
     float eps;
     int cps;                                    // chunks a slot: 2 * MG_SUB of one row, MG_SUB of two
-    int pad;
+    int rps;                                    // MG_BULK: rows a slot (nsl: slots; T[k]: slots of segment k)
 };
 static_assert(sizeof(SPh) == 176, "SPh");
 
@@ -411,11 +422,59 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
             s.nsl = ((int)g.K + s.cps * MVS_CW - 1) / (s.cps * MVS_CW);
 #pragma unroll
             for (int k = 0; k < 3; k++) s.T[k] = s.M[k];
+#if MG_BULK
+            {   // whole rows a slot (gate/up: the same rows of both), at most MB_BLOCKS blocks
+                const int per = s.kind == 2 ? 2 : 1, nb = s.K / 32;
+                s.rps = max(1, min(MG_SB / (per * s.rb[0]), MB_BLOCKS / (per * nb)));
+                s.nsl = 0;
+#pragma unroll
+                for (int k = 0; k < 3; k++) {
+                    s.T[k] = k < (s.kind == 2 ? 1 : s.nseg) ? (s.M[k] + s.rps - 1) / s.rps : 0;
+                    s.nsl += s.T[k];
+                }
+            }
+#endif
             s.eps = (float)g.eps;
         }
         __syncthreads();
     }
 
+#if MG_BULK
+    // The ring: MG_S slots of the block's share of each matvec op, in op order (op o's slots
+    // s = blockIdx, + gridDim, ...), whole rows each; thread 0 refills a slot as soon as
+    // every thread has read it, across op boundaries and barriers (weights don't wait for
+    // activations).  A slot's rows are summed after the next slot's barrier (mvs's order:
+    // lane l adds blocks l, l + 32, ... of its row, then the butterfly), so one block-wide
+    // barrier a slot remains.
+    __shared__ unsigned long long mb_full[MG_S];
+    __shared__ int4 mb_desc[MG_S];                // a slot's segment, first row, rows
+    __shared__ float mb_t[2][MB_BLOCKS];          // a block's dot before its activation scale, two slots
+    uint4* bring = (uint4*)(mg_smem + MG_RING_OFF);
+    int pph = 0, pslot = blockIdx.x, iss = 0;     // thread 0: the next slot to copy (op, slot); copies issued
+    auto refill = [&](int upto) {                 // thread 0: slots issued up to `upto` (exclusive)
+        while (iss < upto) {
+            while (pph < nph && pslot >= P[pph].nsl) { ++pph; pslot = blockIdx.x; }
+            if (pph == nph) return;
+            const SPh& p = P[pph];
+            int sg = 0, sl = pslot;
+            if (p.kind != 2) while (sl >= p.T[sg]) { sl -= p.T[sg]; ++sg; }
+            const int r0 = sl * p.rps, nr = min(p.rps, p.M[sg] - r0), buf = iss % MG_S;
+            uint4* dst = bring + buf * (MG_SB / 16);
+            const unsigned nbytes = (unsigned)(nr * p.rb[sg]);
+            if (p.kind == 2)
+                bulk_copy2(dst, p.W[0] + (long long)r0 * p.rb[0], nbytes, (char*)dst + nbytes,
+                           p.W[1] + (long long)r0 * p.rb[1], nbytes, mb_full + buf);
+            else
+                bulk_copy(dst, p.W[sg] + (long long)r0 * p.rb[sg], nbytes, mb_full + buf);
+            mb_desc[buf] = make_int4(sg, r0, nr, 0);
+            pslot += gridDim.x;
+            ++iss;
+        }
+    };
+    bulk_init(mb_full, MG_S);
+    if (threadIdx.x == 0) refill(MG_S);
+    int kc = 0;                                   // slots read so far
+#else
     // the cursors: computed (ci), copied into the ring (ii, MG_S - 1 ahead), asked of the L2 (pi)
     MIt ci, ii, pi;
     it_begin(ci, P, nph, gw);
@@ -433,6 +492,7 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
         if (pseq < iseq) { pi = ii; pseq = iseq; }
         while (pseq < iseq + n && pi.ph < nph) { it_prefetch(pi, P, lane); it_next(pi, P, nph, gw, nw); pseq++; }
     };
+#endif
 
     // this token's RoPE cos/sin (all layers share them): block 0, read after a barrier
     if (blockIdx.x == 0) {
@@ -444,6 +504,92 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
         }
     }
 
+#if MG_BULK
+    // the rows of slot `ks` (descriptor d) summed and written: a warp a row (gate/up: the
+    // row of both), the sums mvs_dot and mvs_store make, in their order
+    auto rows_out = [&](const SPh& p, int4 d, int ks) {
+        const float* tb = mb_t[ks & 1];
+        const int nb = p.K / 32;
+#pragma unroll 1
+        for (int rr = warp; rr < d.z; rr += MG_WARPS) {
+            float a0 = 0.f, a1 = 0.f;
+            for (int blk = lane; blk < nb; blk += 32) a0 = fmaf(tb[rr * nb + blk], xd[blk], a0);
+            if (p.kind == 2)
+                for (int blk = lane; blk < nb; blk += 32) a1 = fmaf(tb[(d.z + rr) * nb + blk], xd[blk], a1);
+            const float v0 = q8_bfly(a0);
+            const float v1 = p.kind == 2 ? q8_bfly(a1) : 0.f;
+            if (lane == 0) {
+                const int r = d.y + rr;
+                if (p.kind == 2) {
+                    p.y[1][r] = silu_mul(v0, v1);
+                } else {
+                    float* y = p.y[d.x];
+                    if (p.kind == 0) {
+                        const float* bias = p.bias[d.x];
+                        y[r] = bias ? v0 + bias[r] : v0;
+                    } else {
+                        y[r] = __ldcg(y + r) + v0;
+                    }
+                }
+            }
+        }
+    };
+    // one matvec op: round its input into shared memory, then this block's slots: a thread
+    // MB_P Q8_0 blocks of each, its dot (IQ8_0's: two runs of 16, each scaled) into mb_t
+    auto matvec = [&](int ph, long long* stamp) {
+        const SPh& p = P[ph];
+        mg_quant(p, xq, xd, xs, gs);
+#if MG_PROF
+        if (threadIdx.x == 0) stamp[3] = clock64();
+#endif
+        const int nb = p.K / 32, per = p.kind == 2 ? 2 : 1;
+        int bj[MB_P];                             // block j = thread + 512 i's index in its row
+#pragma unroll
+        for (int i = 0; i < MB_P; i++) bj[i] = (threadIdx.x + i * MG_WARPS * 32) % nb;
+        int4 pd = make_int4(0, 0, 0, 0);
+        int pk = -1;                              // the slot whose rows are still to be summed
+#pragma unroll 1
+        for (int sl = blockIdx.x; sl < p.nsl; sl += gridDim.x, ++kc) {
+            const int buf = kc % MG_S;
+            bulk_wait(mb_full + buf, (kc / MG_S) & 1);
+            __syncthreads();                      // slot kc - 1 read and its dots stored, by all
+            if (threadIdx.x == 0) refill(kc + MG_S);
+            if (pk >= 0) rows_out(p, pd, pk);
+            const int4 d = mb_desc[buf];
+            const int nblk = per * d.z * nb;
+            const unsigned* sw = (const unsigned*)(bring + buf * (MG_SB / 16));
+            float* tb = mb_t[kc & 1];
+#pragma unroll
+            for (int i = 0; i < MB_P; i++) {
+                const int j = threadIdx.x + i * MG_WARPS * 32;
+                if (j < nblk) {
+                    const unsigned* W = sw + ((34 * j) >> 2);   // block j starts at byte 34 j
+                    const unsigned shr = (j & 1) ? 32u : 16u;   // odd blocks' weights are word-aligned
+                    unsigned w[9];
+#pragma unroll
+                    for (int u = 0; u < 9; u++) w[u] = W[u];
+                    const int4 x0 = *(const int4*)(xq + 32 * bj[i]), x1 = *(const int4*)(xq + 32 * bj[i] + 16);
+                    int s0 = 0, s1 = 0;
+                    s0 = __dp4a((int)__funnelshift_rc(w[0], w[1], shr), x0.x, s0);
+                    s0 = __dp4a((int)__funnelshift_rc(w[1], w[2], shr), x0.y, s0);
+                    s0 = __dp4a((int)__funnelshift_rc(w[2], w[3], shr), x0.z, s0);
+                    s0 = __dp4a((int)__funnelshift_rc(w[3], w[4], shr), x0.w, s0);
+                    s1 = __dp4a((int)__funnelshift_rc(w[4], w[5], shr), x1.x, s1);
+                    s1 = __dp4a((int)__funnelshift_rc(w[5], w[6], shr), x1.y, s1);
+                    s1 = __dp4a((int)__funnelshift_rc(w[6], w[7], shr), x1.z, s1);
+                    s1 = __dp4a((int)__funnelshift_rc(w[7], w[8], shr), x1.w, s1);
+                    const float dw = __half2float(__ushort_as_half((unsigned short)(w[0] >> (shr - 16))));
+                    tb[j] = fmaf(dw, (float)s1, fmaf(dw, (float)s0, 0.f));
+                }
+            }
+            pd = d;
+            pk = kc;
+        }
+        __syncthreads();                          // the last slot's dots stored
+        if (threadIdx.x == 0) refill(kc + MG_S);  // its buffer refilled now: the ring full across the barrier
+        if (pk >= 0) rows_out(p, pd, pk);         // (the next barrier orders these writes)
+    };
+#else
     // one matvec op: round its input into shared memory, then this warp's tasks
     auto matvec = [&](int ph, long long* stamp) {
         const SPh& p = P[ph];
@@ -497,6 +643,8 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
         }
     };
 
+#endif
+
     // attention of layer l: splits by 4-warp groups (partials; the merge is an op of its own)
     auto attention = [&](int l) {
         const int grp = warp >> 2, tid = threadIdx.x & 127;
@@ -545,7 +693,9 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
         long long* stamp = prof ? prof + 4 * st : nullptr;
         const int l = st / MG_OPS, op = st % MG_OPS;
         if (st > 0) {
+#if !MG_BULK
             l2_ahead(op == 1 ? MG_PFA : MG_PFB);
+#endif
             grid_sync(cnt + st - 1, err, stamp);
         }
         if (st == MG_OPS * L) matvec(4 * L, stamp);
@@ -558,5 +708,7 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
     __syncthreads();
     if (threadIdx.x == 0) prof_buf[(long long)gridDim.x * (MG_OPS * L + 1) * 4 + blockIdx.x] = clock64();
 #endif
+#if !MG_BULK
     cp_async_wait<0>();
+#endif
 }

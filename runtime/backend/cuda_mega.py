@@ -22,6 +22,13 @@ MIN_STAGES = 3
 MAX_STAGES = 8
 PFA, PFB = 0, 0                 # slots a warp asks the L2 for ahead of its ring: before attention, a barrier
 MAX_SPLITS = 64                 # CUDABackend._splits never asks for more
+# sm_90+ with Q8_0 weights: each block's matvec weights stream through one ring of whole-row
+# slots filled by bulk copies (cp.async.bulk), not through a cp.async ring a warp
+# (runtime/bench_gpu_q8ring.py measured the structure; LLAMBA_CUDA_MEGA_BULK=0 turns it off)
+BULK = os.environ.get("LLAMBA_CUDA_MEGA_BULK", "1") != "0"
+BULK_CC = 90
+BULK_SB = 32768                 # bytes a slot
+BULK_S = 4                      # slots (4 x 32 KB measured best: 6 x 32 KB and 8 x 16 KB were slower)
 CW = 1024                       # weights a chunk (qint8.cuh MVS_CW)
 # GGML type id -> (block elements, block bytes) for the types the kernel decodes
 _BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
@@ -38,6 +45,12 @@ def slot_words(ty: int, sub: int) -> int:
     return (15 + sub * CW // qk * bb + 15) // 16 + 1
 
 
+def bulk_blocks(sb: int) -> int:
+    """Q8_0 blocks a bulk slot of sb bytes may hold: whole warps' shares (cuda_mega.cu MB_BLOCKS)."""
+    per = 32 * WARPS
+    return -(-(sb // 34) // per) * per
+
+
 def smem_bytes(kmax: int, hd: int, g: int, nph: int, slot: int, stages: int, warps: int = WARPS) -> tuple[int, int]:
     """(bytes before the ring, total) of the kernel's dynamic shared memory, as cuda_mega.cu lays it out."""
     xq = (kmax + 15) // 16 * 16
@@ -45,6 +58,15 @@ def smem_bytes(kmax: int, hd: int, g: int, nph: int, slot: int, stages: int, war
     att = warps // 4 * (8 * g + 4 * g * hd) * 4
     ring_off = 1024 + nph * _SPH + (max(act, att) + 15) // 16 * 16
     return ring_off, ring_off + warps * stages * slot * 16
+
+
+def bulk_ok(be, model, weights) -> bool:
+    """Whether the bulk-copy ring can stream these matvec weights: sm_90+, all Q8_0, rows
+    and bases 16-byte aligned (a bulk copy's granule), a row (gate/up: two) within a slot."""
+    if not BULK or be.device_info["cc"] < BULK_CC:
+        return False
+    return all(int(W.qtype) == 8 and W.row_nbytes % 16 == 0 and W.data.data.ptr % 16 == 0
+               and 2 * W.row_nbytes <= BULK_SB for W in weights)
 
 
 def why_not(be, model) -> str | None:
@@ -151,11 +173,36 @@ class MegaDecode:
         phase([seg(model.output, self.logits)], D, 0, 1, self.x, model.output_norm)
         self.phases = cp.asarray(np.stack(ph))
         self.nph = len(ph)
+        weights = [Ly[n] for Ly in model.layers
+                   for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+        self.bulk = bulk_ok(be, model, weights + [model.output])
 
         kmax = max(D, H * HD, F)
         dev = cp.cuda.Device()
         props = cp.cuda.runtime.getDeviceProperties(dev.id)
         optin = int(props.get("sharedMemPerBlockOptin", 0) or props["sharedMemPerBlock"])
+        from quant.cuda import source
+        src = source(_DIR / "cuda_mega.cu", _DIR / "cuda_attn.cuh", _QDIR / "qint8.cuh", _QDIR / "qblocks.cuh",
+                     _QDIR / "bulk.cuh")
+        self.grid = int(props["multiProcessorCount"])
+        self.clock_khz = int(props["clockRate"])
+        self.prof = cp.zeros(self.grid * (len(OPS) * L + 1) * 4 + self.grid, cp.int64) if prof else None
+        self._args = {}
+        self.runs = 0               # launches enqueued (eager or captured)
+        common = [f"-I{_QDIR}", f"-I{_DIR}", f"-DMG_WARPS={WARPS}", f"-DMG_KMAX={kmax}", f"-DMG_NPH={self.nph}",
+                  f"-DMG_HD={HD}", f"-DMG_G={G}"] + [f"-DMG_T{t}=1" for t in sorted(types)]
+        common += (["-DMG_PROF=1"] if prof else []) + (["-lineinfo"] if os.environ.get("LLAMBA_CUDA_LINEINFO") else [])
+        if self.bulk:
+            ring_off, _ = smem_bytes(kmax, HD, G, self.nph, 0, 0)
+            static = BULK_S * (8 + 16) + 2 * bulk_blocks(BULK_SB) * 4
+            self.smem = ring_off + BULK_S * BULK_SB
+            if self.smem + static > optin:
+                raise RuntimeError(f"megakernel: {optin} bytes of shared memory hold no {BULK_S} slots of {BULK_SB}")
+            self.sub, self.stages, self.slot, self.pfa, self.pfb = 0, BULK_S, BULK_SB // 16, 0, 0
+            opts = common + ["-std=c++17", "-DMG_BULK=1", f"-DMG_SB={BULK_SB}", f"-DMG_S={BULK_S}"]
+            self.fn = cp.RawModule(code=src, options=tuple(opts)).get_function("mega_decode")
+            self.fn.max_dynamic_shared_size_bytes = self.smem
+            return
         # the most chunks a slot (up to SUB) that leave MIN_STAGES slots a warp
         for sb in ([sub] if sub else [SUB, 2, 1]):
             rw = max(slot_words(t, sb) for t in types)
@@ -170,25 +217,14 @@ class MegaDecode:
         self.sub, self.stages, self.slot = sb, stages, slot
         self.pfa = PFA if pfa is None else pfa
         self.pfb = PFB if pfb is None else pfb
-        opts = ["-std=c++17", f"-I{_QDIR}", f"-I{_DIR}", f"-DMG_WARPS={WARPS}", f"-DMG_S={stages}",
-                f"-DMG_SUB={sb}", f"-DMG_RW={rw}", f"-DMG_PFA={self.pfa}", f"-DMG_PFB={self.pfb}",
-                f"-DMG_KMAX={kmax}", f"-DMG_NPH={self.nph}", f"-DMG_HD={HD}", f"-DMG_G={G}"]
-        opts += [f"-DMG_T{t}=1" for t in sorted(types)] + (["-DMG_PROF=1"] if prof else [])
-        if os.environ.get("LLAMBA_CUDA_LINEINFO"):
-            opts.append("-lineinfo")
-        from quant.cuda import source
-        src = source(_DIR / "cuda_mega.cu", _DIR / "cuda_attn.cuh", _QDIR / "qint8.cuh", _QDIR / "qblocks.cuh")
+        opts = common + ["-std=c++17", f"-DMG_S={stages}", f"-DMG_SUB={sb}", f"-DMG_RW={rw}",
+                         f"-DMG_PFA={self.pfa}", f"-DMG_PFB={self.pfb}"]
         self.fn = cp.RawModule(code=src, options=tuple(opts)).get_function("mega_decode")
         self.fn.max_dynamic_shared_size_bytes = self.smem
-        self.grid = int(props["multiProcessorCount"])
-        self.clock_khz = int(props["clockRate"])
-        self.prof = cp.zeros(self.grid * (len(OPS) * L + 1) * 4 + self.grid, cp.int64) if prof else None
-        self._args = {}
-        self.runs = 0               # launches enqueued (eager or captured)
 
     def config(self) -> dict:
-        return {"sub": self.sub, "stages": self.stages, "pfa": self.pfa, "pfb": self.pfb, "smem": self.smem,
-                "grid": self.grid, "runs": self.runs}
+        return {"bulk": self.bulk, "sub": self.sub, "stages": self.stages, "pfa": self.pfa, "pfb": self.pfb,
+                "smem": self.smem, "grid": self.grid, "runs": self.runs}
 
     def _argtuple(self, dstep):
         """The kernel's arguments for this step object (device views into its index buffer)."""

@@ -1,0 +1,57 @@
+// Bulk copies (sm_90+): one thread copies a whole slot of shared memory from global
+// memory with one instruction and the slot's mbarrier counts the bytes in.  Used by
+// the decode megakernel (runtime/backend/cuda_mega.cu) and the stream benchmarks.
+#pragma once
+// Hopper and later (sm_90, also Blackwell's consumer parts): thread 0 copies a whole slot with
+// one instruction (cp.async.bulk, the TMA engine's 1-D copy) and the slot's mbarrier counts
+// its bytes in, so no thread spends issue slots or registers on the copy
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void bulk_init(unsigned long long* bar, int S) {
+#if __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(smem_addr(bar + s)));
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void bulk_copy(void* smem, const void* g, unsigned nb, unsigned long long* bar) {
+#if __CUDA_ARCH__ >= 900
+    // the slot was last read through the generic proxy; the copy writes it through the async one
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n"
+                 :: "r"(smem_addr(bar)), "r"(nb) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(smem_addr(smem)), "l"(g), "r"(nb), "r"(smem_addr(bar)) : "memory");
+#endif
+}
+// two pieces into one slot, its mbarrier counting both (gate and up rows of one slot)
+__device__ __forceinline__ void bulk_copy2(void* s0, const void* g0, unsigned n0, void* s1, const void* g1,
+                                           unsigned n1, unsigned long long* bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n"
+                 :: "r"(smem_addr(bar)), "r"(n0 + n1) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(smem_addr(s0)), "l"(g0), "r"(n0), "r"(smem_addr(bar)) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(smem_addr(s1)), "l"(g1), "r"(n1), "r"(smem_addr(bar)) : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_none(unsigned long long* bar) {      // a slot with nothing to copy
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(smem_addr(bar)) : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_wait(unsigned long long* bar, unsigned parity) {
+#if __CUDA_ARCH__ >= 900
+    unsigned ok;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(ok) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    } while (!ok);
+#endif
+}
+
