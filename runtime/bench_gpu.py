@@ -132,17 +132,21 @@ def mega_sweep(eng, configs, n_gen=16):
     from runtime.bench import time_tg
     be = eng.backend
     out = []
-    for sub, st, pfa, pfb in configs:
+    for cfg in configs:
         be._megas.clear()
         be._graphs.clear()
         try:
-            mega = MegaDecode(be, eng.model, sub=sub or None, max_stages=st or None, pfa=pfa, pfb=pfb)
+            if cfg[0] == "bulk":        # ("bulk", slots, slot KB, flags...)
+                mega = MegaDecode(be, eng.model, bulk=(int(cfg[1]), int(cfg[2]) * 1024, cfg[3:]))
+            else:
+                sub, st, pfa, pfb = (int(v) for v in cfg)
+                mega = MegaDecode(be, eng.model, sub=sub or None, max_stages=st or None, pfa=pfa, pfb=pfb)
             be._megas[id(eng.model)] = (eng.model, mega)
             tg = time_tg(eng, n_gen, np.random.default_rng(1))
             ms = be.replay_ms()
             row = dict(mega.config(), tg=tg, replay_ms=ms, failed=mega.failed())
         except Exception as e:
-            row = {"config": (sub, st, pfa, pfb), "error": f"{type(e).__name__}: {e}"}
+            row = {"config": cfg, "error": f"{type(e).__name__}: {e}"}
         log(f"  mega sweep: {row}")
         out.append(row)
     be._megas.clear()
@@ -390,8 +394,9 @@ def main(argv=None):
                     help="mvk configs R:BPS[:S[:NA]],... (rows a warp : blocks an SM, 0 = occupancy : stages : "
                          "weights past L1) timed on Q4_K matvecs")
     ap.add_argument("--mega-sweep", default="",
-                    help="megakernel configs to time on L8 Q4_K_M after its run: sub:stages:pfa:pfb,... "
-                         "(0 for sub/stages: the default), e.g. 4:0:4:1,2:0:4:1")
+                    help="megakernel configs to time on L8 (each mix run with the mega variant) after its run: "
+                         "sub:stages:pfa:pfb,... (0 for sub/stages: the default), e.g. 4:0:4:1,2:0:4:1; for the "
+                         "bulk-copy ring (Q8_0, sm_90+) bulk:slots:slot KB[:flags], e.g. bulk:4:32,bulk:4:32:XATT")
     ap.add_argument("--mega-profile", action="store_true", help="time each op of a megakernel step (clock stamps)")
     ap.add_argument("--host", default="new",
                     help="host paths of a decode step to measure side by side on one engine, repetitions "
@@ -545,7 +550,7 @@ def main(argv=None):
             log(f"best micro variant: {result['best']}")
     model_variants = [result.get("best", v) if v == "best" else v
                       for v in (args.model_variants or args.variants).split(",")]
-    sweep = [tuple(int(v) for v in c.split(":")) for c in args.mega_sweep.split(",") if c]
+    sweep = [tuple(c.split(":")) for c in args.mega_sweep.split(",") if c]
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
     for shape in [v for v in args.shapes.split(",") if v]:
@@ -559,7 +564,7 @@ def main(argv=None):
                 use(variant)
                 try:
                     row = bench_ours(path, args.repetitions, args.n_prompt, args.n_gen,
-                                     sweep=sweep if (variant == "mega" and shape == "L8" and mix == "Q4_K_M") else None,
+                                     sweep=sweep if (variant == "mega" and shape == "L8") else None,
                                      profile=args.mega_profile and variant == "mega",
                                      host_paths=tuple(args.host.split(",")), parts=args.graph_parts)
                 except Exception as e:     # report and go on to the next model

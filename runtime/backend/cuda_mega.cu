@@ -70,6 +70,19 @@
 #ifndef MG_SB
 #define MG_SB 32768             // bytes a bulk slot
 #endif
+// experiments (MegaDecode(bulk=(S, SB, flags))): wrong results, for timing only
+#ifndef MG_XROWS
+#define MG_XROWS 0              // bulk: the rows' sums left out
+#endif
+#ifndef MG_XATT
+#define MG_XATT 0               // attention and merge left out
+#endif
+#ifndef MG_XQUANT
+#define MG_XQUANT 0             // the activations' rounding left out
+#endif
+#ifndef MG_RLAST
+#define MG_RLAST 0              // bulk: rows summed by the last warps (not warp 0, which refills)
+#endif
 #if MG_BULK
 #include "bulk.cuh"
 constexpr int MB_P = (MG_SB / 34 + MG_WARPS * 32 - 1) / (MG_WARPS * 32);   // Q8_0 blocks a thread a slot
@@ -508,10 +521,11 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
     // the rows of slot `ks` (descriptor d) summed and written: a warp a row (gate/up: the
     // row of both), the sums mvs_dot and mvs_store make, in their order
     auto rows_out = [&](const SPh& p, int4 d, int ks) {
+        if (MG_XROWS) return;
         const float* tb = mb_t[ks & 1];
         const int nb = p.K / 32;
 #pragma unroll 1
-        for (int rr = warp; rr < d.z; rr += MG_WARPS) {
+        for (int rr = MG_RLAST ? MG_WARPS - 1 - warp : warp; rr < d.z; rr += MG_WARPS) {
             float a0 = 0.f, a1 = 0.f;
             for (int blk = lane; blk < nb; blk += 32) a0 = fmaf(tb[rr * nb + blk], xd[blk], a0);
             if (p.kind == 2)
@@ -538,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
     // MB_P Q8_0 blocks of each, its dot (IQ8_0's: two runs of 16, each scaled) into mb_t
     auto matvec = [&](int ph, long long* stamp) {
         const SPh& p = P[ph];
-        mg_quant(p, xq, xd, xs, gs);
+        if (!MG_XQUANT) mg_quant(p, xq, xd, xs, gs);
 #if MG_PROF
         if (threadIdx.x == 0) stamp[3] = clock64();
 #endif
@@ -700,8 +714,8 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
         }
         if (st == MG_OPS * L) matvec(4 * L, stamp);
         else if (op == 0) matvec(4 * l, stamp);
-        else if (op == 1) attention(l);
-        else if (op == 2) { if (n_splits > 1) mg_merge(part_m, part_l, part_acc, n_splits, kvh, out); }
+        else if (op == 1) { if (!MG_XATT) attention(l); }
+        else if (op == 2) { if (n_splits > 1 && !MG_XATT) mg_merge(part_m, part_l, part_acc, n_splits, kvh, out); }
         else matvec(4 * l + op - 2, stamp);
     }
 #if MG_PROF

@@ -121,7 +121,9 @@ class MegaDecode:
     """The megakernel for one model on one backend: module, descriptors, work buffers."""
 
     def __init__(self, be, model, sub: int | None = None, max_stages: int | None = None,
-                 pfa: int | None = None, pfb: int | None = None, prof: bool = False):
+                 pfa: int | None = None, pfb: int | None = None, prof: bool = False, bulk=None):
+        """bulk: (slots, slot bytes, experiment flags such as "XATT") of the bulk-copy ring, in
+        place of BULK_S and BULK_SB (where the ring applies)."""
         cp = be.cp
         self.be, self.model, self.cp = be, model, cp
         cfg = model.cfg
@@ -193,13 +195,16 @@ class MegaDecode:
                   f"-DMG_HD={HD}", f"-DMG_G={G}"] + [f"-DMG_T{t}=1" for t in sorted(types)]
         common += (["-DMG_PROF=1"] if prof else []) + (["-lineinfo"] if os.environ.get("LLAMBA_CUDA_LINEINFO") else [])
         if self.bulk:
+            S, sb, flags = bulk or (BULK_S, BULK_SB, ())
             ring_off, _ = smem_bytes(kmax, HD, G, self.nph, 0, 0)
-            static = BULK_S * (8 + 16) + 2 * bulk_blocks(BULK_SB) * 4
-            self.smem = ring_off + BULK_S * BULK_SB
+            static = S * (8 + 16) + 2 * bulk_blocks(sb) * 4
+            self.smem = ring_off + S * sb
             if self.smem + static > optin:
-                raise RuntimeError(f"megakernel: {optin} bytes of shared memory hold no {BULK_S} slots of {BULK_SB}")
-            self.sub, self.stages, self.slot, self.pfa, self.pfb = 0, BULK_S, BULK_SB // 16, 0, 0
-            opts = common + ["-std=c++17", "-DMG_BULK=1", f"-DMG_SB={BULK_SB}", f"-DMG_S={BULK_S}"]
+                raise RuntimeError(f"megakernel: {optin} bytes of shared memory hold no {S} slots of {sb}")
+            self.sub, self.stages, self.slot, self.pfa, self.pfb = 0, S, sb // 16, 0, 0
+            self.flags = tuple(flags)
+            opts = common + ["-std=c++17", "-DMG_BULK=1", f"-DMG_SB={sb}", f"-DMG_S={S}"]
+            opts += [f"-DMG_{f}=1" for f in flags]
             self.fn = cp.RawModule(code=src, options=tuple(opts)).get_function("mega_decode")
             self.fn.max_dynamic_shared_size_bytes = self.smem
             return
@@ -223,7 +228,7 @@ class MegaDecode:
         self.fn.max_dynamic_shared_size_bytes = self.smem
 
     def config(self) -> dict:
-        return {"bulk": self.bulk, "sub": self.sub, "stages": self.stages, "pfa": self.pfa, "pfb": self.pfb,
+        return {"bulk": self.bulk, "flags": getattr(self, "flags", ()), "sub": self.sub, "stages": self.stages, "pfa": self.pfa, "pfb": self.pfb,
                 "smem": self.smem, "grid": self.grid, "runs": self.runs}
 
     def _argtuple(self, dstep):
