@@ -80,13 +80,11 @@
 #ifndef MG_XQUANT
 #define MG_XQUANT 0             // the activations' rounding left out
 #endif
-#ifndef MG_RLAST
-#define MG_RLAST 0              // bulk: rows summed by the last warps (not warp 0, which refills)
-#endif
 #if MG_BULK
 #include "bulk.cuh"
 constexpr int MB_P = (MG_SB / 34 + MG_WARPS * 32 - 1) / (MG_WARPS * 32);   // Q8_0 blocks a thread a slot
 constexpr int MB_BLOCKS = MB_P * MG_WARPS * 32;                             // ... a slot
+constexpr int MB_ROWS = 128;                                                 // rows a slot, at most
 #endif
 constexpr int ATT_GROUPS = MG_WARPS / 4;
 constexpr int MG_OPS = 6;                        // ops a layer (grid barriers between)         // 4-warp groups, one attention split each
@@ -438,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
 #if MG_BULK
             {   // whole rows a slot (gate/up: the same rows of both), at most MB_BLOCKS blocks
                 const int per = s.kind == 2 ? 2 : 1, nb = s.K / 32;
-                s.rps = max(1, min(MG_SB / (per * s.rb[0]), MB_BLOCKS / (per * nb)));
+                s.rps = max(1, min(min(MG_SB / (per * s.rb[0]), MB_BLOCKS / (per * nb)), MB_ROWS));
                 s.nsl = 0;
 #pragma unroll
                 for (int k = 0; k < 3; k++) {
@@ -462,6 +460,7 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
     __shared__ unsigned long long mb_full[MG_S];
     __shared__ int4 mb_desc[MG_S];                // a slot's segment, first row, rows
     __shared__ float mb_t[2][MB_BLOCKS];          // a block's dot before its activation scale, two slots
+    __shared__ float mb_add[2][MB_ROWS];          // what a row's sum is added to (x of a residual add, a bias)
     uint4* bring = (uint4*)(mg_smem + MG_RING_OFF);
     int pph = 0, pslot = blockIdx.x, iss = 0;     // thread 0: the next slot to copy (op, slot); copies issued
     auto refill = [&](int upto) {                 // thread 0: slots issued up to `upto` (exclusive)
@@ -519,16 +518,19 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
 
 #if MG_BULK
     // the rows of slot `ks` (descriptor d) summed and written: a warp a row (gate/up: the
-    // row of both), the sums mvs_dot and mvs_store make, in their order
+    // row of both), the sums mvs_dot and mvs_store make, in their order.  From the last
+    // warp down: warp 0 refills the ring, and the first warps have the most blocks a slot.
     auto rows_out = [&](const SPh& p, int4 d, int ks) {
         if (MG_XROWS) return;
         const float* tb = mb_t[ks & 1];
         const int nb = p.K / 32;
 #pragma unroll 1
-        for (int rr = MG_RLAST ? MG_WARPS - 1 - warp : warp; rr < d.z; rr += MG_WARPS) {
+        for (int rr = MG_WARPS - 1 - warp; rr < d.z; rr += MG_WARPS) {
             float a0 = 0.f, a1 = 0.f;
+#pragma unroll 4
             for (int blk = lane; blk < nb; blk += 32) a0 = fmaf(tb[rr * nb + blk], xd[blk], a0);
             if (p.kind == 2)
+#pragma unroll 4
                 for (int blk = lane; blk < nb; blk += 32) a1 = fmaf(tb[(d.z + rr) * nb + blk], xd[blk], a1);
             const float v0 = q8_bfly(a0);
             const float v1 = p.kind == 2 ? q8_bfly(a1) : 0.f;
@@ -537,13 +539,8 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
                 if (p.kind == 2) {
                     p.y[1][r] = silu_mul(v0, v1);
                 } else {
-                    float* y = p.y[d.x];
-                    if (p.kind == 0) {
-                        const float* bias = p.bias[d.x];
-                        y[r] = bias ? v0 + bias[r] : v0;
-                    } else {
-                        y[r] = __ldcg(y + r) + v0;
-                    }
+                    const float a = mb_add[ks & 1][rr];
+                    p.y[d.x][r] = p.kind == 1 ? a + v0 : (p.bias[d.x] ? v0 + a : v0);
                 }
             }
         }
@@ -571,6 +568,12 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
             if (pk >= 0) rows_out(p, pd, pk);
             const int4 d = mb_desc[buf];
             const int nblk = per * d.z * nb;
+            // the rows' addends, asked of the L2 now and stored after the dots (latency hidden):
+            // x of a residual add (written before the last grid barrier), or the bias
+            const bool add = p.kind == 1 || (p.kind == 0 && p.bias[d.x]);
+            float av = 0.f;
+            if (add && threadIdx.x < d.z)
+                av = p.kind == 1 ? __ldcg(p.y[d.x] + d.y + threadIdx.x) : p.bias[d.x][d.y + threadIdx.x];
             const unsigned* sw = (const unsigned*)(bring + buf * (MG_SB / 16));
             float* tb = mb_t[kc & 1];
 #pragma unroll
@@ -596,6 +599,7 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
                     tb[j] = fmaf(dw, (float)s1, fmaf(dw, (float)s0, 0.f));
                 }
             }
+            if (add && threadIdx.x < d.z) mb_add[kc & 1][threadIdx.x] = av;
             pd = d;
             pk = kc;
         }

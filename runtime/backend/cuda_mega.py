@@ -197,7 +197,7 @@ class MegaDecode:
         if self.bulk:
             S, sb, flags = bulk or (BULK_S, BULK_SB, ())
             ring_off, _ = smem_bytes(kmax, HD, G, self.nph, 0, 0)
-            static = S * (8 + 16) + 2 * bulk_blocks(sb) * 4
+            static = S * (8 + 16) + 2 * bulk_blocks(sb) * 4 + 2 * 128 * 4
             self.smem = ring_off + S * sb
             if self.smem + static > optin:
                 raise RuntimeError(f"megakernel: {optin} bytes of shared memory hold no {S} slots of {sb}")
