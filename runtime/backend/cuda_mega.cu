@@ -71,6 +71,9 @@
 #define MG_SB 32768             // bytes a bulk slot
 #endif
 // experiments (MegaDecode(bulk=(S, SB, flags))): wrong results, for timing only
+#ifndef MG_NWR
+#define MG_NWR MG_WARPS         // bulk: warps that sum a slot's rows (the last ones)
+#endif
 #ifndef MG_XROWS
 #define MG_XROWS 0              // bulk: the rows' sums left out
 #endif
@@ -523,25 +526,44 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
     auto rows_out = [&](const SPh& p, int4 d, int ks) {
         if (MG_XROWS) return;
         const float* tb = mb_t[ks & 1];
-        const int nb = p.K / 32;
+        const int nb = p.K / 32, we = MG_WARPS - 1 - warp;
+        const bool two_sums = p.kind == 2;
+        auto put = [&](int rr, float v0, float v1) {
+            const int r = d.y + rr;
+            if (two_sums) {
+                p.y[1][r] = silu_mul(v0, v1);
+            } else {
+                const float a = mb_add[ks & 1][rr];
+                p.y[d.x][r] = p.kind == 1 ? a + v0 : (p.bias[d.x] ? v0 + a : v0);
+            }
+        };
+        // MG_NWR warps (from the last down) a row each, two rows at once where there are
+        // more: their sums interleaved, each in its own (mvs's) order
 #pragma unroll 1
-        for (int rr = MG_WARPS - 1 - warp; rr < d.z; rr += MG_WARPS) {
-            float a0 = 0.f, a1 = 0.f;
+        for (int rr = we; we < MG_NWR && rr < d.z; rr += 2 * MG_NWR) {
+            const int r2 = rr + MG_NWR;
+            const bool two = r2 < d.z;
+            float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
 #pragma unroll 4
-            for (int blk = lane; blk < nb; blk += 32) a0 = fmaf(tb[rr * nb + blk], xd[blk], a0);
-            if (p.kind == 2)
-#pragma unroll 4
-                for (int blk = lane; blk < nb; blk += 32) a1 = fmaf(tb[(d.z + rr) * nb + blk], xd[blk], a1);
-            const float v0 = q8_bfly(a0);
-            const float v1 = p.kind == 2 ? q8_bfly(a1) : 0.f;
-            if (lane == 0) {
-                const int r = d.y + rr;
-                if (p.kind == 2) {
-                    p.y[1][r] = silu_mul(v0, v1);
-                } else {
-                    const float a = mb_add[ks & 1][rr];
-                    p.y[d.x][r] = p.kind == 1 ? a + v0 : (p.bias[d.x] ? v0 + a : v0);
+            for (int blk = lane; blk < nb; blk += 32) {
+                const float x = xd[blk];
+                a0 = fmaf(tb[rr * nb + blk], x, a0);
+                if (two_sums) a1 = fmaf(tb[(d.z + rr) * nb + blk], x, a1);
+                if (two) {
+                    b0 = fmaf(tb[r2 * nb + blk], x, b0);
+                    if (two_sums) b1 = fmaf(tb[(d.z + r2) * nb + blk], x, b1);
                 }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {          // q8_bfly's butterfly, four at once
+                a0 += __shfl_xor_sync(0xffffffffu, a0, o);
+                a1 += __shfl_xor_sync(0xffffffffu, a1, o);
+                b0 += __shfl_xor_sync(0xffffffffu, b0, o);
+                b1 += __shfl_xor_sync(0xffffffffu, b1, o);
+            }
+            if (lane == 0) {
+                put(rr, a0, a1);
+                if (two) put(r2, b0, b1);
             }
         }
     };

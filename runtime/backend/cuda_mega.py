@@ -204,7 +204,7 @@ class MegaDecode:
             self.sub, self.stages, self.slot, self.pfa, self.pfb = 0, S, sb // 16, 0, 0
             self.flags = tuple(flags)
             opts = common + ["-std=c++17", "-DMG_BULK=1", f"-DMG_SB={sb}", f"-DMG_S={S}"]
-            opts += [f"-DMG_{f}=1" for f in flags]
+            opts += [f"-DMG_{f}" if "=" in f else f"-DMG_{f}=1" for f in flags]
             self.fn = cp.RawModule(code=src, options=tuple(opts)).get_function("mega_decode")
             self.fn.max_dynamic_shared_size_bytes = self.smem
             return
