@@ -85,8 +85,8 @@
 #endif
 #if MG_BULK
 #include "bulk.cuh"
-constexpr int MB_P = (MG_SB / 34 + MG_WARPS * 32 - 1) / (MG_WARPS * 32);   // Q8_0 blocks a thread a slot
-constexpr int MB_BLOCKS = MB_P * MG_WARPS * 32;                             // ... a slot
+constexpr int MB_P = (MG_SB / 68 + MG_WARPS * 32 - 1) / (MG_WARPS * 32);   // Q8_0 block pairs a thread a slot
+constexpr int MB_BLOCKS = 2 * MB_P * MG_WARPS * 32;                         // blocks a slot, at most
 constexpr int MB_ROWS = 128;                                                 // rows a slot, at most
 #endif
 constexpr int ATT_GROUPS = MG_WARPS / 4;
@@ -462,7 +462,7 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
     // barrier a slot remains.
     __shared__ unsigned long long mb_full[MG_S];
     __shared__ int4 mb_desc[MG_S];                // a slot's segment, first row, rows
-    __shared__ float mb_t[2][MB_BLOCKS];          // a block's dot before its activation scale, two slots
+    __shared__ __align__(16) float mb_t[2][MB_BLOCKS];   // a block's dot before its activation scale, two slots
     __shared__ float mb_add[2][MB_ROWS];          // what a row's sum is added to (x of a residual add, a bias)
     uint4* bring = (uint4*)(mg_smem + MG_RING_OFF);
     int pph = 0, pslot = blockIdx.x, iss = 0;     // thread 0: the next slot to copy (op, slot); copies issued
@@ -520,6 +520,27 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
     }
 
 #if MG_BULK
+    // the input's int8 words transposed in place (word 8 b + u of block b to u nb + b): a
+    // thread's block pair then reads word u of both blocks with one 8-byte load, and a
+    // warp's loads hit consecutive banks
+    auto transpose_x = [&](int K) {
+        constexpr int WPT = (MG_KMAX / 4 + MG_WARPS * 32 - 1) / (MG_WARPS * 32);
+        int* xw = (int*)xq;
+        const int nw = K / 4, nb = K / 32;
+        int v[WPT];
+#pragma unroll
+        for (int i = 0; i < WPT; i++) {
+            const int w = threadIdx.x + i * MG_WARPS * 32;
+            v[i] = w < nw ? xw[w] : 0;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < WPT; i++) {
+            const int w = threadIdx.x + i * MG_WARPS * 32;
+            if (w < nw) xw[(w & 7) * nb + (w >> 3)] = v[i];
+        }
+        __syncthreads();
+    };
     // the rows of slot `ks` (descriptor d) summed and written: a warp a row (gate/up: the
     // row of both), the sums mvs_dot and mvs_store make, in their order.  From the last
     // warp down: warp 0 refills the ring, and the first warps have the most blocks a slot.
@@ -576,9 +597,10 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
         if (threadIdx.x == 0) stamp[3] = clock64();
 #endif
         const int nb = p.K / 32, per = p.kind == 2 ? 2 : 1;
-        int bj[MB_P];                             // block j = thread + 512 i's index in its row
+        if (!MG_XQUANT) transpose_x(p.K);
+        int bj[MB_P];                             // block pair q = thread + 512 i: its first block's index in its row
 #pragma unroll
-        for (int i = 0; i < MB_P; i++) bj[i] = (threadIdx.x + i * MG_WARPS * 32) % nb;
+        for (int i = 0; i < MB_P; i++) bj[i] = 2 * (threadIdx.x + i * MG_WARPS * 32) % nb;
         int4 pd = make_int4(0, 0, 0, 0);
         int pk = -1;                              // the slot whose rows are still to be summed
 #pragma unroll 1
@@ -598,27 +620,29 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
                 av = p.kind == 1 ? __ldcg(p.y[d.x] + d.y + threadIdx.x) : p.bias[d.x][d.y + threadIdx.x];
             const unsigned* sw = (const unsigned*)(bring + buf * (MG_SB / 16));
             float* tb = mb_t[kc & 1];
+            // a thread a pair of blocks (68 bytes: 17 aligned words, lane l at bank 17 l: no
+            // conflict); word u of both blocks' inputs by one 8-byte load (transposed input)
+            const int* xt = (const int*)xq;
 #pragma unroll
             for (int i = 0; i < MB_P; i++) {
-                const int j = threadIdx.x + i * MG_WARPS * 32;
-                if (j < nblk) {
-                    const unsigned* W = sw + ((34 * j) >> 2);   // block j starts at byte 34 j
-                    const unsigned shr = (j & 1) ? 32u : 16u;   // odd blocks' weights are word-aligned
-                    unsigned w[9];
+                const int q = threadIdx.x + i * MG_WARPS * 32;
+                if (2 * q < nblk) {
+                    const unsigned* W = sw + 17 * q;
+                    unsigned w[17];
 #pragma unroll
-                    for (int u = 0; u < 9; u++) w[u] = W[u];
-                    const int4 x0 = *(const int4*)(xq + 32 * bj[i]), x1 = *(const int4*)(xq + 32 * bj[i] + 16);
-                    int s0 = 0, s1 = 0;
-                    s0 = __dp4a((int)__funnelshift_rc(w[0], w[1], shr), x0.x, s0);
-                    s0 = __dp4a((int)__funnelshift_rc(w[1], w[2], shr), x0.y, s0);
-                    s0 = __dp4a((int)__funnelshift_rc(w[2], w[3], shr), x0.z, s0);
-                    s0 = __dp4a((int)__funnelshift_rc(w[3], w[4], shr), x0.w, s0);
-                    s1 = __dp4a((int)__funnelshift_rc(w[4], w[5], shr), x1.x, s1);
-                    s1 = __dp4a((int)__funnelshift_rc(w[5], w[6], shr), x1.y, s1);
-                    s1 = __dp4a((int)__funnelshift_rc(w[6], w[7], shr), x1.z, s1);
-                    s1 = __dp4a((int)__funnelshift_rc(w[7], w[8], shr), x1.w, s1);
-                    const float dw = __half2float(__ushort_as_half((unsigned short)(w[0] >> (shr - 16))));
-                    tb[j] = fmaf(dw, (float)s1, fmaf(dw, (float)s0, 0.f));
+                    for (int u = 0; u < 17; u++) w[u] = W[u];
+                    int s00 = 0, s01 = 0, s10 = 0, s11 = 0;     // block (0: 2q, 1: 2q + 1), run of 16
+#pragma unroll
+                    for (int u = 0; u < 8; u++) {
+                        const int2 x = *(const int2*)(xt + u * nb + bj[i]);
+                        const int a = (int)__funnelshift_r(w[u], w[u + 1], 16);   // block 2q's bytes from 2
+                        if (u < 4) { s00 = __dp4a(a, x.x, s00); s10 = __dp4a((int)w[9 + u], x.y, s10); }
+                        else { s01 = __dp4a(a, x.x, s01); s11 = __dp4a((int)w[9 + u], x.y, s11); }
+                    }
+                    const float d0 = __half2float(__ushort_as_half((unsigned short)(w[0] & 0xFFFFu)));
+                    const float d1 = __half2float(__ushort_as_half((unsigned short)(w[8] >> 16)));
+                    *(float2*)(tb + 2 * q) = make_float2(fmaf(d0, (float)s01, fmaf(d0, (float)s00, 0.f)),
+                                                         fmaf(d1, (float)s11, fmaf(d1, (float)s10, 0.f)));
                 }
             }
             if (add && threadIdx.x < d.z) mb_add[kc & 1][threadIdx.x] = av;

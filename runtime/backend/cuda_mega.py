@@ -46,9 +46,9 @@ def slot_words(ty: int, sub: int) -> int:
 
 
 def bulk_blocks(sb: int) -> int:
-    """Q8_0 blocks a bulk slot of sb bytes may hold: whole warps' shares (cuda_mega.cu MB_BLOCKS)."""
+    """Q8_0 blocks a bulk slot of sb bytes may hold: a pair a thread, whole blocks' shares (cuda_mega.cu MB_BLOCKS)."""
     per = 32 * WARPS
-    return -(-(sb // 34) // per) * per
+    return 2 * -(-(sb // 68) // per) * per
 
 
 def smem_bytes(kmax: int, hd: int, g: int, nph: int, slot: int, stages: int, warps: int = WARPS) -> tuple[int, int]:
