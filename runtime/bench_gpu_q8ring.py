@@ -1,24 +1,23 @@
 """The stream probe's best structure with real arithmetic: a decode step's Q8_0 matvecs in
 one persistent kernel fed by bulk copies (sm_90+).
 
-    python -m runtime.bench_gpu_q8ring [L8]
+    python -m runtime.bench_gpu_q8ring [L8] [zeros|random] [q8_stream<S,SB> ...]
 
 `bench_gpu_stream` bounds a persistent step fed by bulk copies, a counter an op, at ~82% of
-copy for L8 Q8_0 with Q8_0's dp4a work (quant/cuda/NOTES.md, session 25), against 67% for
-today's decode.  Its consumer only XORs or dp4a's bytes.  This kernel does a Q8_0 matvec's
-whole work on each slot: the blocks' fp16 scales, the dot products against the op's int8
-input and its scales (read from L2 into shared memory when the op starts, as a matvec must),
-each row's sum across the block, and the outputs written.  Slots are whole rows (3 rows of
-K = 4096, one of K = 14336), dealt to the SMs interleaved as in the probe.  Variants: `free`
-(no op waits), `barrier` (each op waits for every block to finish the op before: a counter
-an op).  What is left out: the ops between the matvecs (norms, RoPE, attention, the
-activations' rounding), so the input is one fixed vector.  The first ops' outputs are
-checked against float64 on the host before anything is timed.
+copy for L8 Q8_0 with Q8_0's dp4a work (quant/cuda/NOTES.md, session 25).  Its consumer only
+XORs or dp4a's bytes.  This kernel does a Q8_0 matvec's whole work on each slot: the
+blocks' fp16 scales, the dot products against the op's int8 input and its scales (read
+from L2 into shared memory when the op starts, as a matvec must), each row's sum, and the
+outputs written.  Slots are whole rows dealt to the SMs interleaved as in the probe.
+Variants: `free` (no op waits), `barrier` (each op waits for every block to finish the op
+before: a counter an op).  What is left out: the ops between the matvecs (norms, RoPE,
+attention, the activations' rounding), so the input is one fixed vector, and mvs's order
+of summation (the megakernel's bulk path, runtime/backend/cuda_mega.cu, keeps it).  The
+first ops' outputs are checked against float64 before anything is timed; the other
+weights are zeros or hashed bytes (the same speed, session 26).
 
-Session 25's first run: correct, but 31-32% of copy against the probe's ~100% (free) and
-~86% (barrier) for the same bytes: the consumer, not the streaming, sets the pace
-(quant/cuda/NOTES.md).  PART splits its time;
-V2 is a lighter consumer written after that run and not yet run on a GPU.
+Session 26: 4 slots of 32 KB read at 91-92% of copy free and 86-87% with a counter an op;
+6 slots of 32 KB and 8 of 16 KB were slower (79 / 71%, 69 / 66%).
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ import types
 
 import numpy as np
 
-from runtime.bench_gpu_stream import BULK_SRC, SLOT_BYTES, step_matrices
+from runtime.bench_gpu_stream import BULK_SRC, step_matrices
 
 BLOCK_BYTES = 34            # Q8_0: fp16 scale, 32 int8
 MAX_K = 16384               # the input in shared memory: K int8 and K / 32 float scales
@@ -36,161 +35,16 @@ MAX_OPS = 256               # q8_stream's op tables in shared memory
 
 _KERNEL = r"""
 #include <cuda_fp16.h>
-// op o: rows[o] rows of kdim[o] Q8_0 weights at base + start[o], rps[o] rows a slot (a slot
-// of op o is rows [rps s, rps (s + 1))); block b reads slots b, b + n, ... of every op.
-// Its outputs go to y + ystart[o].  barriers: op o waits for cnt[o - 1] to reach n.
-// PART (what the time is made of): 0 the whole work, 1 without the dot products (no weight
-// or input reads from shared memory), 2 without the row sums (each thread's value stored).
-// V2 (with PART 0): the op's sizes kept in registers, the input transposed in shared memory
-// (lane l reads word l: no bank conflict), a block's 32 weights as 9 aligned words shifted
-// into place, a slot's row sums finished after the next slot's barrier (no second barrier)
-template <int S, int PART, int V2>
-__global__ void __launch_bounds__(512, 1)
-q8_ring(const char* __restrict__ base, const long long* __restrict__ start, const int* __restrict__ rows,
-        const int* __restrict__ kdim, const int* __restrict__ rps, const long long* __restrict__ ystart, int nops,
-        unsigned* cnt, const int* __restrict__ xq, const float* __restrict__ xd, float* __restrict__ y,
-        int barriers) {
-    extern __shared__ uint4 ring[];                        // S slots, then the op's input
-    __shared__ unsigned long long full[S];
-    __shared__ float ws[32];                               // warps' sums (V2: two slots' worth)
-    int* xs = (int*)(ring + S * (SLOT_BYTES / 16));
-    float* xds = (float*)(xs + MAX_K / 4);
-    const int t = threadIdx.x, b = blockIdx.x, n = gridDim.x;
-    auto nslots = [&](int o) { return (rows[o] + rps[o] - 1) / rps[o]; };
-    auto row_bytes = [&](int o) { return (long long)(kdim[o] / 32) * 34; };
-    int pop = 0, ps = b;                                   // the next slot to copy: op, slot
-    auto issue = [&](int slot) {
-        while (pop < nops && ps >= nslots(pop)) { ++pop; ps = b; }
-        if (t == 0) {
-            if (pop < nops) {
-                const int r0 = ps * rps[pop], nr = min(rps[pop], rows[pop] - r0);
-                bulk_copy(ring + slot * (SLOT_BYTES / 16), base + start[pop] + r0 * row_bytes(pop),
-                          (unsigned)(nr * row_bytes(pop)), full + slot);
-            } else {
-                bulk_none(full + slot);
-            }
-        }
-        if (pop < nops) ps += n;
-    };
-    int cop = 0, cs = b, xop = -1;                         // the next slot to read; the input held
-    int K = 0, nb = 0, crps = 0, crows = 0;                // V2: op cop's sizes
-    long long cys = 0;
-    int pend_nr = 0, pend_buf = 0, pend_wpr = 0;           // V2: the row sums left to finish
-    long long pend_y = 0;
-    auto flush = [&]() {                                   // after a barrier
-        if (t < pend_nr) {
-            float a = 0.f;
-            for (int w = t * pend_wpr; w < (t + 1) * pend_wpr; ++w) a += ws[16 * pend_buf + w];
-            y[pend_y + t] = a;
-        }
-        pend_nr = 0;
-    };
-    auto pass = [&]() {                                    // ops whose share this block has read
-        while (cop < nops && cs >= nslots(cop)) {
-            if (barriers) {
-                __syncthreads();
-                if (V2) {                                  // the op's outputs written before it is passed
-                    flush();
-                    __syncthreads();
-                }
-                if (t == 0) { __threadfence(); atomicAdd(cnt + cop, 1u); }
-            }
-            ++cop;
-            cs = b;
-        }
-    };
-    bulk_init(full, S);
-    for (int s = 0; s < S - 1; ++s) issue(s);
-    pass();
-    for (int k = 0; cop < nops; ++k) {
-        bulk_wait(full + k % S, (k / S) & 1);
-        __syncthreads();                                   // slot (k - 1) % S read by all
-        issue((k + S - 1) % S);
-        if (V2) flush();
-        else { K = kdim[cop]; nb = K / 32; }
-        if (xop != cop) {                                  // the op's input, once the op before is done
-            if (t == 0 && barriers && cop > 0) {
-                while (*(volatile const unsigned*)(cnt + cop - 1) < (unsigned)n) __nanosleep(20);
-                __threadfence();
-            }
-            __syncthreads();
-            if (V2) {
-                K = kdim[cop]; nb = K / 32; crps = rps[cop]; crows = rows[cop]; cys = ystart[cop];
-                for (int w = t; w < K / 4; w += 512) xs[(w & 7) * nb + (w >> 3)] = __ldcg(xq + w);
-            } else {
-                for (int i = t; i < K / 4; i += 512) xs[i] = __ldcg(xq + i);
-            }
-            for (int i = t; i < nb; i += 512) xds[i] = __ldcg(xd + i);
-            __syncthreads();
-            xop = cop;
-        }
-        const int r0 = cs * (V2 ? crps : rps[cop]), nr = min(V2 ? crps : rps[cop], (V2 ? crows : rows[cop]) - r0);
-        float v = 0.f;
-        if (V2 && t < nr * nb) {                           // block t of the slot starts at byte 34 t
-            const unsigned* W = (const unsigned*)(ring + (k % S) * (SLOT_BYTES / 16)) + ((34 * t) >> 2);
-            const unsigned sh = (t & 1) ? 32u : 16u;       // odd blocks' weights are word-aligned
-            unsigned w[9];
-#pragma unroll
-            for (int i = 0; i < 9; ++i) w[i] = W[i];
-            const int bi = t % nb;
-            int s0 = 0, s1 = 0;
-#pragma unroll
-            for (int i = 0; i < 8; i += 2) {
-                s0 = __dp4a((int)__funnelshift_rc(w[i], w[i + 1], sh), xs[i * nb + bi], s0);
-                s1 = __dp4a((int)__funnelshift_rc(w[i + 1], w[i + 2], sh), xs[(i + 1) * nb + bi], s1);
-            }
-            const unsigned short d = (unsigned short)(w[0] >> (sh - 16));
-            v = __half2float(__ushort_as_half(d)) * xds[bi] * (float)(s0 + s1);
-        }
-        if (!V2 && PART != 1 && t < nr * nb) {             // a thread a Q8_0 block
-            const int bi = t % nb;
-            const unsigned short* h = (const unsigned short*)((const char*)(ring + (k % S) * (SLOT_BYTES / 16)) + t * 34);
-            int s0 = 0, s1 = 0;
-#pragma unroll
-            for (int i = 0; i < 8; i += 2) {
-                s0 = __dp4a((int)(h[1 + 2 * i] | ((unsigned)h[2 + 2 * i] << 16)), xs[bi * 8 + i], s0);
-                s1 = __dp4a((int)(h[3 + 2 * i] | ((unsigned)h[4 + 2 * i] << 16)), xs[bi * 8 + i + 1], s1);
-            }
-            v = __half2float(__ushort_as_half(h[0])) * xds[bi] * (float)(s0 + s1);
-        }
-        if (PART == 2) {
-            if (t < nr * nb && v == 1.2345f) y[ystart[cop] + r0] = v;
-            cs += n;
-            pass();
-            continue;
-        }
-        // a row is nb consecutive threads, nb a multiple of 32: a warp's lanes share a row
-#pragma unroll
-        for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-        if (V2) {
-            if ((t & 31) == 0) ws[16 * (k & 1) + (t >> 5)] = v;
-            pend_nr = nr; pend_buf = k & 1; pend_wpr = nb / 32; pend_y = cys + r0;
-            cs += n;
-            pass();
-            continue;
-        }
-        if ((t & 31) == 0) ws[t >> 5] = v;
-        __syncthreads();
-        if (t < nr) {
-            float a = 0.f;
-            for (int w = t * nb / 32; w < (t + 1) * nb / 32; ++w) a += ws[w];
-            y[ystart[cop] + r0 + t] = a;
-        }
-        cs += n;                                           // this block's next slot of the op
-        pass();
-    }
-    if (V2) {
-        __syncthreads();
-        flush();
-    }
-}
-
-// The consumer made light (session 26): q8_ring's V2 ran at 35% of copy with ~3500 warp
-// instructions a slot an SM, its block in lockstep, every latency of a slot's chain in
-// series.  Here: the op tables in shared memory, read by thread 0 alone (no global load or
-// division a slot in 511 threads), slots of SB bytes (32 KB: twice the rows for the same
-// chain), a thread P blocks of a slot, the weights as aligned words, the input transposed,
-// a slot's row sums finished by the last warp after the next slot's barrier.
+// op o: rows[o] rows of kdim[o] Q8_0 weights at base + start[o], rps[o] whole rows a slot of
+// SB bytes; block b reads slots b, b + n, ... of every op in a ring of S slots, each
+// bulk-copied by thread 0 as soon as every thread has read the one before.  A thread P
+// blocks a slot (its 34 bytes as 9 aligned words shifted into place; the input transposed
+// in shared memory, lane l at bank l), a row's sum by a butterfly a warp and, after the
+// next slot's barrier, the last warp adding the warps' sums.  The op tables live in shared
+// memory and only thread 0 walks them: session 26's first consumer (a thread a block, the
+// tables read from global memory by every thread, two barriers a slot) ran at 35% of copy
+// where this one runs at 86-92% (quant/cuda/NOTES.md).  barriers: op o waits for
+// cnt[o - 1] to reach n.
 template <int S, int SB>
 __global__ void __launch_bounds__(512, 1)
 q8_stream(const char* __restrict__ base, const long long* __restrict__ start, const int* __restrict__ rows,
@@ -307,10 +161,10 @@ q8_stream(const char* __restrict__ base, const long long* __restrict__ start, co
 
 
 def _source():
-    return (BULK_SRC + _KERNEL).replace("SLOT_BYTES", str(SLOT_BYTES)).replace("MAX_K", str(MAX_K)).replace("MAX_OPS", str(MAX_OPS))
+    return (BULK_SRC + _KERNEL).replace("MAX_K", str(MAX_K)).replace("MAX_OPS", str(MAX_OPS))
 
 
-def _smem(S, sb=SLOT_BYTES):
+def _smem(S, sb):
     """Dynamic shared memory: S slots of sb bytes, then the op's input (K int8, K / 32 float scales)."""
     return S * sb + MAX_K + MAX_K // 8
 
@@ -320,32 +174,21 @@ def q8_ops(shape: str):
     return [(sum(r for _, r, _ in mats), mats[0][2]) for _, mats in step_matrices(shape)]
 
 
-def slot_rows(k: int, sb: int = SLOT_BYTES, blocks: int = 512) -> int:
-    """Whole rows a slot of sb bytes holds, at most `blocks` Q8_0 blocks (q8_ring: a thread a
-    block; q8_stream: P blocks a thread) and 32 rows (q8_stream: a lane a row's sum)."""
+def slot_rows(k: int, sb: int) -> int:
+    """Whole rows a slot of sb bytes holds: at most 2 x 512 Q8_0 blocks (a thread's share at
+    most P = 2 blocks at 32 KB) and 32 rows (a lane of the last warp a row's sum)."""
     nb = k // 32
     if k % 1024 or k > MAX_K or nb * BLOCK_BYTES > sb:
         raise ValueError(f"K = {k}: rows must be whole warps of blocks (K % 1024 == 0), K <= {MAX_K}, "
                          f"a row within a slot of {sb} bytes")
+    blocks = 512 * -(-sb // BLOCK_BYTES // 512)
     return max(1, min(sb // (nb * BLOCK_BYTES), blocks // nb, 32))
 
 
-def _blocks(name, sb):
-    """Q8_0 blocks one slot may hold: a thread's share of 512 threads."""
-    return 512 * -(-sb // BLOCK_BYTES // 512) if name.startswith("q8_stream") else 512
-
-
-# each variant timed: (kernel, slots, slot bytes, whether it does the whole work): what it is
-VARIANTS = {
-    ("q8_ring<8,0,0>", 8, SLOT_BYTES, True): "q8_ring, whole work",
-    ("q8_ring<8,1,0>", 8, SLOT_BYTES, False): "q8_ring, no dot products",
-    ("q8_ring<8,2,0>", 8, SLOT_BYTES, False): "q8_ring, no row sums",
-    ("q8_ring<8,0,1>", 8, SLOT_BYTES, True): "q8_ring V2: aligned words, input transposed, row sums after the next barrier",
-    ("q8_stream<8,16384>", 8, 16384, True): "q8_stream, 8 slots of 16 KB",
-    ("q8_stream<4,32768>", 4, 32768, True): "q8_stream, 4 slots of 32 KB",
-    ("q8_stream<6,32768>", 6, 32768, True): "q8_stream, 6 slots of 32 KB",
-}
-CHECKED = [v for v in VARIANTS if v[3]]
+# the kernels timed: (template, slots, slot bytes)
+VARIANTS = {("q8_stream<4,32768>", 4, 32768): "4 slots of 32 KB",
+            ("q8_stream<6,32768>", 6, 32768): "6 slots of 32 KB",
+            ("q8_stream<8,16384>", 8, 16384): "8 slots of 16 KB"}
 
 
 @functools.cache
@@ -411,9 +254,9 @@ def measure(cp, shape="L8", reps=10, check_ops=4, only=None, fill="zeros"):
     sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
 
     def launch(barriers, variant):
-        name, S, sb, _ = variant
+        name, S, sb = variant
         f = _kernel(cp, name, S, sb)
-        rps = cp.asarray(np.array([slot_rows(k, sb, _blocks(name, sb)) for _, k in ops], np.int32))
+        rps = cp.asarray(np.array([slot_rows(k, sb) for _, k in ops], np.int32))
 
         def run(_):
             dev.cnt.fill(0)
@@ -424,7 +267,7 @@ def measure(cp, shape="L8", reps=10, check_ops=4, only=None, fill="zeros"):
 
     refs = [_reference(blocks, xq, xd.astype(np.float32).astype(np.float64)) for blocks in host]
     errors = []
-    for variant, barriers in ((v, bar) for v in CHECKED if v[0] in only for bar in (0, 1)):
+    for variant, barriers in ((v, bar) for v in VARIANTS if v[0] in only for bar in (0, 1)):
         dev.y.fill(np.nan)
         launch(barriers, variant)(0)
         y = cp.asnumpy(dev.y)

@@ -1,7 +1,7 @@
 """The decode megakernel (runtime/backend/cuda_mega.cu) against the eager kernels it
 replaces: the same logits bit for bit, on random models of the llama and qwen2
 layouts (biases, tied output) in each quantization mix, at contexts of one to
-several KV blocks and context splits."""
+several KV blocks and context splits; Q8_0 on sm_90+ through its bulk-copy ring."""
 from __future__ import annotations
 
 import numpy as np
@@ -57,4 +57,6 @@ def test_mega_equals_eager_kernels(models, shape, mix, monkeypatch):
     assert mega.backend.graph_replays > 0 and ref.backend.graph_replays > 0
     m = mega.backend._megas[id(mega.model)][1]
     assert m.runs > 0 and not m.failed()
+    # Q8_0 weights on sm_90+ stream through the bulk-copy ring (its sums are mvs's too)
+    assert m.bulk == (mix == "Q8_0" and mega.backend.device_info["cc"] >= 90)
     assert ref.backend._megas.get(id(ref.model)) is None

@@ -91,7 +91,7 @@ def test_stream_probe_compiles(tmp_path, arch):
     _compile(src, arch, names=kernel_names(CONFIGS))
 
 
-def test_q8_ring_compiles(tmp_path):
+def test_q8_stream_compiles(tmp_path):
     """runtime/bench_gpu_q8ring.py's kernel (bulk copies: sm_90 and later)."""
     from runtime.bench_gpu_q8ring import VARIANTS, _source
     src = tmp_path / "q8_ring.cu"

@@ -17,12 +17,13 @@ def test_ops_are_the_steps_matrices():
     assert ops[:4] == [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 
-def test_slots_hold_whole_rows_a_thread_a_block():
-    assert slot_rows(4096) == 3 and slot_rows(14336) == 1      # 13056 and 15232 bytes of 16384
+def test_slots_hold_whole_rows_two_blocks_a_thread_at_most():
+    assert slot_rows(4096, 16384) == 3 and slot_rows(14336, 16384) == 1   # 13056 and 15232 bytes
+    assert slot_rows(4096, 32768) == 7 and slot_rows(14336, 32768) == 2   # 30464 and 30464 bytes
     for k in (4096, 14336):
-        assert slot_rows(k) * k // 32 <= 512
+        assert slot_rows(k, 16384) * k // 32 <= 512 and slot_rows(k, 32768) * k // 32 <= 1024
     with pytest.raises(ValueError):
-        slot_rows(1536)                                         # rows would split warps
+        slot_rows(1536, 32768)                                  # rows would split warps
 
 
 def test_reference_is_the_dequantized_matvec():
