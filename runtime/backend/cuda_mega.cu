@@ -11,6 +11,14 @@
 // those (prefetch): the DRAM keeps working while blocks wait, round activations, or
 // walk the KV cache.
 //
+// sm_90+ with Q8_0 weights (MG_BULK): the block, not the warp, owns the ring.  Its
+// slots (MG_S of MG_SB bytes) hold whole rows of an op, dealt to the blocks interleaved;
+// thread 0 refills a slot with one bulk copy (cp.async.bulk, quant/cuda/bulk.cuh) as soon
+// as every thread has read it; a thread dots a pair of blocks of the slot against the
+// input transposed in shared memory; a slot's rows are summed after the next slot's
+// barrier, in mvs's order.  It streams the matvecs alone at ~86% of copy, against ~50%
+// for the warp rings (quant/cuda/NOTES.md, session 26).
+//
 // Same sums as the eager kernels, bit for bit (a decode row must not depend on the
 // batch: speculative decoding compares them):
 //   * matvec rows by mvs_dot (qint8.cuh), one row a warp task, a lane's parts in the
