@@ -17,28 +17,32 @@ __device__ __forceinline__ void bulk_init(unsigned long long* bar, int S) {
     __trap();
 #endif
 }
-__device__ __forceinline__ void bulk_copy(void* smem, const void* g, unsigned nb, unsigned long long* bar) {
+// the slot's mbarrier told to expect nb bytes (and arrived on), once the slot's last reads
+// through the generic proxy are ordered before the async proxy's writes
+__device__ __forceinline__ void bulk_expect(unsigned long long* bar, unsigned nb) {
 #if __CUDA_ARCH__ >= 900
-    // the slot was last read through the generic proxy; the copy writes it through the async one
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n"
                  :: "r"(smem_addr(bar)), "r"(nb) : "memory");
+#endif
+}
+// nb bytes from g to smem, counted in by bar
+__device__ __forceinline__ void bulk_load(void* smem, const void* g, unsigned nb, unsigned long long* bar) {
+#if __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                  :: "r"(smem_addr(smem)), "l"(g), "r"(nb), "r"(smem_addr(bar)) : "memory");
 #endif
 }
+__device__ __forceinline__ void bulk_copy(void* smem, const void* g, unsigned nb, unsigned long long* bar) {
+    bulk_expect(bar, nb);
+    bulk_load(smem, g, nb, bar);
+}
 // two pieces into one slot, its mbarrier counting both (gate and up rows of one slot)
 __device__ __forceinline__ void bulk_copy2(void* s0, const void* g0, unsigned n0, void* s1, const void* g1,
                                            unsigned n1, unsigned long long* bar) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n"
-                 :: "r"(smem_addr(bar)), "r"(n0 + n1) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 :: "r"(smem_addr(s0)), "l"(g0), "r"(n0), "r"(smem_addr(bar)) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 :: "r"(smem_addr(s1)), "l"(g1), "r"(n1), "r"(smem_addr(bar)) : "memory");
-#endif
+    bulk_expect(bar, n0 + n1);
+    bulk_load(s0, g0, n0, bar);
+    bulk_load(s1, g1, n1, bar);
 }
 __device__ __forceinline__ void bulk_none(unsigned long long* bar) {      // a slot with nothing to copy
 #if __CUDA_ARCH__ >= 900

@@ -95,7 +95,7 @@
 #include "bulk.cuh"
 constexpr int MB_P = (MG_SB / 68 + MG_WARPS * 32 - 1) / (MG_WARPS * 32);   // Q8_0 block pairs a thread a slot
 constexpr int MB_BLOCKS = 2 * MB_P * MG_WARPS * 32;                         // blocks a slot, at most
-constexpr int MB_ROWS = 128;                                                 // rows a slot, at most
+constexpr int MB_ROWS = 128;                                                 // rows a slot, at most (cuda_mega.py BULK_ROWS)
 #endif
 constexpr int ATT_GROUPS = MG_WARPS / 4;
 constexpr int MG_OPS = 6;                        // ops a layer (grid barriers between)         // 4-warp groups, one attention split each
@@ -415,7 +415,9 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
     float* xs = xd + MG_KMAX / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gw = blockIdx.x * MG_WARPS + warp, nw = gridDim.x * MG_WARPS;
+#if !MG_BULK
     uint4* ring = (uint4*)(mg_smem + MG_RING_OFF) + warp * (MG_S * MG_SLOT);
+#endif
     const int pos = positions[0];
 
     // the op table into shared memory

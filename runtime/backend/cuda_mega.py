@@ -29,6 +29,7 @@ BULK = os.environ.get("LLAMBA_CUDA_MEGA_BULK", "1") != "0"
 BULK_CC = 90
 BULK_SB = 32768                 # bytes a slot
 BULK_S = 4                      # slots (4 x 32 KB measured best: 6 x 32 KB and 8 x 16 KB were slower)
+BULK_ROWS = 128                 # rows a slot, at most (cuda_mega.cu MB_ROWS)
 CW = 1024                       # weights a chunk (qint8.cuh MVS_CW)
 # GGML type id -> (block elements, block bytes) for the types the kernel decodes
 _BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
@@ -60,7 +61,7 @@ def smem_bytes(kmax: int, hd: int, g: int, nph: int, slot: int, stages: int, war
     return ring_off, ring_off + warps * stages * slot * 16
 
 
-def bulk_ok(be, model, weights) -> bool:
+def bulk_ok(be, weights) -> bool:
     """Whether the bulk-copy ring can stream these matvec weights: sm_90+, all Q8_0, rows
     and bases 16-byte aligned (a bulk copy's granule), a row (gate/up: two) within a slot."""
     if not BULK or be.device_info["cc"] < BULK_CC:
@@ -150,9 +151,11 @@ class MegaDecode:
 
         ph = []
         types = set()
+        mats = []                   # every matvec weight, for bulk_ok
 
         def seg(W, y=None, bias=None):
             types.add(int(W.qtype))
+            mats.append(W)
             return [W.data.data.ptr, W.row_nbytes, 0 if y is None else y.data.ptr,
                     0 if bias is None else bias.data.ptr, int(W.qtype), W.shape[0]]
 
@@ -175,9 +178,8 @@ class MegaDecode:
         phase([seg(model.output, self.logits)], D, 0, 1, self.x, model.output_norm)
         self.phases = cp.asarray(np.stack(ph))
         self.nph = len(ph)
-        weights = [Ly[n] for Ly in model.layers
-                   for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
-        self.bulk = bulk_ok(be, model, weights + [model.output])
+        self.bulk = bulk_ok(be, mats)
+        self.flags = ()
 
         kmax = max(D, H * HD, F)
         dev = cp.cuda.Device()
@@ -197,7 +199,7 @@ class MegaDecode:
         if self.bulk:
             S, sb, flags = bulk or (BULK_S, BULK_SB, ())
             ring_off, _ = smem_bytes(kmax, HD, G, self.nph, 0, 0)
-            static = S * (8 + 16) + 2 * bulk_blocks(sb) * 4 + 2 * 128 * 4
+            static = S * (8 + 16) + 2 * bulk_blocks(sb) * 4 + 2 * BULK_ROWS * 4    # mb_full, mb_desc, mb_t, mb_add
             self.smem = ring_off + S * sb
             if self.smem + static > optin:
                 raise RuntimeError(f"megakernel: {optin} bytes of shared memory hold no {S} slots of {sb}")
@@ -228,8 +230,8 @@ class MegaDecode:
         self.fn.max_dynamic_shared_size_bytes = self.smem
 
     def config(self) -> dict:
-        return {"bulk": self.bulk, "flags": getattr(self, "flags", ()), "sub": self.sub, "stages": self.stages, "pfa": self.pfa, "pfb": self.pfb,
-                "smem": self.smem, "grid": self.grid, "runs": self.runs}
+        return {"bulk": self.bulk, "flags": self.flags, "sub": self.sub, "stages": self.stages, "pfa": self.pfa,
+                "pfb": self.pfb, "smem": self.smem, "grid": self.grid, "runs": self.runs}
 
     def _argtuple(self, dstep):
         """The kernel's arguments for this step object (device views into its index buffer)."""
