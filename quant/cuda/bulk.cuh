@@ -44,6 +44,12 @@ __device__ __forceinline__ void bulk_copy2(void* s0, const void* g0, unsigned n0
     bulk_load(s0, g0, n0, bar);
     bulk_load(s1, g1, n1, bar);
 }
+// nb bytes from g asked of the L2 (no shared memory, no barrier): a later bulk copy of them hits the L2
+__device__ __forceinline__ void bulk_prefetch_l2(const void* g, unsigned nb) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(g), "r"(nb) : "memory");
+#endif
+}
 __device__ __forceinline__ void bulk_none(unsigned long long* bar) {      // a slot with nothing to copy
 #if __CUDA_ARCH__ >= 900
     asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(smem_addr(bar)) : "memory");

@@ -163,6 +163,7 @@ struct IQ5_1 : TQ5_1 {
     }
 };
 struct IQ8_0 : TQ8_0 {
+    static constexpr bool CSUM = true;              // summed by chunks (see mvs_chunk)
     DEV void decode_i8(const u8* b, int, int* w, float* sc, float* mn) {
         const float d = ldh(b);
         lda2<8>(b + 2, (u32*)w);
@@ -272,9 +273,12 @@ DEV float gelu_mul(float g, float u) {
 // (row pointers).  All 32 lanes take part (lanes past K with v = 0 and ok = false).
 // xi (BS 256, optional): the 16 run sums of each block as int16, in the order mvk reads
 // them (qmvk.cuh): run i = 8t + 4g + 2f + h at short (2(2g + h) + t) * 2 + f of the block.
+// tnb > 0 (the decode megakernel's bulk ring, BS 32): the codes' 4-byte words transposed,
+// word u of block b at word u tnb + b of xq (tnb: the row's blocks), and no xs.
 template <int BS>
 DEV void q8_store(const float (&v)[8], bool ok, int lane, int e, signed char* __restrict__ xq,
-                  float* __restrict__ xd, float* __restrict__ xs, short* __restrict__ xi = nullptr) {
+                  float* __restrict__ xd, float* __restrict__ xs, short* __restrict__ xi = nullptr,
+                  int tnb = 0) {
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(v[i]));
@@ -292,8 +296,14 @@ DEV void q8_store(const float (&v)[8], bool ok, int lane, int e, signed char* __
     const int s16 = sum + __shfl_xor_sync(0xffffffffu, sum, 1);
     if (!ok) return;
     const float d = amax / 127.0f;
-    *(uint2*)(xq + e) = make_uint2(word[0], word[1]);
-    if ((lane & 1) == 0) xs[e / 16] = d * (float)s16;
+    if (tnb > 0) {
+        const int w = e / 4, b = w >> 3, u = w & 7;   // words u, u + 1 of block b
+        ((u32*)xq)[u * tnb + b] = word[0];
+        ((u32*)xq)[(u + 1) * tnb + b] = word[1];
+    } else {
+        *(uint2*)(xq + e) = make_uint2(word[0], word[1]);
+        if ((lane & 1) == 0) xs[e / 16] = d * (float)s16;
+    }
     if ((lane & (BS / 8 - 1)) == 0) xd[e / BS] = d;
     if constexpr (BS == 256) {
         if (xi != nullptr && (lane & 1) == 1) {
@@ -468,14 +478,90 @@ DEV void mvs_dot(const u8* b, int part, const MvsX<T, NR>& xc, float (&acc)[NR])
     }
 }
 
+// Two orders of summing a row, each the same wherever a type's rows are summed (every
+// integer matvec, any batch: batch invariance), so decode and speculative verify agree
+// bit for bit:
+//  - lane order (most types): lane l adds parts l, l + 32, ... of its row (mvs_dot's
+//    fmaf chain), then the lanes' sums by q8_bfly;
+//  - chunk order (types with CSUM: Q8_0): each 32-block chunk's products (mvs_dot from 0)
+//    added over the warp by q8_bfly_up (partners 1, 2, 4, 8, 16 apart), then a row's chunk
+//    sums in order from 0.f.  A thread holding two neighbouring blocks starts that tree by
+//    adding them, so the decode megakernel's bulk ring (a thread a block pair) needs no
+//    second pass over a slot to keep these sums.
+template <class T, class = void>
+struct csum_of { static constexpr bool v = false; };
+template <class T>
+struct csum_of<T, decltype((void)T::CSUM)> { static constexpr bool v = T::CSUM; };
+template <class T>
+constexpr bool csum_v = csum_of<T>::v;
+
+DEV float q8_bfly_up(float p) {
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
+    return p;
+}
+
+// q8_bfly_up of V values a lane at once (V a power of two, at most 32): lane l is left
+// with value (l % V)'s sum.  Each stage halves the values a lane holds (it keeps the ones
+// its lane bit selects, sends its partner the others), so V values cost V - 1 + 5 - log2 V
+// shuffles, not 5 V, and every sum is the one q8_bfly_up makes (lane l's value plus lane
+// l ^ o's at each stage).
+template <int V, int N = V, int S = 0>
+DEV float q8_bfly_up_many(float (&a)[V], int lane) {
+    static_assert(V >= 1 && V <= 32 && (V & (V - 1)) == 0, "V a power of two");
+    if constexpr (S == 5) {
+        return a[0];
+    } else {
+        constexpr int o = 1 << S;
+        if constexpr (N > 1) {                        // N values still held: keep half
+            const bool hi = lane & o;
+#pragma unroll
+            for (int i = 0; i < N / 2; i++) {
+                const float keep = hi ? a[2 * i + 1] : a[2 * i], send = hi ? a[2 * i] : a[2 * i + 1];
+                a[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+            }
+            return q8_bfly_up_many<V, N / 2, S + 1>(a, lane);
+        } else {
+            a[0] += __shfl_xor_sync(0xffffffffu, a[0], o);
+            return q8_bfly_up_many<V, 1, S + 1>(a, lane);
+        }
+    }
+}
+
 // one chunk of R rows from shared memory (sm: the chunk's R row pieces as laid out by
-// the loads; c: chunk index) into acc; shared by mvs and mvp so both sum in one order
+// the loads; c: chunk index) into acc; shared by mvs and mvp so both sum in one order.
+// Chunk order (csum_v<T>): acc[0][0] is lane l's output l's sum so far (output r NR + n).
 template <class T, int NR, int R>
 DEV void mvs_chunk(const uint4* sm, const MvsX<T, NR>& xc, float (&acc)[R][NR], long long base,
                    long long row_bytes, int c, int nrows, int nparts, int lane) {
     constexpr int CB = MVS_CW / T::QK * T::BB;
     constexpr int NV = (CB + 30) / 16;
     const int gp = c * 32 + lane;
+    if constexpr (csum_v<T>) {
+        if (c * 32 >= nparts) return;                 // the whole warp
+        constexpr int RN = R * NR;                    // values a lane, padded to a power of two
+        constexpr int V = RN <= 1 ? 1 : RN <= 2 ? 2 : RN <= 4 ? 4 : RN <= 8 ? 8 : RN <= 16 ? 16 : 32;
+        float t[V];
+#pragma unroll
+        for (int i = 0; i < V; i++) t[i] = 0.f;
+        if (gp < nparts) {
+            const int boff = (gp - c * (MVS_CW / T::QK)) * T::BB;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (r < nrows) {
+                    const long long s = base + r * row_bytes + (long long)c * CB;
+                    float p[NR];
+#pragma unroll
+                    for (int n = 0; n < NR; n++) p[n] = 0.f;
+                    mvs_dot<T, NR>((const u8*)(sm + r * NV) + (int)(s & 15) + boff, 0, xc, p);
+#pragma unroll
+                    for (int n = 0; n < NR; n++) t[r * NR + n] = p[n];
+                }
+            }
+        }
+        acc[0][0] += q8_bfly_up_many<V>(t, lane);
+        return;
+    }
     if (gp >= nparts) return;
     const int blk = gp / T::PPB, part = gp % T::PPB;
     const int boff = (blk - c * (MVS_CW / T::QK)) * T::BB;
@@ -488,11 +574,13 @@ DEV void mvs_chunk(const uint4* sm, const MvsX<T, NR>& xc, float (&acc)[R][NR], 
     }
 }
 
-// the warp's R x NR sums over its lanes; lane r*NR+n stores output (r, n)
-template <int NR, int R>
+// the warp's R x NR sums over its lanes; lane r*NR+n stores output (r, n).  SUMMED: the
+// sums are whole already, lane l's in acc[0][0] (chunk order)
+template <int NR, int R, bool SUMMED = false>
 DEV void mvs_store(float (&acc)[R][NR], float* y, const float* bias, int ldy, int m0, int nrows, int lane,
                    int mode) {
-    float mine = 0.f;
+    float mine = acc[0][0];
+    if constexpr (!SUMMED) {
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
@@ -502,6 +590,7 @@ DEV void mvs_store(float (&acc)[R][NR], float* y, const float* bias, int ldy, in
             for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
             if (lane == r * NR + n) mine = v;
         }
+    }
     const int r = lane / NR, n = lane % NR;
     if (lane < R * NR && r < nrows) {
         float* dst = y + (long long)n * ldy + m0 + r;
@@ -582,7 +671,7 @@ __global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
         if (c + 1 < nch) issue(c + 1);
         mvs_chunk<T, NR, R>(sm, xc, acc, base, row_bytes, c, nrows, nparts, lane);
     }
-    mvs_store<NR, R>(acc, y, bias, ldy, m0, nrows, lane, mode);
+    mvs_store<NR, R, csum_v<T>>(acc, y, bias, ldy, m0, nrows, lane, mode);
 }
 
 // ---------------------------------------------------------------- pipelined matvec
@@ -695,5 +784,5 @@ __global__ void __launch_bounds__(32 * MVS_WARPS) mvp(
         if (c + 1 < nch && gq < nparts) mvs_load_x<T, NR>(xa, xq, xd, xs, K, gq / T::PPB, gq % T::PPB);
         mvs_chunk<T, NR, R>(smem[warp][c % S], xc, acc, base, row_bytes, c, nrows, nparts, lane);
     }
-    mvs_store<NR, R>(acc, y, bias, ldy, m0, nrows, lane, mode);
+    mvs_store<NR, R, csum_v<T>>(acc, y, bias, ldy, m0, nrows, lane, mode);
 }

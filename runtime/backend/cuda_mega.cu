@@ -15,14 +15,16 @@
 // slots (MG_S of MG_SB bytes) hold whole rows of an op, dealt to the blocks interleaved;
 // thread 0 refills a slot with one bulk copy (cp.async.bulk, quant/cuda/bulk.cuh) as soon
 // as every thread has read it; a thread dots a pair of blocks of the slot against the
-// input transposed in shared memory; a slot's rows are summed after the next slot's
-// barrier, in mvs's order.  It streams the matvecs alone at ~86% of copy, against ~50%
-// for the warp rings (quant/cuda/NOTES.md, session 26).
+// input transposed in shared memory; a half warp's butterfly sums a 32-block chunk and a
+// row's chunk sums are added after the next slot's barrier (qint8.cuh's chunk order, which
+// every Q8_0 matvec keeps).  Its streaming alone reached ~86% of copy, against ~50% for
+// the warp rings (quant/cuda/NOTES.md, session 26).
 //
 // Same sums as the eager kernels, bit for bit (a decode row must not depend on the
 // batch: speculative decoding compares them):
 //   * matvec rows by mvs_dot (qint8.cuh), one row a warp task, a lane's parts in the
-//     order mvs gives them (rows a warp never change a sum), the same butterfly;
+//     order mvs gives them (rows a warp never change a sum), the same butterfly; Q8_0 in
+//     chunk order (mvs_chunk: a chunk's butterfly, then the chunks in order);
 //   * activations rounded by q8_store, RMSNorm's sum of squares by q8_ss8 / q8_bfly /
 //     q8_rn in q8_act's order;
 //   * attention by attn_split (cuda_attn.cuh), the merge in attn_merge_head's order,
@@ -55,7 +57,7 @@
 #endif
 #define MG_SLOT (2 * MG_RW)     // a slot: the task's two rows
 #ifndef MG_PFA
-#define MG_PFA 0                // slots a warp asks the L2 for, ahead of the ring, before attention
+#define MG_PFA 0                // slots a warp (bulk: a block) asks the L2 for, ahead of the ring, before attention
 #endif
 #ifndef MG_PFB
 #define MG_PFB 0                // ... before a barrier
@@ -79,9 +81,6 @@
 #define MG_SB 32768             // bytes a bulk slot
 #endif
 // experiments (MegaDecode(bulk=(S, SB, flags))): wrong results, for timing only
-#ifndef MG_NWR
-#define MG_NWR MG_WARPS         // bulk: warps that sum a slot's rows (the last ones)
-#endif
 #ifndef MG_XROWS
 #define MG_XROWS 0              // bulk: the rows' sums left out
 #endif
@@ -91,11 +90,26 @@
 #ifndef MG_XQUANT
 #define MG_XQUANT 0             // the activations' rounding left out
 #endif
+#ifndef MG_TABN
+#define MG_TABN 512             // block-table entries kept in shared memory (8192 keys at 16 a block)
+#endif
+#ifndef MG_XMERGE
+#define MG_XMERGE 0             // the merge left out
+#endif
+#ifndef MG_XADD
+#define MG_XADD 0               // bulk: the rows' addends not read (0)
+#endif
+#ifndef MG_EARLY
+#define MG_EARLY 1              // bulk: a read slot refilled before the wait for the next (0: after it)
+#endif
 #if MG_BULK
 #include "bulk.cuh"
 constexpr int MB_P = (MG_SB / 68 + MG_WARPS * 32 - 1) / (MG_WARPS * 32);   // Q8_0 block pairs a thread a slot
 constexpr int MB_BLOCKS = 2 * MB_P * MG_WARPS * 32;                         // blocks a slot, at most
-constexpr int MB_ROWS = 128;                                                 // rows a slot, at most (cuda_mega.py BULK_ROWS)
+constexpr int MB_CH = MB_BLOCKS / 32;                                        // 32-block chunks a slot, at most
+constexpr int MB_AV = MG_WARPS * 32;                                         // addends an op a block keeps in shared memory (one a thread)
+constexpr int MB_ROWS = 32;                                                  // rows a slot, at most: a lane of the last warp each (cuda_mega.py BULK_ROWS)
+DEV int mb_stride(int nb) { return (nb + 31) & ~31; }                       // a row's blocks in a slot: whole chunks
 #endif
 constexpr int ATT_GROUPS = MG_WARPS / 4;
 constexpr int MG_OPS = 6;                        // ops a layer (grid barriers between)         // 4-warp groups, one attention split each
@@ -355,8 +369,13 @@ DEV void mg_quant(const SPh& p, signed char* xq, float* xd, float* xs, float* gs
         const int g = warp + i * MG_WARPS;
         if (g < ng) {
             const int e = g * 256 + lane * 8;
+#if MG_BULK
+            // straight into the bulk ring's transposed layout (Q8_0: blocks of 32)
+            q8_store<32>(v[i], e < K, lane, e, xq, xd, xs, nullptr, K / 32);
+#else
             if (p.bs == 256) q8_store<256>(v[i], e < K, lane, e, xq, xd, xs);
             else q8_store<32>(v[i], e < K, lane, e, xq, xd, xs);
+#endif
         }
     }
     __syncthreads();
@@ -372,7 +391,20 @@ DEV void mg_slot(const MIt& it, int K, int cps, const u8* b0, const u8* b1, cons
 #pragma unroll
     for (int sc = 0; sc < 2 * MG_SUB; sc++) {
         const int gp = (c0 + sc) * 32 + lane;
-        if (sc < cps && gp < nparts) {
+        if constexpr (csum_v<T>) {                // chunk order: each chunk's butterfly, in order
+            if (sc < cps && (c0 + sc) * 32 < nparts) {
+                float p0[1] = {0.f}, p1[1] = {0.f};
+                if (gp < nparts) {
+                    const int off = (gp - c0 * (MVS_CW / T::QK)) * T::BB;
+                    MvsX<T, 1> xc;
+                    mvs_load_x<T, 1>(xc, xq, xd, xs, K, gp, 0);
+                    mvs_dot<T, 1>(b0 + off, 0, xc, p0);
+                    if (it.nr == 2) mvs_dot<T, 1>(b1 + off, 0, xc, p1);
+                }
+                acc[0] += q8_bfly_up(p0[0]);
+                if (it.nr == 2) acc[1] += q8_bfly_up(p1[0]);
+            }
+        } else if (sc < cps && gp < nparts) {
             const int blk = gp / T::PPB, part = gp % T::PPB;
             const int off = (blk - c0 * (MVS_CW / T::QK)) * T::BB;
             MvsX<T, 1> xc;
@@ -389,14 +421,53 @@ DEV void mg_slot(const MIt& it, int K, int cps, const u8* b0, const u8* b1, cons
     }
 }
 
-// the splits combined (attn_merge_head's sums): one output a thread of the grid.  Not
-// inlined: its batched loads would otherwise add to the registers the kernel holds.
-__device__ __noinline__ void mg_merge(const float* part_m, const float* part_l, const float* part_acc, int n_splits,
-                                      int kvh, float* out) {
-    const int nt = gridDim.x * blockDim.x, H = kvh * MG_G;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < H * MG_HD; i += nt)
-        attn_merge_head<MG_HD, MG_G, true, 8>(part_m, part_l, part_acc, n_splits, kvh, 0, i / MG_HD, out,
-                                              i % MG_HD, MG_HD);
+// the splits combined, attn_merge_head's sums in its order: 32 outputs (dims of one head)
+// a block at a time, spread over the grid.  The block stages their splits' maxima, sums
+// and weighted V in shared memory (sm: 34 floats a split) with every load in flight at
+// once, one trip to the L2, where one thread an output would make two a group of splits;
+// the last warp then finds the maximum and each split's factor a lane each, and adds the
+// splits in order, a lane an output.
+DEV void mg_merge(const float* part_m, const float* part_l, const float* part_acc, int n_splits, int kvh,
+                  float* out, float* sm) {
+    const int H = kvh * MG_G, nout = H * MG_HD, lane = threadIdx.x & 31;
+    float* sl = sm;                               // [n_splits]
+    float* smx = sm + n_splits;                   // [n_splits]: the split's max, then its factor
+    float* sa = sm + 2 * n_splits;                // [n_splits][32]
+    for (int o0 = blockIdx.x * 32; o0 < nout; o0 += gridDim.x * 32) {
+        const int h = o0 / MG_HD, d0 = o0 % MG_HD, kh = h / MG_G, g = h % MG_G;
+        const long long base = (long long)kh * n_splits;
+        for (int i = threadIdx.x; i < n_splits * 34; i += blockDim.x) {
+            const int sp = i / 34, k = i % 34;
+            const long long pi = (base + sp) * MG_G + g;
+            const float v = k < 32 ? __ldcg(part_acc + pi * MG_HD + d0 + k) : __ldcg((k == 32 ? part_l : part_m) + pi);
+            if (k < 32) sa[sp * 32 + k] = v;
+            else if (k == 32) sl[sp] = v;
+            else smx[sp] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x >= blockDim.x - 32) {     // the last warp (warp 0 refills the ring)
+            float mx = NEG_INF;
+            for (int sp = lane; sp < n_splits; sp += 32)
+                if (sl[sp] > 0.f) mx = fmaxf(mx, smx[sp]);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            __syncwarp();
+            for (int sp = lane; sp < n_splits; sp += 32)
+                if (sl[sp] > 0.f) smx[sp] = expf(smx[sp] - mx);
+            __syncwarp();
+            float L = 0.f, A = 0.f;
+            for (int sp = 0; sp < n_splits; ++sp) {
+                const float lv = sl[sp];
+                if (lv > 0.f) {
+                    const float c = smx[sp];
+                    L = fmaf(lv, c, L);
+                    A = fmaf(sa[sp * 32 + lane], c, A);
+                }
+            }
+            out[(long long)h * MG_HD + d0 + lane] = L > 0.f ? A / L : 0.f;
+        }
+        __syncthreads();
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
@@ -447,9 +518,9 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
 #pragma unroll
             for (int k = 0; k < 3; k++) s.T[k] = s.M[k];
 #if MG_BULK
-            {   // whole rows a slot (gate/up: the same rows of both), at most MB_BLOCKS blocks
-                const int per = s.kind == 2 ? 2 : 1, nb = s.K / 32;
-                s.rps = max(1, min(min(MG_SB / (per * s.rb[0]), MB_BLOCKS / (per * nb)), MB_ROWS));
+            {   // whole rows a slot (gate/up: the same rows of both), each padded to whole chunks
+                const int per = s.kind == 2 ? 2 : 1, rs = mb_stride(s.K / 32);
+                s.rps = max(1, min(min(MG_SB / (per * rs * 34), MB_BLOCKS / (per * rs)), MB_ROWS));
                 s.nsl = 0;
 #pragma unroll
                 for (int k = 0; k < 3; k++) {
@@ -465,35 +536,62 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
 
 #if MG_BULK
     // The ring: MG_S slots of the block's share of each matvec op, in op order (op o's slots
-    // s = blockIdx, + gridDim, ...), whole rows each; thread 0 refills a slot as soon as
-    // every thread has read it, across op boundaries and barriers (weights don't wait for
-    // activations).  A slot's rows are summed after the next slot's barrier (mvs's order:
-    // lane l adds blocks l, l + 32, ... of its row, then the butterfly), so one block-wide
-    // barrier a slot remains.
+    // s = blockIdx, + gridDim, ...), whole rows each, a row starting at a 32-block chunk
+    // (gate/up: the rows of gate, then the same rows of up); thread 0 refills a slot as
+    // soon as every thread has read it, across op boundaries and barriers (weights don't
+    // wait for activations).  Sums in chunk order (qint8.cuh mvs_chunk): a half warp's
+    // butterfly gives a chunk's sum; a row's chunk sums are added in order by a lane of the
+    // last warp after the next slot's barrier, so one block-wide barrier a slot remains.
     __shared__ unsigned long long mb_full[MG_S];
     __shared__ int4 mb_desc[MG_S];                // a slot's segment, first row, rows
-    __shared__ __align__(16) float mb_t[2][MB_BLOCKS];   // a block's dot before its activation scale, two slots
-    __shared__ float mb_add[2][MB_ROWS];          // what a row's sum is added to (x of a residual add, a bias)
+    __shared__ float mb_c[2][MB_CH];              // chunk sums, two slots
     uint4* bring = (uint4*)(mg_smem + MG_RING_OFF);
+    __shared__ float mb_av[MB_AV];                // the op's addends of this block's rows (x of a residual add, the bias)
+    // slot `slot` of op p (its slots are the op's segments' in order): segment, first row, rows
+    auto locate = [&](const SPh& p, int slot, int& sg, int& r0, int& nr) {
+        sg = 0;
+        if (p.kind != 2) while (slot >= p.T[sg]) { slot -= p.T[sg]; ++sg; }
+        r0 = slot * p.rps;
+        nr = min(p.rps, p.M[sg] - r0);
+    };
     int pph = 0, pslot = blockIdx.x, iss = 0;     // thread 0: the next slot to copy (op, slot); copies issued
     auto refill = [&](int upto) {                 // thread 0: slots issued up to `upto` (exclusive)
         while (iss < upto) {
             while (pph < nph && pslot >= P[pph].nsl) { ++pph; pslot = blockIdx.x; }
             if (pph == nph) return;
             const SPh& p = P[pph];
-            int sg = 0, sl = pslot;
-            if (p.kind != 2) while (sl >= p.T[sg]) { sl -= p.T[sg]; ++sg; }
-            const int r0 = sl * p.rps, nr = min(p.rps, p.M[sg] - r0), buf = iss % MG_S;
-            uint4* dst = bring + buf * (MG_SB / 16);
-            const unsigned nbytes = (unsigned)(nr * p.rb[sg]);
-            if (p.kind == 2)
-                bulk_copy2(dst, p.W[0] + (long long)r0 * p.rb[0], nbytes, (char*)dst + nbytes,
-                           p.W[1] + (long long)r0 * p.rb[1], nbytes, mb_full + buf);
-            else
-                bulk_copy(dst, p.W[sg] + (long long)r0 * p.rb[sg], nbytes, mb_full + buf);
+            int sg, r0, nr;
+            locate(p, pslot, sg, r0, nr);
+            const int buf = iss % MG_S, per = p.kind == 2 ? 2 : 1;
+            char* dst = (char*)(bring + buf * (MG_SB / 16));
+            const int rb = p.rb[sg], nb = p.K / 32, rs = mb_stride(nb) * 34;
+            bulk_expect(mb_full + buf, (unsigned)(per * nr * rb));
+            for (int h = 0; h < per; ++h) {       // gate/up: h 0 gate (seg 0), 1 up (seg 1)
+                const u8* src = p.W[sg + h] + (long long)r0 * rb;
+                if (rs == rb) bulk_load(dst + h * nr * rs, src, (unsigned)(nr * rb), mb_full + buf);
+                else for (int i = 0; i < nr; ++i) bulk_load(dst + (h * nr + i) * rs, src + (long long)i * rb, (unsigned)rb, mb_full + buf);
+            }
             mb_desc[buf] = make_int4(sg, r0, nr, 0);
             pslot += gridDim.x;
             ++iss;
+        }
+    };
+    // thread 0: the n slots after the ring's asked of the L2 (where not asked already), so
+    // the DRAM keeps streaming while the block waits at a barrier or walks the KV cache
+    // beyond what the ring holds; their bulk copies then read the L2
+    int qph = 0, qsl = blockIdx.x, qi = 0;        // the next slot to ask for, and its index
+    auto l2_ahead = [&](int n) {
+        if (qi < iss) { qph = pph; qsl = pslot; qi = iss; }
+        while (qi < iss + n) {
+            while (qph < nph && qsl >= P[qph].nsl) { ++qph; qsl = blockIdx.x; }
+            if (qph == nph) return;
+            const SPh& p = P[qph];
+            int sg, r0, nr;
+            locate(p, qsl, sg, r0, nr);
+            for (int h = 0; h < (p.kind == 2 ? 2 : 1); ++h)
+                bulk_prefetch_l2(p.W[sg + h] + (long long)r0 * p.rb[sg], (unsigned)(nr * p.rb[sg]));
+            qsl += gridDim.x;
+            ++qi;
         }
     };
     bulk_init(mb_full, MG_S);
@@ -519,6 +617,14 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
     };
 #endif
 
+    // the sequence's block table, fixed for the step: in shared memory where it fits, so a
+    // warp's first key in attention costs one trip to memory, not three (the sequence, the
+    // table entry, the row); read after the first barrier
+    __shared__ int mg_tab[MG_TABN];
+    const int* gtab = tables + (long long)seq_of_token[0] * max_blocks;
+    for (int i = threadIdx.x; i < min(max_blocks, MG_TABN); i += blockDim.x) mg_tab[i] = gtab[i];
+    const int* table = max_blocks <= MG_TABN ? (const int*)mg_tab : gtab;
+
     // this token's RoPE cos/sin (all layers share them): block 0, read after a barrier
     if (blockIdx.x == 0) {
         for (int p = threadIdx.x; p < MG_HD / 2; p += blockDim.x) {
@@ -530,113 +636,81 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
     }
 
 #if MG_BULK
-    // the input's int8 words transposed in place (word 8 b + u of block b to u nb + b): a
-    // thread's block pair then reads word u of both blocks with one 8-byte load, and a
-    // warp's loads hit consecutive banks
-    auto transpose_x = [&](int K) {
-        constexpr int WPT = (MG_KMAX / 4 + MG_WARPS * 32 - 1) / (MG_WARPS * 32);
-        int* xw = (int*)xq;
-        const int nw = K / 4, nb = K / 32;
-        int v[WPT];
-#pragma unroll
-        for (int i = 0; i < WPT; i++) {
-            const int w = threadIdx.x + i * MG_WARPS * 32;
-            v[i] = w < nw ? xw[w] : 0;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < WPT; i++) {
-            const int w = threadIdx.x + i * MG_WARPS * 32;
-            if (w < nw) xw[(w & 7) * nb + (w >> 3)] = v[i];
-        }
-        __syncthreads();
-    };
-    // the rows of slot `ks` (descriptor d) summed and written: a warp a row (gate/up: the
-    // row of both), the sums mvs_dot and mvs_store make, in their order.  From the last
-    // warp down: warp 0 refills the ring, and the first warps have the most blocks a slot.
-    auto rows_out = [&](const SPh& p, int4 d, int ks) {
-        if (MG_XROWS) return;
-        const float* tb = mb_t[ks & 1];
-        const int nb = p.K / 32, we = MG_WARPS - 1 - warp;
-        const bool two_sums = p.kind == 2;
-        auto put = [&](int rr, float v0, float v1) {
-            const int r = d.y + rr;
-            if (two_sums) {
-                p.y[1][r] = silu_mul(v0, v1);
-            } else {
-                const float a = mb_add[ks & 1][rr];
-                p.y[d.x][r] = p.kind == 1 ? a + v0 : (p.bias[d.x] ? v0 + a : v0);
-            }
-        };
-        // MG_NWR warps (from the last down) a row each, two rows at once where there are
-        // more: their sums interleaved, each in its own (mvs's) order
-#pragma unroll 1
-        for (int rr = we; we < MG_NWR && rr < d.z; rr += 2 * MG_NWR) {
-            const int r2 = rr + MG_NWR;
-            const bool two = r2 < d.z;
-            float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
-#pragma unroll 4
-            for (int blk = lane; blk < nb; blk += 32) {
-                const float x = xd[blk];
-                a0 = fmaf(tb[rr * nb + blk], x, a0);
-                if (two_sums) a1 = fmaf(tb[(d.z + rr) * nb + blk], x, a1);
-                if (two) {
-                    b0 = fmaf(tb[r2 * nb + blk], x, b0);
-                    if (two_sums) b1 = fmaf(tb[(d.z + r2) * nb + blk], x, b1);
-                }
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {          // q8_bfly's butterfly, four at once
-                a0 += __shfl_xor_sync(0xffffffffu, a0, o);
-                a1 += __shfl_xor_sync(0xffffffffu, a1, o);
-                b0 += __shfl_xor_sync(0xffffffffu, b0, o);
-                b1 += __shfl_xor_sync(0xffffffffu, b1, o);
-            }
-            if (lane == 0) {
-                put(rr, a0, a1);
-                if (two) put(r2, b0, b1);
-            }
+    // the rows of slot `ks` (descriptor d, the block's ord-th slot of the op) finished: lane
+    // rr of the last warp adds row rr's chunk sums in order (gate/up: both rows', then
+    // silu(gate) * up) and writes it, plus its addend (x of a residual add, or the bias:
+    // from mb_av, or past MB_AV `pav`, which the lane read a slot earlier)
+    auto rows_out = [&](const SPh& p, int4 d, int ks, int ord, float pav) {
+        if (MG_XROWS || warp != MG_WARPS - 1 || lane >= d.z) return;
+        const int ai = ord * p.rps + lane;
+        const float av = ai < MB_AV ? mb_av[ai] : pav;
+        const float* c = mb_c[ks & 1];
+        const int cr = mb_stride(p.K / 32) / 32, r = d.y + lane;
+        float s0 = 0.f;
+        for (int k = 0; k < cr; ++k) s0 += c[lane * cr + k];
+        if (p.kind == 2) {
+            float s1 = 0.f;
+            for (int k = 0; k < cr; ++k) s1 += c[(d.z + lane) * cr + k];
+            p.y[1][r] = silu_mul(s0, s1);
+        } else {
+            p.y[d.x][r] = p.kind == 1 ? av + s0 : (p.bias[d.x] ? s0 + av : s0);
         }
     };
     // one matvec op: round its input into shared memory, then this block's slots: a thread
-    // MB_P Q8_0 blocks of each, its dot (IQ8_0's: two runs of 16, each scaled) into mb_t
+    // MB_P Q8_0 block pairs of each (mvs_dot's products), a half warp's butterfly a chunk
     auto matvec = [&](int ph, long long* stamp) {
         const SPh& p = P[ph];
+        // the addends of this block's rows of the op (slot o's row i at o rps + i), asked of
+        // the L2 before the rounding's loads (one trip for both), kept from after it
+        const bool add = p.kind == 1 || (p.kind == 0 && (p.bias[0] || p.bias[1] || p.bias[2]));
+        const int nmine = (p.nsl - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
+        float av0 = 0.f;
+        if (!MG_XADD && add && (int)threadIdx.x < min(nmine * p.rps, MB_AV)) {
+            int sg, r0, nr;
+            locate(p, blockIdx.x + threadIdx.x / p.rps * gridDim.x, sg, r0, nr);
+            const int i = threadIdx.x % p.rps;
+            if (i < nr) av0 = p.kind == 1 ? __ldcg(p.y[sg] + r0 + i) : (p.bias[sg] ? p.bias[sg][r0 + i] : 0.f);
+        }
         if (!MG_XQUANT) mg_quant(p, xq, xd, xs, gs);
+        if (add) mb_av[threadIdx.x] = av0;        // read after the slot loop's first barrier
 #if MG_PROF
         if (threadIdx.x == 0) stamp[3] = clock64();
 #endif
-        const int nb = p.K / 32, per = p.kind == 2 ? 2 : 1;
-        if (!MG_XQUANT) transpose_x(p.K);
+        const int nb = p.K / 32, rs = mb_stride(nb), per = p.kind == 2 ? 2 : 1;
         int bj[MB_P];                             // block pair q = thread + 512 i: its first block's index in its row
 #pragma unroll
-        for (int i = 0; i < MB_P; i++) bj[i] = 2 * (threadIdx.x + i * MG_WARPS * 32) % nb;
+        for (int i = 0; i < MB_P; i++) bj[i] = 2 * (threadIdx.x + i * MG_WARPS * 32) % rs;
         int4 pd = make_int4(0, 0, 0, 0);
-        int pk = -1;                              // the slot whose rows are still to be summed
+        int pk = -1, pord = 0, ord = 0;           // the slot whose rows are still to be finished, its ordinal
+        float pav = 0.f;                          // ... and this lane's addend for it, past MB_AV
 #pragma unroll 1
         for (int sl = blockIdx.x; sl < p.nsl; sl += gridDim.x, ++kc) {
             const int buf = kc % MG_S;
+#if MG_EARLY
+            __syncthreads();                      // slot kc - 1 read and its chunk sums stored, by all
+            if (threadIdx.x == 0) refill(kc + MG_S);   // its buffer refilled before waiting for slot kc
             bulk_wait(mb_full + buf, (kc / MG_S) & 1);
-            __syncthreads();                      // slot kc - 1 read and its dots stored, by all
+#else
+            bulk_wait(mb_full + buf, (kc / MG_S) & 1);
+            __syncthreads();                      // slot kc - 1 read and its chunk sums stored, by all
             if (threadIdx.x == 0) refill(kc + MG_S);
-            if (pk >= 0) rows_out(p, pd, pk);
+#endif
+            if (pk >= 0) rows_out(p, pd, pk, pord, pav);
             const int4 d = mb_desc[buf];
-            const int nblk = per * d.z * nb;
-            // the rows' addends, asked of the L2 now and stored after the dots (latency hidden):
+            const int nblk = per * d.z * rs;      // the slot's blocks, padding included (whole chunks)
+            // this slot's addends, asked of the L2 now and used a slot later (latency hidden):
             // x of a residual add (written before the last grid barrier), or the bias
-            const bool add = p.kind == 1 || (p.kind == 0 && p.bias[d.x]);
-            float av = 0.f;
-            if (add && threadIdx.x < d.z)
-                av = p.kind == 1 ? __ldcg(p.y[d.x] + d.y + threadIdx.x) : p.bias[d.x][d.y + threadIdx.x];
+            if (!MG_XADD && add && warp == MG_WARPS - 1 && lane < d.z && ord * p.rps + lane >= MB_AV)
+                pav = p.kind == 1 ? __ldcg(p.y[d.x] + d.y + lane) : (p.bias[d.x] ? p.bias[d.x][d.y + lane] : 0.f);
             const unsigned* sw = (const unsigned*)(bring + buf * (MG_SB / 16));
-            float* tb = mb_t[kc & 1];
             // a thread a pair of blocks (68 bytes: 17 aligned words, lane l at bank 17 l: no
             // conflict); word u of both blocks' inputs by one 8-byte load (transposed input)
             const int* xt = (const int*)xq;
 #pragma unroll
             for (int i = 0; i < MB_P; i++) {
                 const int q = threadIdx.x + i * MG_WARPS * 32;
-                if (2 * q < nblk) {
+                float v = 0.f;
+                if (2 * q < nblk && bj[i] < nb) {
                     const unsigned* W = sw + 17 * q;
                     unsigned w[17];
 #pragma unroll
@@ -651,17 +725,22 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
                     }
                     const float d0 = __half2float(__ushort_as_half((unsigned short)(w[0] & 0xFFFFu)));
                     const float d1 = __half2float(__ushort_as_half((unsigned short)(w[8] >> 16)));
-                    *(float2*)(tb + 2 * q) = make_float2(fmaf(d0, (float)s01, fmaf(d0, (float)s00, 0.f)),
-                                                         fmaf(d1, (float)s11, fmaf(d1, (float)s10, 0.f)));
+                    const float2 xs2 = *(const float2*)(xd + bj[i]);
+                    // mvs_dot's product of each block, then q8_bfly_up's first stage (blocks 2q, 2q + 1)
+                    v = fmaf(fmaf(d0, (float)s01, fmaf(d0, (float)s00, 0.f)), xs2.x, 0.f) +
+                        fmaf(fmaf(d1, (float)s11, fmaf(d1, (float)s10, 0.f)), xs2.y, 0.f);
                 }
+#pragma unroll
+                for (int o = 1; o < 16; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);   // its other stages
+                if ((lane & 15) == 0 && 2 * q < nblk) mb_c[kc & 1][q >> 4] = v;
             }
-            if (add && threadIdx.x < d.z) mb_add[kc & 1][threadIdx.x] = av;
             pd = d;
             pk = kc;
+            pord = ord++;
         }
-        __syncthreads();                          // the last slot's dots stored
+        __syncthreads();                          // the last slot's chunk sums stored
         if (threadIdx.x == 0) refill(kc + MG_S);  // its buffer refilled now: the ring full across the barrier
-        if (pk >= 0) rows_out(p, pd, pk);         // (the next barrier orders these writes)
+        if (pk >= 0) rows_out(p, pd, pk, pord, pav);   // (the next barrier orders these writes)
     };
 #else
     // one matvec op: round its input into shared memory, then this warp's tasks
@@ -675,6 +754,7 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
 #pragma unroll 1
         for (int t = gw; t < p.ntasks; t += nw) {
             float acc[2] = {0.f, 0.f};
+            bool summed = false;
 #pragma unroll 1
             for (int j = 0; j < p.nsl; j++) {
                 __syncwarp();
@@ -693,12 +773,16 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
                 const u8* slot = (const u8*)(ring + (seq % MG_S) * MG_SLOT);
                 const u8* b0 = slot + (int)(s0 & 15);
                 const u8* b1 = slot + MG_RW * 16 + (int)(s1 & 15);
-                by_type(ci.type, [&](auto tag) { mg_slot<decltype(tag)>(ci, p.K, p.cps, b0, b1, xq, xd, xs, acc, lane); });
+                by_type(ci.type, [&](auto tag) {
+                    summed = csum_v<decltype(tag)>;
+                    mg_slot<decltype(tag)>(ci, p.K, p.cps, b0, b1, xq, xd, xs, acc, lane);
+                });
                 seq++;
                 it_next(ci, P, nph, gw, nw);
             }
-            const float v0 = q8_bfly(acc[0]);                 // mvs_store's butterfly
-            const float v1 = kind == 2 ? q8_bfly(acc[1]) : 0.f;
+            // mvs_store's butterfly (lane order), or the sums already whole (chunk order)
+            const float v0 = summed ? acc[0] : q8_bfly(acc[0]);
+            const float v1 = kind == 2 ? (summed ? acc[1] : q8_bfly(acc[1])) : 0.f;
             if (lane == 0) {
                 if (kind == 2) {
                     p.y[1][t] = silu_mul(v0, v1);
@@ -725,7 +809,6 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
         float* sm = (float*)uni + grp * MG_ATT_FLOATS;
         __half* kc = (__half*)kv[2 * l];
         __half* vc = (__half*)kv[2 * l + 1];
-        const int* table = tables + (long long)seq_of_token[0] * max_blocks;
         const int nvg = n_splits * kvh;
 #pragma unroll 1
         for (int vb = blockIdx.x * ATT_GROUPS + grp; vb < nvg; vb += gridDim.x * ATT_GROUPS) {
@@ -767,7 +850,9 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
         long long* stamp = prof ? prof + 4 * st : nullptr;
         const int l = st / MG_OPS, op = st % MG_OPS;
         if (st > 0) {
-#if !MG_BULK
+#if MG_BULK
+            if (threadIdx.x == 0 && (op == 1 ? MG_PFA : MG_PFB) > 0) l2_ahead(op == 1 ? MG_PFA : MG_PFB);
+#else
             l2_ahead(op == 1 ? MG_PFA : MG_PFB);
 #endif
             grid_sync(cnt + st - 1, err, stamp);
@@ -775,7 +860,7 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
         if (st == MG_OPS * L) matvec(4 * L, stamp);
         else if (op == 0) matvec(4 * l, stamp);
         else if (op == 1) { if (!MG_XATT) attention(l); }
-        else if (op == 2) { if (n_splits > 1 && !MG_XATT) mg_merge(part_m, part_l, part_acc, n_splits, kvh, out); }
+        else if (op == 2) { if (n_splits > 1 && !MG_XATT && !MG_XMERGE) mg_merge(part_m, part_l, part_acc, n_splits, kvh, out, (float*)uni); }
         else matvec(4 * l + op - 2, stamp);
     }
 #if MG_PROF

@@ -29,7 +29,8 @@ BULK = os.environ.get("LLAMBA_CUDA_MEGA_BULK", "1") != "0"
 BULK_CC = 90
 BULK_SB = 32768                 # bytes a slot
 BULK_S = 4                      # slots (4 x 32 KB measured best: 6 x 32 KB and 8 x 16 KB were slower)
-BULK_ROWS = 128                 # rows a slot, at most (cuda_mega.cu MB_ROWS)
+BULK_ROWS = 32                  # rows a slot, at most (cuda_mega.cu MB_ROWS)
+TAB_BYTES = 512 * 4             # the block table's static shared memory (cuda_mega.cu MG_TABN)
 CW = 1024                       # weights a chunk (qint8.cuh MVS_CW)
 # GGML type id -> (block elements, block bytes) for the types the kernel decodes
 _BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
@@ -63,11 +64,12 @@ def smem_bytes(kmax: int, hd: int, g: int, nph: int, slot: int, stages: int, war
 
 def bulk_ok(be, weights) -> bool:
     """Whether the bulk-copy ring can stream these matvec weights: sm_90+, all Q8_0, rows
-    and bases 16-byte aligned (a bulk copy's granule), a row (gate/up: two) within a slot."""
+    and bases 16-byte aligned (a bulk copy's granule), a row (gate/up: two) within a slot
+    once padded to whole 32-block chunks."""
     if not BULK or be.device_info["cc"] < BULK_CC:
         return False
     return all(int(W.qtype) == 8 and W.row_nbytes % 16 == 0 and W.data.data.ptr % 16 == 0
-               and 2 * W.row_nbytes <= BULK_SB for W in weights)
+               and 2 * -(-W.row_nbytes // (32 * 34)) * 32 * 34 <= BULK_SB for W in weights)
 
 
 def why_not(be, model) -> str | None:
@@ -199,7 +201,7 @@ class MegaDecode:
         if self.bulk:
             S, sb, flags = bulk or (BULK_S, BULK_SB, ())
             ring_off, _ = smem_bytes(kmax, HD, G, self.nph, 0, 0)
-            static = S * (8 + 16) + 2 * bulk_blocks(sb) * 4 + 2 * BULK_ROWS * 4    # mb_full, mb_desc, mb_t, mb_add
+            static = TAB_BYTES + S * (8 + 16) + 2 * bulk_blocks(sb) // 32 * 4 + 32 * WARPS * 4   # + mb_full, mb_desc, mb_c, mb_av
             self.smem = ring_off + S * sb
             if self.smem + static > optin:
                 raise RuntimeError(f"megakernel: {optin} bytes of shared memory hold no {S} slots of {sb}")
@@ -215,7 +217,7 @@ class MegaDecode:
             rw = max(slot_words(t, sb) for t in types)
             slot = 2 * rw                   # a task's two rows
             ring_off, _ = smem_bytes(kmax, HD, G, self.nph, slot, 0)
-            stages = min(max_stages or MAX_STAGES, (optin - ring_off) // (WARPS * slot * 16))
+            stages = min(max_stages or MAX_STAGES, (optin - TAB_BYTES - 512 - ring_off) // (WARPS * slot * 16))
             if stages >= MIN_STAGES:
                 break
         if stages < 2:

@@ -332,6 +332,68 @@ def test_int8_mvp_equals_mvs(qtype, n):
         qc.set_int8_kernel(old)
 
 
+def _q8_0_chunk_order(raw, xq, xd):
+    """Q8_0 rows summed in chunk order (qint8.cuh mvs_chunk), emulated exactly: each
+    block's product as mvs_dot makes it (every fmaf's exact value fits a float64, rounded
+    once to float32), each 32-block chunk's butterfly with partners 1, 2, 4, 8, 16 apart,
+    then a row's chunk sums in order from 0.  raw: uint8 [M, nb * 34]; xq int8 [n, K];
+    xd float32 [n, nb].  Returns float32 [n, M]."""
+    M, nb = raw.shape[0], raw.shape[1] // 34
+    blk = raw.reshape(M, nb, 34)
+    d = blk[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)           # [M, nb]
+    q = blk[..., 2:].view(np.int8).astype(np.int64)                                 # [M, nb, 32]
+    x = xq.reshape(xq.shape[0], nb, 32).astype(np.int64)                            # [n, nb, 32]
+    s0 = np.einsum("mbk,nbk->nmb", q[..., :16], x[..., :16]).astype(np.float64)
+    s1 = np.einsum("mbk,nbk->nmb", q[..., 16:], x[..., 16:]).astype(np.float64)
+    t0 = (d * s0).astype(np.float32).astype(np.float64)
+    t = (d * s1 + t0).astype(np.float32).astype(np.float64)
+    b = (t * xd.astype(np.float64)[:, None, :]).astype(np.float32)                   # [n, M, nb]
+    nch = -(-nb // 32)
+    v = np.zeros(b.shape[:2] + (nch * 32,), np.float32)
+    v[..., :nb] = b
+    v = v.reshape(b.shape[:2] + (nch, 32))
+    lanes = np.arange(32)
+    for o in (1, 2, 4, 8, 16):
+        v = v + v[..., lanes ^ o]
+    row = np.zeros(b.shape[:2], np.float32)
+    for c in range(nch):
+        row = row + v[..., c, 0]
+    return row
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_int8_q8_0_chunk_order(n):
+    """Q8_0's integer matvec sums in chunk order, bit for bit, whatever the rows of x (1-8)
+    or the kernel (mvs, mvp): the order the decode megakernel's bulk ring keeps, and
+    speculative verify (several rows) against decode (one) needs.  K of 0.56 to 4.25
+    chunks, a partial last warp of rows, biases and the residual accumulate."""
+    import cupy as cp
+    import quant.cuda as qc
+    old = qc.INT8_KERNEL
+    kernels = ["mvs"] + (["mvp"] if int(cp.cuda.Device().compute_capability) >= qc.MVP_MIN_CC else [])
+    try:
+        for K in (576, 768, 4352):
+            qt = _weight(GGMLType.Q8_0, 77, K, 60 + K)
+            W = qc.upload(qt)
+            raw = np.ascontiguousarray(qt.data).reshape(77, -1)
+            rng = np.random.default_rng(n + K)
+            x = rng.standard_normal((n, K)).astype(np.float32)
+            bias = rng.standard_normal(77).astype(np.float32)
+            xq, xd, _ = qc.quantize_act(cp.asarray(x), 32, qc.Workspace())
+            want = _q8_0_chunk_order(raw, xq.get().reshape(n, K), xd.get().reshape(n, -1))
+            for kern in kernels:
+                qc.set_int8_kernel(kern)
+                y = cp.full((n, 77), np.nan, cp.float32)
+                qc.matmul(cp.asarray(x), [W], [y], [cp.asarray(bias)])
+                assert np.array_equal(y.get(), want + bias), (kern, n, K, float(np.abs(y.get() - want - bias).max()))
+                acc0 = rng.standard_normal((n, 77)).astype(np.float32)
+                acc = cp.asarray(acc0)
+                qc.matmul(cp.asarray(x), [W], [acc], accumulate=True)
+                assert np.array_equal(acc.get(), acc0 + want), (kern, n, K)
+    finally:
+        qc.set_int8_kernel(old)
+
+
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_0], ids=lambda t: t.name)
 def test_int8_mvk(qtype):
     """mvk (weights straight into registers, persistent grid): float32 accuracy against

@@ -100,12 +100,13 @@ def test_q8_stream_compiles(tmp_path):
 
 
 # the decode megakernel at Llama 3 8B's sizes: the cp.async ring a warp (Q4_K_M's types,
-# sm_75 and up) and the bulk-copy ring a block (Q8_0, sm_90 and up)
+# and Q8_0 beside Q4_K; sm_75 and up) and the bulk-copy ring a block (Q8_0, sm_90 and up)
 _MEGA_L8 = ("-default-device", "-DMG_KMAX=14336", "-DMG_NPH=129", "-DMG_HD=128", "-DMG_G=4", "-DMG_WARPS=16")
 
 
 @pytest.mark.parametrize("arch,options", [
     ("compute_75", ("-DMG_T12=1", "-DMG_T14=1", "-DMG_S=4", "-DMG_SUB=2", "-DMG_RW=75")),
+    ("compute_75", ("-DMG_T8=1", "-DMG_T12=1", "-DMG_S=4", "-DMG_SUB=2", "-DMG_RW=138")),   # Q8_0 in chunk order
     ("compute_90", ("-DMG_T8=1", "-DMG_BULK=1", "-DMG_SB=32768", "-DMG_S=4")),
 ])
 def test_megakernel_compiles(arch, options):
