@@ -124,10 +124,11 @@ def read_bandwidth(cp, nbytes, reps=50, kernel="read16") -> float:
     return nbytes / t
 
 
-def mega_sweep(eng, configs, n_gen=16):
+def mega_sweep(eng, configs, n_gen=128):
     """Graph replay of one decode step with the megakernel built for each (chunks a slot,
     ring slots cap, L2-prefetch slots before attention / before a barrier) in configs
-    (0: the default), on the engine as it is."""
+    (0: the default), on the engine as it is.  n_gen: tg128's, so the replayed step's
+    context (and its attention splits) is the main table's."""
     from runtime.backend.cuda_mega import MegaDecode
     from runtime.bench import time_tg
     be = eng.backend
