@@ -1,8 +1,8 @@
 """Host side of the decode megakernel (cuda_mega.cu): a llama-family decode step
 (one token) as an embedding lookup plus one persistent kernel, instead of ~11
 launches a layer.  Opt-in (LLAMBA_CUDA_MEGA=1): measured slower than the kernels an
-op on the H200 (quant/cuda/NOTES.md; L8 Q8_0 with the bulk-copy ring, session 26: 3.2-3.4
-ms a step against 2.8).  When on, CUDABackend uses it for graph-replayed decode steps
+op on the H200 (quant/cuda/NOTES.md; L8 Q8_0 with the bulk-copy ring, session 27: 3.0
+ms a step against 2.71).  When on, CUDABackend uses it for graph-replayed decode steps
 where `why_not` finds nothing against it; results equal the eager kernels' bit for bit.
 """
 from __future__ import annotations
