@@ -37,13 +37,6 @@ __device__ __forceinline__ void bulk_copy(void* smem, const void* g, unsigned nb
     bulk_expect(bar, nb);
     bulk_load(smem, g, nb, bar);
 }
-// two pieces into one slot, its mbarrier counting both (gate and up rows of one slot)
-__device__ __forceinline__ void bulk_copy2(void* s0, const void* g0, unsigned n0, void* s1, const void* g1,
-                                           unsigned n1, unsigned long long* bar) {
-    bulk_expect(bar, n0 + n1);
-    bulk_load(s0, g0, n0, bar);
-    bulk_load(s1, g1, n1, bar);
-}
 // nb bytes from g asked of the L2 (no shared memory, no barrier): a later bulk copy of them hits the L2
 __device__ __forceinline__ void bulk_prefetch_l2(const void* g, unsigned nb) {
 #if __CUDA_ARCH__ >= 900

@@ -663,13 +663,14 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
         // the addends of this block's rows of the op (slot o's row i at o rps + i), asked of
         // the L2 before the rounding's loads (one trip for both), kept from after it
         const bool add = p.kind == 1 || (p.kind == 0 && (p.bias[0] || p.bias[1] || p.bias[2]));
+        auto addend = [&](int sg, int r) { return p.kind == 1 ? __ldcg(p.y[sg] + r) : (p.bias[sg] ? p.bias[sg][r] : 0.f); };
         const int nmine = (p.nsl - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
         float av0 = 0.f;
         if (!MG_XADD && add && (int)threadIdx.x < min(nmine * p.rps, MB_AV)) {
             int sg, r0, nr;
             locate(p, blockIdx.x + threadIdx.x / p.rps * gridDim.x, sg, r0, nr);
             const int i = threadIdx.x % p.rps;
-            if (i < nr) av0 = p.kind == 1 ? __ldcg(p.y[sg] + r0 + i) : (p.bias[sg] ? p.bias[sg][r0 + i] : 0.f);
+            if (i < nr) av0 = addend(sg, r0 + i);
         }
         if (!MG_XQUANT) mg_quant(p, xq, xd, xs, gs);
         if (add) mb_av[threadIdx.x] = av0;        // read after the slot loop's first barrier
@@ -701,7 +702,7 @@ extern "C" __global__ void __launch_bounds__(MG_WARPS * 32, 1) mega_decode(
             // this slot's addends, asked of the L2 now and used a slot later (latency hidden):
             // x of a residual add (written before the last grid barrier), or the bias
             if (!MG_XADD && add && warp == MG_WARPS - 1 && lane < d.z && ord * p.rps + lane >= MB_AV)
-                pav = p.kind == 1 ? __ldcg(p.y[d.x] + d.y + lane) : (p.bias[d.x] ? p.bias[d.x][d.y + lane] : 0.f);
+                pav = addend(d.x, d.y + lane);
             const unsigned* sw = (const unsigned*)(bring + buf * (MG_SB / 16));
             // a thread a pair of blocks (68 bytes: 17 aligned words, lane l at bank 17 l: no
             // conflict); word u of both blocks' inputs by one 8-byte load (transposed input)

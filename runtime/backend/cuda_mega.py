@@ -31,6 +31,7 @@ BULK_SB = 32768                 # bytes a slot
 BULK_S = 4                      # slots (4 x 32 KB measured best: 6 x 32 KB and 8 x 16 KB were slower)
 BULK_ROWS = 32                  # rows a slot, at most (cuda_mega.cu MB_ROWS)
 TAB_BYTES = 512 * 4             # the block table's static shared memory (cuda_mega.cu MG_TABN)
+OTHER_STATIC = 512              # the warp rings' other static shared memory, at most
 CW = 1024                       # weights a chunk (qint8.cuh MVS_CW)
 # GGML type id -> (block elements, block bytes) for the types the kernel decodes
 _BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
@@ -217,7 +218,7 @@ class MegaDecode:
             rw = max(slot_words(t, sb) for t in types)
             slot = 2 * rw                   # a task's two rows
             ring_off, _ = smem_bytes(kmax, HD, G, self.nph, slot, 0)
-            stages = min(max_stages or MAX_STAGES, (optin - TAB_BYTES - 512 - ring_off) // (WARPS * slot * 16))
+            stages = min(max_stages or MAX_STAGES, (optin - TAB_BYTES - OTHER_STATIC - ring_off) // (WARPS * slot * 16))
             if stages >= MIN_STAGES:
                 break
         if stages < 2:
