@@ -386,10 +386,12 @@ def main(argv=None):
                          "mvk (integer matvec with weights straight into registers, persistent grid; mvk4: for Q4_K "
                          "alone, mvkr: for Q4_K, Q6_K, Q4_0 where MVK_RULES allows, mvkall: every shape of them), mega "
                          "(the decode megakernel, LLAMBA_CUDA_MEGA=1), mvp (int8 with the cp.async-pipelined "
-                         "matvec, sm_80+), float; any of them @HINTS: with the weight loads' cache hints "
+                         "matvec, sm_80+), float, fmv (float weights by the generic mv, not mvf); any of them @HINTS: with the weight loads' cache hints "
                          "(quant.cuda.W_HINT / W_PF), HINTS '+'-joined of 256 (.L2::256B), 128 (.L2::128B), ef "
                          "(L2 evict_first), 256ef / 128ef (both), h0 (none), pfN (mvk: prefetch.global.L2 N steps ahead), "
                          "pdlN (captured steps with programmatic dependent launch, quant/cuda/pdl.py MODE N), stN (mvk pipeline stages), "
+                         "fuN / frN / frsN (mvf: word steps a group, rows a warp above / at most 4096 rows), irsN (integer "
+                         "matvec's rows a warp at most 4096 rows), "
                          "e.g. int8@256+pf4")
     ap.add_argument("--mvk-sweep", default="",
                     help="mvk configs R:BPS[:S[:NA]],... (rows a warp : blocks an SM, 0 = occupancy : stages : "
@@ -438,6 +440,9 @@ def main(argv=None):
     int8_default, kernel_default, mega_default = qc.INT8_MATVEC, qc.INT8_KERNEL, cm.ENABLED
     mvk_on_default, rules_default = set(qc.MVK_ON), qc.MVK_RULES
     hints_default = (qc.W_HINT, qc.W_PF)
+    float_mv_default = qc.FLOAT_MV
+    mvf_default = (qc.MVF_U, qc.MVF_ROWS, qc.MVF_ROWS_SMALL)
+    int8_rs_default = qc.INT8_ROWS_SMALL
     pdl_default = qc.pdl.MODE
     stages_default = qc.MVK_STAGES
     mvk_cfg_default = (qc.MVK_ROWS, qc.MVK_BPS, qc.MVK_STAGES, qc.MVK_V)
@@ -448,8 +453,18 @@ def main(argv=None):
         h, pf = hints_default
         qc.pdl.MODE = pdl_default
         qc.MVK_STAGES = stages_default
+        qc.MVF_U, qc.MVF_ROWS, qc.MVF_ROWS_SMALL = mvf_default
+        qc.INT8_ROWS_SMALL = int8_rs_default
         for tok in [t for t in hints.split("+") if t]:
-            if tok.startswith("pdl"):
+            if tok.startswith("irs"):
+                qc.INT8_ROWS_SMALL = int(tok[3:])
+            elif tok.startswith("fu"):
+                qc.MVF_U = int(tok[2:])
+            elif tok.startswith("frs"):
+                qc.MVF_ROWS_SMALL = int(tok[3:])
+            elif tok.startswith("fr"):
+                qc.MVF_ROWS = int(tok[2:])
+            elif tok.startswith("pdl"):
                 qc.pdl.MODE = int(tok[3:])
             elif tok.startswith("st"):
                 qc.MVK_STAGES = int(tok[2:])
@@ -462,7 +477,8 @@ def main(argv=None):
         qc.set_weight_hints(h, pf)
         # mvk: mvk for the default types (qc.MVK_ON); mvk4: for Q4_K alone; mvkr: for all of
         # qc.MVK_TYPES where MVK_RULES allows; mvkall: every shape of all of them
-        qc.INT8_MATVEC = variant in ("int8", "mvp", "mvk", "mvkr", "mvkall", "mvk4", "mvs", "mega")
+        qc.INT8_MATVEC = variant in ("int8", "mvp", "mvk", "mvkr", "mvkall", "mvk4", "mvs", "mega", "fmv")
+        qc.FLOAT_MV = "mv" if variant == "fmv" else float_mv_default
         qc.set_int8_kernel("mvk" if variant in ("mvk4", "mvkr", "mvkall") else variant if variant in ("mvp", "mvk", "mvs")
                            else ("mvs" if variant == "mega" else kernel_default))
         qc.MVK_ON = ({GGMLType.Q4_K} if variant == "mvk4" else set(qc.MVK_TYPES) if variant in ("mvkr", "mvkall")
@@ -512,7 +528,9 @@ def main(argv=None):
                              (GGMLType.Q6_K, 151936, 1536), (GGMLType.Q6_K, 128256, 4096),
                              (GGMLType.Q6_K, 1536, 8960), (GGMLType.Q6_K, 1024, 4096),
                              (GGMLType.Q4_0, 4096, 14336), (GGMLType.Q4_0, 4096, 4096),
-                             (GGMLType.Q4_0, 8960, 1536), (GGMLType.Q4_0, 1536, 8960)]:
+                             (GGMLType.Q4_0, 8960, 1536), (GGMLType.Q4_0, 1536, 8960),
+                             (GGMLType.F16, 14336, 4096), (GGMLType.F16, 4096, 14336), (GGMLType.F16, 4096, 4096),
+                             (GGMLType.F16, 1024, 4096), (GGMLType.F16, 128256, 4096), (GGMLType.BF16, 14336, 4096)]:
                 if args.micro_types and qt.name not in args.micro_types.split(","):
                     continue
                 if args.micro_shapes and f"{qt.name}:{M}x{K}" not in args.micro_shapes.split(","):
@@ -520,7 +538,8 @@ def main(argv=None):
                 g = matvec_bandwidth(cp, qc, qt, M, K) / 1e9
                 result["micro"].append({"variant": variant, "type": qt.name, "M": M, "K": K, "GBps": g,
                                         "of_copy": g / (bw / 1e9)})
-                kn = qc._int8_name(qt, 1, M, K)
+                kn = (qc._int8_name(qt, 1, M, K) if qt in qc.INT8_STRUCT
+                      else qc._mvf_name(qt, 1, M) if qc._mvf_applies(qt, K) else "mv")
                 bps = qc._bps.get((kn, qc.W_HINT, qc.W_PF))
                 log(f"{variant} matvec {qt.name} {M}x{K}: {g:.0f} GB/s ({100 * g / (bw / 1e9):.0f}% of copy)  "
                     f"[{kn}{f', {bps} blocks an SM' if bps else ''}]")

@@ -77,7 +77,9 @@ INT8_MATVEC = os.environ.get("LLAMBA_CUDA_INT8", "1") != "0"
 # 382 -> 496 GB/s; 14336x4096: 2089 at 4 vs 2046 at 2).  Rows a warp never change a sum.
 INT8_ROWS_PER_WARP = 4
 INT8_SMALL_M = 4096
+INT8_ROWS_SMALL = int(os.environ.get("LLAMBA_INT8_RS", "2"))
 MVS_WARPS = 4               # warps a block of the integer matvec (qint8.cuh)
+MVF_WARPS = 4               # and of the float-weight matvec (qfloat.cuh)
 # which integer matvec kernel: "mvk" (the default: the types in MVK_ON by qmvk.cuh, the
 # other types by mvs), "mvs" (chunk bytes staged through registers, one chunk of each warp's rows in
 # flight) or "mvp" (cp.async into shared memory, up to 3 chunks ahead; sm_80 and newer
@@ -86,6 +88,16 @@ MVS_WARPS = 4               # warps a block of the integer matvec (qint8.cuh)
 # own.  LLAMBA_CUDA_MV picks one.
 INT8_KERNEL = os.environ.get("LLAMBA_CUDA_MV", "mvk")
 MVP_MIN_CC = 80
+# the decode matvec of float weights (F16, BF16, F32; rows of whole 16-byte words): "mvf"
+# (qfloat.cuh: 16-byte words of each warp's rows straight into registers, a group ahead)
+# or "mv" (the generic kernel every type has; LLAMBA_CUDA_FMV=mv)
+FLOAT_MV = os.environ.get("LLAMBA_CUDA_FMV", "mvf")
+MVF_TYPES = {GGMLType.F32, GGMLType.F16, GGMLType.BF16}
+# mvf: word steps a group (loads a lane a row a group ahead), rows a warp for 1-2 rows of
+# x above / at most INT8_SMALL_M rows (never a change to a sum)
+MVF_U = int(os.environ.get("LLAMBA_MVF_U", "2"))
+MVF_ROWS = int(os.environ.get("LLAMBA_MVF_R", "4"))
+MVF_ROWS_SMALL = int(os.environ.get("LLAMBA_MVF_RS", "1"))
 # mvk (qmvk.cuh): weights straight into registers, a persistent grid; the types it has
 # (others take mvs under it).  Its sums are its own (not mvs's), batch invariant like them.
 # Q4_K: mvk4k; Q6_K, Q4_0: mvkt<policy> (Q4_0 where K % 256 == 0: 8-block units of 144
@@ -172,13 +184,14 @@ def source(path: Path, *headers: Path) -> str:
 
 def kernel_source() -> str:
     """qkernels.cu with its headers' hash."""
-    return source(_DIR / "qkernels.cu", _DIR / "qblocks.cuh", _DIR / "qint8.cuh", _DIR / "qmvk.cuh", pdl.HEADER)
+    return source(_DIR / "qkernels.cu", _DIR / "qblocks.cuh", _DIR / "qint8.cuh", _DIR / "qmvk.cuh", _DIR / "qfloat.cuh",
+                  pdl.HEADER)
 
 
 def _options():
     """NVRTC options of the matvec modules (the weight-load hints as defines)."""
     return (_OPTIONS + ((f"-DLLAMBA_WHINT={W_HINT}",) if W_HINT else ()) + ((f"-DLLAMBA_WPF={W_PF}",) if W_PF else ())
-            + pdl.options())
+            + (f"-DMVF_U={MVF_U}",) + pdl.options())
 
 
 class _Lazy(dict):
@@ -203,7 +216,8 @@ class _Modules:
 
     def get(self, qtype):
         key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS, MVK_ROWS6, MVK_STAGES, MVK_V, MVK_RULES,
-               tuple(sorted(t.value for t in MVK_ON)), W_HINT, W_PF, COMPILE_LAZY, pdl.MODE)
+               tuple(sorted(t.value for t in MVK_ON)), W_HINT, W_PF, COMPILE_LAZY, pdl.MODE, MVF_U, MVF_ROWS,
+               MVF_ROWS_SMALL, INT8_ROWS_SMALL)
         m = self.by_type.get(key)
         if m is None and COMPILE_LAZY:
             m = self.by_type[key] = _Lazy(_options())
@@ -214,6 +228,8 @@ class _Modules:
                                 for K in (32, 256, 4096, 1 << 30)})
                         if qtype in INT8_STRUCT else [])
                      + [f"mv<{s},{r},{_rpw(r)},{p}>" for r in range(1, PROLOGUE_MAX_ROWS + 1) for p in (1, 2, 3)]
+                     + (sorted({_mvf_name(qtype, r, M) for r in range(1, MV_MAX_ROWS + 1) for M in (1, 1 << 30)})
+                        if qtype in MVF_TYPES else [])
                      + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
             src = kernel_source()
             mod = cp.RawModule(code=src, options=_options(), name_expressions=names)
@@ -259,7 +275,7 @@ def _rpw_int8(nrows: int, M: int, qtype=None, K: int = 1 << 30) -> int:
     if _mvk_applies(qtype, K, M):
         return (MVK_ROWS6 if qtype == GGMLType.Q6_K else MVK_ROWS) if nrows <= 2 else 1
     if nrows <= 2:
-        return 2 if M <= INT8_SMALL_M else INT8_ROWS_PER_WARP
+        return INT8_ROWS_SMALL if M <= INT8_SMALL_M else INT8_ROWS_PER_WARP
     return 2 if nrows <= 4 else 1
 
 
@@ -273,6 +289,17 @@ def _int8_name(qtype, nrows: int, M: int, K: int = 1 << 30) -> str:
         return f"{MVK_TYPES[qtype]}<{nrows},{rpw},{MVK_STAGES},{v}>"
     k = "mvs" if _int8_kernel() == "mvk" else _int8_kernel()
     return f"{k}<{INT8_STRUCT[qtype]},{nrows},{rpw}>"
+
+
+def _mvf_applies(qtype, K: int) -> bool:
+    return FLOAT_MV == "mvf" and qtype in MVF_TYPES and K % 8 == 0
+
+
+def _mvf_name(qtype, nrows: int, M: int) -> str:
+    """mvf's instantiation for nrows of x and W of M rows: rows a warp as the integer
+    matvec takes them (never a change to a sum)."""
+    rpw = (MVF_ROWS_SMALL if M <= INT8_SMALL_M else MVF_ROWS) if nrows <= 2 else (2 if nrows <= 4 else 1)
+    return f"mvf<{STRUCT[qtype]},{nrows},{rpw}>"
 
 
 _sms = None
@@ -446,11 +473,23 @@ def _matvec(x, Ws, outs, biases, accumulate, prologue=None):
             j += 1
         grp = list(range(i, j))
         W0 = Ws[i]
-        rpw = _rpw(n)
-        f = _mods.get(W0.qtype)[f"mv<{STRUCT[W0.qtype]},{n},{rpw},{pro}>"]
         pad = grp + [grp[0]] * (3 - len(grp))
         Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
         maxM = max(Ms)
+        if pro == 0 and _mvf_applies(W0.qtype, K):
+            name = _mvf_name(W0.qtype, n, maxM)
+            rpw = int(name.rsplit(",", 1)[1][:-1])
+            args = ([Ws[k].data for k in pad] + [outs[k] for k in pad]
+                    + [biases[k] if biases[k] is not None else np.uint64(0) for k in pad]
+                    + [np.int32(m) for m in Ms]
+                    + [np.int32(K), np.int64(W0.row_nbytes), x, np.int32(x.strides[0] // 4)]
+                    + [np.int32(outs[k].strides[0] // 4) for k in pad] + [np.int32(1 if accumulate else 0)])
+            _mods.get(W0.qtype)[name](((maxM + rpw * MVF_WARPS - 1) // (rpw * MVF_WARPS), len(grp)),
+                                      (32 * MVF_WARPS,), tuple(args))
+            i = j
+            continue
+        rpw = _rpw(n)
+        f = _mods.get(W0.qtype)[f"mv<{STRUCT[W0.qtype]},{n},{rpw},{pro}>"]
         grid = ((maxM + rpw - 1) // rpw, len(grp))
         qk = _KBLOCK[W0.qtype][0]
         nparts = K // qk * (8 if qk == QK_K else 1)

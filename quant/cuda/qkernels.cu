@@ -3,6 +3,7 @@
 #include "qblocks.cuh"
 #include "qint8.cuh"
 #include "qmvk.cuh"
+#include "qfloat.cuh"
 #ifndef MV_UNROLL
 #define MV_UNROLL 1
 #endif

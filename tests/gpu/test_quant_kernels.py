@@ -81,6 +81,38 @@ def test_matmul_multi_bias_and_accumulate(n, float_matvec):
     assert _rel(acc.get(), ref) < tol
 
 
+@pytest.mark.parametrize("qtype", [GGMLType.F32, GGMLType.F16, GGMLType.BF16], ids=lambda t: t.name)
+def test_float_weight_matvec(qtype):
+    """mvf (float weights at decode): three weights in one launch with biases, the
+    residual add, a K whose last word step is partial (800 = 3 steps of 256 + 32),
+    matrices over INT8_SMALL_M rows (4 a warp) and under (2), a row tail; each output
+    row's bits the same whatever the batch (1 row or 8: speculative verify)."""
+    import cupy as cp
+    import quant.cuda as qc
+    assert qc.FLOAT_MV == "mvf"
+    K = 800
+    qts = [_weight(qtype, M, K, 20 + i) for i, M in enumerate((4100, 33, 7))]
+    Ws = [qc.upload(q) for q in qts]
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((8, K)).astype(np.float32)
+    biases = [rng.standard_normal(q.shape[0]).astype(np.float32) for q in qts]
+    deq = [quant.dequantize(q).astype(np.float64) for q in qts]
+    by_n = {}
+    for n in (1, 2, 3, 8):
+        outs = [cp.full((n, q.shape[0]), np.nan, cp.float32) for q in qts]
+        qc.matmul(cp.asarray(x[:n]), Ws, outs, [cp.asarray(b) for b in biases])
+        for o, d, b in zip(outs, deq, biases):
+            assert _rel(o.get(), x[:n].astype(np.float64) @ d.T + b) < 1e-6, (qtype.name, n)
+        by_n[n] = [o.get() for o in outs]
+    for n in (1, 2, 3):
+        for a, b in zip(by_n[n], by_n[8]):
+            assert np.array_equal(a, b[:n]), (qtype.name, n)
+    acc0 = rng.standard_normal((2, 4100)).astype(np.float32)
+    acc = cp.asarray(acc0)
+    qc.matmul(cp.asarray(x[:2]), [Ws[0]], [acc], accumulate=True)
+    assert _rel(acc.get(), acc0 + x[:2].astype(np.float64) @ deq[0].T) < 1e-6
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_embed_rows_and_dequantize(qtype):
     import cupy as cp

@@ -64,6 +64,8 @@ def test_weight_kernels_compile(arch):
              + [f"mvk4k<{n},2,2,{v}>" for n in (1, 2) for v in (1, 3)]
              + [f"mvkt<{t},{n},{r},2,1>" for t in ("MQ4_0", "MQ6_K") for n in (1, 2) for r in (1, 2)]
              + [f"mvs<{t},{n},2>" for t in INT8_STRUCTS for n in (1, 2)]
+             # the float-weight matvec
+             + [f"mvf<{t},{n},{r}>" for t in ("TF16", "TBF16", "TF32") for n, r in ((1, 2), (1, 4), (8, 1))]
              + [f"q8_act<{bs},{p}>" for bs in (32, 256) for p in range(4)])
     # deq_f16's block size comes from the backend (quant.cuda.DEQ_THREADS, whose module
     # needs CuPy): checked here at its value
