@@ -8,16 +8,19 @@ matmul(x, [W..], [y..]) y = x @ W.T for each W (same input x, float32 [n, K]):
                         the integer path (INT8_MATVEC, the default): x rounded to int8
                         per block of W's family as the CPU backend does (32 values for
                         the legacy formats, 256 for the K-quants), dp4a dot products
-                        (qint8.cuh: q8_act, mvs / mvp); float W, or LLAMBA_CUDA_INT8=0: a
-                        float32 matvec that decodes each row's blocks once in registers
+                        (qint8.cuh: q8_act, mvs / mvp; qmvk.cuh: mvk); F16/BF16/F32 W:
+                        float32 x and sums, each row's 16-byte words straight into
+                        registers (qfloat.cuh: mvf); quantized W with LLAMBA_CUDA_INT8=0:
+                        a float32 matvec that decodes each row's blocks once in registers
                         for all n rows of x (qkernels.cu: mv);
                         larger n: W is dequantized to fp16 one tile of rows at a time into
                         a reusable scratch and multiplied on the tensor cores by cuBLAS
                         (fp32 accumulate and output).  Only the tile lives in fp16.
 embed_rows(W, ids, out) rows of W (token ids on the device) as float32
 
-CUDA sources: qblocks.cuh (each type's block decoder), qint8.cuh (the integer path)
-and qkernels.cu.  Kernels are
+CUDA sources: qblocks.cuh (each type's block decoder), qint8.cuh (the integer path),
+qmvk.cuh (its register-pipelined matvec), qfloat.cuh (float weights) and qkernels.cu.
+Kernels are
 compiled by NVRTC through cupy.RawModule, one module per type on first use, with no
 architecture-specific code beyond what sm_75 has (except the weight loads' L2 cache hints,
 W_HINT, which compile to plain loads below sm_80, and the programmatic-dependent-launch
@@ -77,6 +80,7 @@ INT8_MATVEC = os.environ.get("LLAMBA_CUDA_INT8", "1") != "0"
 # 382 -> 496 GB/s; 14336x4096: 2089 at 4 vs 2046 at 2).  Rows a warp never change a sum.
 INT8_ROWS_PER_WARP = 4
 INT8_SMALL_M = 4096
+# (L8 decode graph, H200: Q8_0 2.730 ms at 2, 2.863 at 1, 2.853 at 4; NOTES.md session 28)
 INT8_ROWS_SMALL = int(os.environ.get("LLAMBA_INT8_RS", "2"))
 MVS_WARPS = 4               # warps a block of the integer matvec (qint8.cuh)
 MVF_WARPS = 4               # and of the float-weight matvec (qfloat.cuh)
@@ -94,7 +98,8 @@ MVP_MIN_CC = 80
 FLOAT_MV = os.environ.get("LLAMBA_CUDA_FMV", "mvf")
 MVF_TYPES = {GGMLType.F32, GGMLType.F16, GGMLType.BF16}
 # mvf: word steps a group (loads a lane a row a group ahead), rows a warp for 1-2 rows of
-# x above / at most INT8_SMALL_M rows (never a change to a sum)
+# x above / at most INT8_SMALL_M rows (never a change to a sum).  H200, L8 F16 decode
+# graph: 4.614 ms at (2, 4, 1); R 2 at <= 4096 rows 4.740, U 1 4.846, U 4 4.933 (NOTES.md)
 MVF_U = int(os.environ.get("LLAMBA_MVF_U", "2"))
 MVF_ROWS = int(os.environ.get("LLAMBA_MVF_R", "4"))
 MVF_ROWS_SMALL = int(os.environ.get("LLAMBA_MVF_RS", "1"))
