@@ -279,8 +279,14 @@ def _mvk_applies(qtype, K: int, M: int = 1) -> bool:
 def _rpw_int8(nrows: int, M: int, qtype=None, K: int = 1 << 30) -> int:
     if _mvk_applies(qtype, K, M):
         return (MVK_ROWS6 if qtype == GGMLType.Q6_K else MVK_ROWS) if nrows <= 2 else 1
+    return _rows_a_warp(nrows, M, INT8_ROWS_SMALL, INT8_ROWS_PER_WARP)
+
+
+def _rows_a_warp(nrows: int, M: int, small: int, big: int) -> int:
+    """Output rows a warp of mvs / mvp / mvf for nrows of x: for 1-2 rows, `small` where W
+    has at most INT8_SMALL_M rows, else `big`; fewer for more rows of x (registers)."""
     if nrows <= 2:
-        return INT8_ROWS_SMALL if M <= INT8_SMALL_M else INT8_ROWS_PER_WARP
+        return small if M <= INT8_SMALL_M else big
     return 2 if nrows <= 4 else 1
 
 
@@ -300,11 +306,13 @@ def _mvf_applies(qtype, K: int) -> bool:
     return FLOAT_MV == "mvf" and qtype in MVF_TYPES and K % 8 == 0
 
 
+def _mvf_rows(nrows: int, M: int) -> int:
+    return _rows_a_warp(nrows, M, MVF_ROWS_SMALL, MVF_ROWS)
+
+
 def _mvf_name(qtype, nrows: int, M: int) -> str:
-    """mvf's instantiation for nrows of x and W of M rows: rows a warp as the integer
-    matvec takes them (never a change to a sum)."""
-    rpw = (MVF_ROWS_SMALL if M <= INT8_SMALL_M else MVF_ROWS) if nrows <= 2 else (2 if nrows <= 4 else 1)
-    return f"mvf<{STRUCT[qtype]},{nrows},{rpw}>"
+    """mvf's instantiation for nrows of x and W of M rows (rows a warp never change a sum)."""
+    return f"mvf<{STRUCT[qtype]},{nrows},{_mvf_rows(nrows, M)}>"
 
 
 _sms = None
@@ -481,16 +489,16 @@ def _matvec(x, Ws, outs, biases, accumulate, prologue=None):
         pad = grp + [grp[0]] * (3 - len(grp))
         Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
         maxM = max(Ms)
+        # mv's arguments, then its prologue's; mvf takes the first part
+        args = ([Ws[k].data for k in pad] + [outs[k] for k in pad]
+                + [biases[k] if biases[k] is not None else np.uint64(0) for k in pad]
+                + [np.int32(m) for m in Ms]
+                + [np.int32(K), np.int64(W0.row_nbytes), x, np.int32(x.strides[0] // 4)]
+                + [np.int32(outs[k].strides[0] // 4) for k in pad] + [np.int32(1 if accumulate else 0)])
         if pro == 0 and _mvf_applies(W0.qtype, K):
-            name = _mvf_name(W0.qtype, n, maxM)
-            rpw = int(name.rsplit(",", 1)[1][:-1])
-            args = ([Ws[k].data for k in pad] + [outs[k] for k in pad]
-                    + [biases[k] if biases[k] is not None else np.uint64(0) for k in pad]
-                    + [np.int32(m) for m in Ms]
-                    + [np.int32(K), np.int64(W0.row_nbytes), x, np.int32(x.strides[0] // 4)]
-                    + [np.int32(outs[k].strides[0] // 4) for k in pad] + [np.int32(1 if accumulate else 0)])
-            _mods.get(W0.qtype)[name](((maxM + rpw * MVF_WARPS - 1) // (rpw * MVF_WARPS), len(grp)),
-                                      (32 * MVF_WARPS,), tuple(args))
+            rpw = _mvf_rows(n, maxM)
+            _mods.get(W0.qtype)[_mvf_name(W0.qtype, n, maxM)](
+                ((maxM + rpw * MVF_WARPS - 1) // (rpw * MVF_WARPS), len(grp)), (32 * MVF_WARPS,), tuple(args))
             i = j
             continue
         rpw = _rpw(n)
@@ -499,13 +507,7 @@ def _matvec(x, Ws, outs, biases, accumulate, prologue=None):
         qk = _KBLOCK[W0.qtype][0]
         nparts = K // qk * (8 if qk == QK_K else 1)
         threads = min(128, (nparts + 31) // 32 * 32)
-        args = ([Ws[k].data for k in pad] + [outs[k] for k in pad]
-                + [biases[k] if biases[k] is not None else np.uint64(0) for k in pad]
-                + [np.int32(m) for m in Ms]
-                + [np.int32(K), np.int64(W0.row_nbytes), x, np.int32(x.strides[0] // 4)]
-                + [np.int32(outs[k].strides[0] // 4) for k in pad] + [np.int32(1 if accumulate else 0)]
-                + [pw if pw is not None else np.uint64(0), pu if pu is not None else np.uint64(0),
-                   np.float32(eps)])
+        args += [pw if pw is not None else np.uint64(0), pu if pu is not None else np.uint64(0), np.float32(eps)]
         f(grid, (threads,), tuple(args))
         i = j
 

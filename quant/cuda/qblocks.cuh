@@ -205,51 +205,53 @@ struct TQ6_K {
 };
 
 // ---------------------------------------------------------------- float types
+// word(v, f): the WE values of a 16-byte word as floats (decode's, and mvf's in qfloat.cuh)
 struct TF32 {
-    enum { QK = 32, BB = 128, PPB = 1, PE = 32, NRUN = 2, RLEN = 16, HAS_MIN = 0 };
+    enum { QK = 32, BB = 128, PPB = 1, PE = 32, NRUN = 2, RLEN = 16, HAS_MIN = 0, WE = 4 };
     DEV int run_start(int, int r) { return 16 * r; }
+    DEV void word(uint4 v, float* f) {
+        f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
+        f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+    }
     DEV void decode(const u8* b, int, float* q, float* sc, float* mn) {
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            float4 v = ((const float4*)b)[i];
-            q[4 * i] = v.x; q[4 * i + 1] = v.y; q[4 * i + 2] = v.z; q[4 * i + 3] = v.w;
-        }
+        for (int i = 0; i < 8; i++) word(((const uint4*)b)[i], q + 4 * i);
         sc[0] = sc[1] = 1.f; mn[0] = mn[1] = 0.f;
     }
 };
 
 struct TF16 {
-    enum { QK = 32, BB = 64, PPB = 1, PE = 32, NRUN = 2, RLEN = 16, HAS_MIN = 0 };
+    enum { QK = 32, BB = 64, PPB = 1, PE = 32, NRUN = 2, RLEN = 16, HAS_MIN = 0, WE = 8 };
     DEV int run_start(int, int r) { return 16 * r; }
+    DEV void word(uint4 v, float* f) {
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float2 t = __half22float2(*(const __half2*)&w[j]);
+            f[2 * j] = t.x; f[2 * j + 1] = t.y;
+        }
+    }
     DEV void decode(const u8* b, int, float* q, float* sc, float* mn) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            uint4 v = ((const uint4*)b)[i];
-            u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                float2 f = __half22float2(*(const __half2*)&w[j]);
-                q[8 * i + 2 * j] = f.x; q[8 * i + 2 * j + 1] = f.y;
-            }
-        }
+        for (int i = 0; i < 4; i++) word(((const uint4*)b)[i], q + 8 * i);
         sc[0] = sc[1] = 1.f; mn[0] = mn[1] = 0.f;
     }
 };
 
 struct TBF16 {
-    enum { QK = 32, BB = 64, PPB = 1, PE = 32, NRUN = 2, RLEN = 16, HAS_MIN = 0 };
+    enum { QK = 32, BB = 64, PPB = 1, PE = 32, NRUN = 2, RLEN = 16, HAS_MIN = 0, WE = 8 };
     DEV int run_start(int, int r) { return 16 * r; }
+    DEV void word(uint4 v, float* f) {
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            f[2 * j] = __int_as_float(w[j] << 16);
+            f[2 * j + 1] = __int_as_float(w[j] & 0xFFFF0000u);
+        }
+    }
     DEV void decode(const u8* b, int, float* q, float* sc, float* mn) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            uint4 v = ((const uint4*)b)[i];
-            u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                q[8 * i + 2 * j] = __int_as_float(w[j] << 16);
-                q[8 * i + 2 * j + 1] = __int_as_float(w[j] & 0xFFFF0000u);
-            }
-        }
+        for (int i = 0; i < 4; i++) word(((const uint4*)b)[i], q + 8 * i);
         sc[0] = sc[1] = 1.f; mn[0] = mn[1] = 0.f;
     }
 };

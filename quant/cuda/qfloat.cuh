@@ -5,49 +5,15 @@
 // words of R rows straight into registers (rows of F16/BF16/F32 are 16-byte aligned
 // whenever K % 8 == 0), a group of MVF_U words a row ahead of the group it is summing,
 // and a warp's rows are independent of every other warp's (no shared memory, no block
-// barrier).  Lane l takes elements [32 E s + E l, +E) of word step s (E = 8 halves or 4
-// floats), sums them into its own accumulator in step order, and the lanes' sums meet
+// barrier).  Lane l takes elements [32 E s + E l, +E) of word step s (E = T::WE: 8 halves
+// or 4 floats, converted by the type's own T::word, qblocks.cuh), sums them into its own
+// accumulator in step order, and the lanes' sums meet
 // in mvs's butterfly (mvs_store).  That order depends on K alone, never on NR or R:
 // batch invariant, so a speculative verify row equals a decode step's.
 // Up to three weights of one type in one launch (blockIdx.y picks): q/k/v, gate/up.
 // mode 0: y = xW^T (+ bias);  mode 1: y += xW^T.
 #pragma once
 #include "qint8.cuh"
-
-template <class T>
-struct FW;
-template <>
-struct FW<TF16> {
-    static constexpr int E = 8;
-    DEV void cvt(uint4 v, float (&f)[8]) {
-        const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float2 t = __half22float2(*(const __half2*)&w[j]);
-            f[2 * j] = t.x; f[2 * j + 1] = t.y;
-        }
-    }
-};
-template <>
-struct FW<TBF16> {
-    static constexpr int E = 8;
-    DEV void cvt(uint4 v, float (&f)[8]) {
-        const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            f[2 * j] = __int_as_float(w[j] << 16);
-            f[2 * j + 1] = __int_as_float(w[j] & 0xFFFF0000u);
-        }
-    }
-};
-template <>
-struct FW<TF32> {
-    static constexpr int E = 4;
-    DEV void cvt(uint4 v, float (&f)[4]) {
-        f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
-        f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
-    }
-};
 
 constexpr int MVF_WARPS = 4;
 #ifndef MVF_U
@@ -62,7 +28,7 @@ __global__ void __launch_bounds__(32 * MVF_WARPS) mvf(
         int M0, int M1, int M2,
         int K, long long row_bytes, const float* __restrict__ x, int ldx, int ldy0, int ldy1, int ldy2, int mode) {
     PDL_EARLY_TRIGGER();
-    constexpr int E = FW<T>::E, U = MVF_U;
+    constexpr int E = T::WE, U = MVF_U;
     static_assert(R * NR <= 32, "a lane per output");
     const int wsel = blockIdx.y;
     const u8* W = wsel == 0 ? W0 : (wsel == 1 ? W1 : W2);
@@ -118,7 +84,7 @@ __global__ void __launch_bounds__(32 * MVF_WARPS) mvf(
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     float w[E];
-                    FW<T>::cvt(cur[u][r], w);
+                    T::word(cur[u][r], w);
 #pragma unroll
                     for (int n = 0; n < NR; n++)
 #pragma unroll

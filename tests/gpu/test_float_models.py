@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 from test_models import _float_cpu_backend, _greedy, _rel
+from test_verify_invariance_gpu import _verify_and_singles
 
 pytestmark = pytest.mark.gpu
 
-# a llama body and a qwen2 one (q/k/v biases), head dim 64
+# a llama body and a qwen2 one (q/k/v biases), head dim 64; a vocabulary of 1000, as
+# _verify_and_singles draws its tokens
 SHAPES = {
     "llama": dict(arch="llama", n_layers=2, d_model=512, d_ff=1408, n_heads=8, n_kv_heads=2, vocab=1000,
                   tied=False, rope_theta=1e4),
@@ -48,19 +50,6 @@ def test_greedy_32_tokens_and_logits(engines):
 
 @pytest.mark.parametrize("rows", [2, 5, 8])
 def test_verify_rows_equal_single_steps(engines, rows):
-    lm, gpu, _ = engines
-    rng = np.random.default_rng(rows)
-    prompt = [int(t) for t in rng.integers(1, lm.config.vocab_size, 40)]
-    extra = [int(t) for t in rng.integers(1, lm.config.vocab_size, rows)]
-    seq = gpu.new_sequence()
-    try:
-        gpu.prefill(seq, prompt)
-        gpu.step([seq], [[prompt[-1]]])
-        base = len(seq)
-        batched = gpu.step([seq], [extra], all_logits=True)
-        gpu.cache.truncate(seq, base)
-        single = np.stack([gpu.step([seq], [[t]])[0] for t in extra])
-    finally:
-        gpu.release(seq)
-    assert np.all(np.isfinite(single))
+    _, gpu, _ = engines
+    batched, single = _verify_and_singles(gpu, 40, rows, rows)
     assert np.array_equal(batched, single), float(np.abs(batched - single).max())
