@@ -221,7 +221,7 @@ def cmd_tokenize(args) -> int:
 
 
 def cmd_perplexity(args) -> int:
-    from .perplexity import perplexity
+    from .bench.perplexity import perplexity
     eng = _engine(args)
     with open(args.file, encoding="utf-8") as f:
         text = f.read()
@@ -236,9 +236,9 @@ def cmd_perplexity(args) -> int:
 
 def cmd_bench(args) -> int:
     if args.draft_model:
-        from .bench_speculative import run_spec_bench
+        from .bench.speculative import run_spec_bench
         return run_spec_bench(args)
-    from .bench import run_bench
+    from .bench.speed import run_bench
     return run_bench(args)
 
 

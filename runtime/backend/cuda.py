@@ -16,8 +16,6 @@
   replayed from the second chunk of that length on; other multi-token steps run
   eagerly (~750 launches through Python a step: on small models the host, not the
   GPU, sets an eager prompt's speed).
-* LLAMBA_CUDA_MEGA=1: llama-family decode steps as one persistent kernel
-  (cuda_mega.py), bit-identical; off by default (slower on the H200 so far).
 """
 from __future__ import annotations
 
@@ -29,7 +27,7 @@ import numpy as np
 import quant
 from quant import QTensor
 
-from . import DeviceUnavailable, cuda_mega
+from . import DeviceUnavailable
 from .cuda_memory import MIN_COMPUTE_CAPABILITY, estimate_bytes, format_bytes
 
 _SRC = Path(__file__).resolve().parent / "cuda_kernels.cu"
@@ -369,14 +367,7 @@ class CUDABackend:
         self.fold = os.environ.get("LLAMBA_CUDA_FOLD", "0") == "1"
         self.profile_next = False
         self.last_profile = None
-        # host side of a graph-replayed decode step: "new" (the step's arrays written into
-        # the graph's pinned input in place, host<->device copies inside the graph, greedy
-        # argmax on the device) or "old" (the step packed anew, copies and argmax by the
-        # host: what ran before; kept to measure one against the other, bench_gpu --host)
-        self.host_path = os.environ.get("LLAMBA_CUDA_HOST", "new")
         self._argmax_state: dict = {}   # rows -> (best u64, count u32 (zeroed), ids int32) [rows]
-        self._megas: dict = {}      # id(model) -> (model, MegaDecode | reason it cannot run)
-        self.use_mega = True        # decode steps by the megakernel where it applies (cuda_mega.py)
 
     # ---- memory ------------------------------------------------------------------
     def check_fits(self, lm, n_ctx: int, block_size: int = 16, cache_blocks: int = 0, cache_type="f16"):
@@ -429,8 +420,6 @@ class CUDABackend:
         """Run one step; the argmax of each logits row (np.argmax's: the first maximum) as
         int64 [rows], computed on the device: 4 bytes a row cross to the host, not the
         row's vocab floats."""
-        if self.host_path == "old":
-            return np.argmax(self._forward(model, step, False), axis=-1)
         return self._forward(model, step, True)
 
     def _forward(self, model, step, argmax: bool) -> np.ndarray:
@@ -444,12 +433,9 @@ class CUDABackend:
             # tokens of one sequence, logits for every row): each shape its own graph
             graphable = (self.use_graphs and step.block_tables.shape[0] == 1
                          and (n == 1 and len(step.logit_rows) == 1
-                              or 1 < n <= GRAPH_ROWS and len(step.logit_rows) == n and self.host_path != "old"
-                              or n == PROMPT_GRAPH_ROWS and len(step.logit_rows) == 1 and not argmax
-                              and self.host_path != "old"))
+                              or 1 < n <= GRAPH_ROWS and len(step.logit_rows) == n
+                              or n == PROMPT_GRAPH_ROWS and len(step.logit_rows) == 1 and not argmax))
             if graphable:
-                if self.host_path == "old":
-                    return self._forward_graph_old(model, step)
                 return self._forward_graph(model, step, argmax)
             flat, layout = _pack_step(step)
             buf = cp.asarray(flat)
@@ -531,11 +517,10 @@ class CUDABackend:
         keys a warp at a time, `attn_tiles` a tile of DEC_BK at a time, which pays once a
         split holds ATT_TILE_KEYS keys (a long context).  Both follow from the context
         width alone, like the splits, so a verify row keeps its one-token step's sums.
-        The megakernel has only the first kind."""
+        """
         splits = self._splits(n_tokens, ctx, model)
         tiles = (ATT_TILE_KEYS > 0 and ctx // splits >= ATT_TILE_KEYS
-                 and model.cfg.head_dim % 64 == 0 and n_tokens <= GRAPH_ROWS
-                 and not (self.use_mega and cuda_mega.ENABLED))
+                 and model.cfg.head_dim % 64 == 0 and n_tokens <= GRAPH_ROWS)
         return splits, tiles
 
     def _forward_graph(self, model, step, argmax: bool):
@@ -632,7 +617,7 @@ class CUDABackend:
         dev = cp.empty(flat.size, cp.int32)
         dstep = _DevStep(step, _views(dev, layout), *self._attn_plan(len(step.tokens), MB * step.block_size, model))
         return {"host": host, "dev": dev, "dstep": dstep, "graph": None, "argmax": argmax,
-                "fill": _decode_fill_views(host, layout), "host_out": None, "mega": None, "ws_gen": None}
+                "fill": _decode_fill_views(host, layout), "host_out": None, "ws_gen": None}
 
     def _decode_body(self, model, g, capture: bool):
         """Enqueue one decode step on the stream: copy in, forward, argmax or copy out."""
@@ -640,21 +625,7 @@ class CUDABackend:
         rt = cp.cuda.runtime
         sp = self.stream.ptr
         rt.memcpyAsync(g["dev"].data.ptr, g["host"].ctypes.data, g["host"].nbytes, rt.memcpyHostToDevice, sp)
-        out = None
-        mega = g["mega"]
-        if not capture:
-            mega = self.mega_for(model, g["dstep"])
-            if mega is not None:
-                out = mega.run(g["dstep"])
-                self.stream.synchronize()
-                if mega.failed():       # not all blocks resident: never again on this backend
-                    self._megas[id(model)] = (model, "a grid barrier timed out")
-                    mega = out = None
-            g["mega"] = mega
-        elif mega is not None:
-            out = mega.run(g["dstep"])
-        if out is None:
-            out = self._run(model, g["dstep"])
+        out = self._run(model, g["dstep"])
         if g["host_out"] is None:
             g["host_out"] = (self._pinned(out.shape[:1], np.int32) if g["argmax"]
                              else self._pinned(out.shape, out.dtype))
@@ -663,75 +634,10 @@ class CUDABackend:
         else:
             rt.memcpyAsync(g["host_out"].ctypes.data, out.data.ptr, out.nbytes, rt.memcpyDeviceToHost, sp)
 
-    def _forward_graph_old(self, model, step):
-        """Decode as before host_path "new": the step packed anew, copied in, the graph
-        launched, the logits copied out and copied again (kept for measuring)."""
-        cp = self.cp
-        MB = self._graph_width(step.block_tables.shape[1])
-        key = (id(model), MB, "old")
-        flat, layout = _pack_step(step, MB)
-        g = self._graphs.get(key)
-        if g is None:
-            host = cp.cuda.alloc_pinned_memory(flat.nbytes)
-            host_arr = np.frombuffer(host, np.int32, flat.size)
-            dev = cp.empty(flat.size, cp.int32)
-            dstep = _DevStep(step, _views(dev, layout), *self._attn_plan(1, MB * step.block_size, model))
-            g = {"host": host_arr, "dev": dev, "dstep": dstep, "graph": None, "out": None, "pinned": None}
-            self._graphs[key] = g
-        self._last_graph = g
-        g["host"][:] = flat
-        g["dev"].set(g["host"], stream=self.stream)
-        if g["graph"] is None:
-            # eager once (compiles kernels, sizes the arena), then capture for the next tokens
-            mega = self.mega_for(model, g["dstep"])
-            if mega is not None:
-                res = mega.run(g["dstep"]).get()
-                if mega.failed():       # not all blocks resident: never again on this backend
-                    self._megas[id(model)] = (model, "a grid barrier timed out")
-                    mega = None
-            if mega is None:
-                res = self._run(model, g["dstep"]).get()
-            self.stream.begin_capture()
-            try:
-                g["out"] = mega.run(g["dstep"]) if mega is not None else self._run(model, g["dstep"])
-            finally:
-                g["graph"] = self.stream.end_capture()
-            return res
-        g["graph"].launch(self.stream)
-        self.graph_replays += 1
-        if g["pinned"] is None:
-            mem = cp.cuda.alloc_pinned_memory(g["out"].nbytes)
-            g["pinned"] = np.frombuffer(mem, np.float32, g["out"].size).reshape(g["out"].shape)
-        g["out"].get(stream=self.stream, out=g["pinned"])
-        return g["pinned"].copy()
-
     def invalidate_plans(self) -> None:
         """Forget the captured steps (call after changing a model's weights): they hold the old ones."""
         self._graphs.clear()
         self._last_graph = None
-
-    def mega_for(self, model, dstep):
-        """The decode megakernel for this model and step (cuda_mega.py), or None."""
-        if not self.use_mega:
-            return None
-        hit = self._megas.get(id(model))
-        if hit is None or hit[0] is not model:
-            why = cuda_mega.why_not(self, model)
-            if why is None:
-                try:
-                    why = cuda_mega.MegaDecode(self, model)
-                except Exception as e:      # compile error, too little shared memory: the kernels an op
-                    why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            hit = self._megas[id(model)] = (model, why)
-        m = hit[1]
-        return m if not isinstance(m, str) and m.step_ok(dstep) else None
-
-    def mega_reason(self, model) -> str | None:
-        """Why decode steps of `model` do not use the megakernel (None: they do, or will)."""
-        hit = self._megas.get(id(model))
-        if hit is None:
-            return cuda_mega.why_not(self, model)
-        return hit[1] if isinstance(hit[1], str) else None
 
     # ---- measuring -------------------------------------------------------------
     def replay_ms(self, reps: int = 50) -> float:

@@ -1,5 +1,5 @@
 // Attention pieces shared by the eager kernels (cuda_kernels.cu) and the decode
-// megakernel (cuda_mega.cu), so both compute the same float operations in the same
+// megakernel (tests/lab/mega.cu), so both compute the same float operations in the same
 // order: a decode step replayed by the megakernel equals the same token's row of an
 // eager (speculative verify) step bit for bit.
 #pragma once

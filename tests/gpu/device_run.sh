@@ -13,7 +13,7 @@ OUT=${OUT:-/tmp/llamba-out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+    && export PYTHONPATH=/tmp/site:$PWD:$PWD/tests || exit 1
 fi
 export PYTHONUNBUFFERED=1 LLAMBA_GPU_TEST_MODELS=$PWD/.devmodels NUMBA_CACHE_DIR=/tmp/numba-cache
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-cache}
@@ -23,5 +23,5 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu ${TESTS:-tests/gpu} ${KEXPR:+-k "$KEXPR"} --maxfail=8 -rs --durations=8 -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout ${BENCH_TIMEOUT:-400} python3 -m runtime.bench_gpu --out "$OUT/bench${TAG}.json" "$@" 2>&1 | tee "$OUT/bench${TAG}.txt"
+  timeout ${BENCH_TIMEOUT:-400} python3 -m lab.gpu_bench --out "$OUT/bench${TAG}.json" "$@" 2>&1 | tee "$OUT/bench${TAG}.txt"
 fi

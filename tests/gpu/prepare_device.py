@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]   # the product, and the lab (lab.synth)
 
 # name -> (catalog name, layers kept, vocabulary rows kept)
 TRIMS = {
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, default=ROOT)
     args = ap.parse_args(argv)
-    from runtime.backend.cuda_synth import trim_gguf
+    from lab.synth import trim_gguf
     from runtime.loader import resolve_model_path
 
     whl, models = args.root / ".whl", args.root / ".devmodels"

@@ -24,7 +24,7 @@ SHAPES = {
 @pytest.fixture(scope="module", params=[(s, m) for s in SHAPES for m in ("F16", "BF16")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def engines(request, tmp_path_factory):
-    from runtime.backend.cuda_synth import load_weights_only, write_random_gguf
+    from lab.synth import load_weights_only, write_random_gguf
     from runtime.engine import Engine
     shape, mix = request.param
     p = write_random_gguf(tmp_path_factory.mktemp("float") / f"{shape}-{mix}.gguf", mix=mix, seed=5,

@@ -12,7 +12,7 @@ MODELS = model_files()
 
 
 def _load(path):
-    from runtime.backend.cuda_synth import load_weights_only
+    from lab.synth import load_weights_only
     return load_weights_only(path)
 
 

@@ -48,7 +48,7 @@ def test_pdl_launch_equals_cupy_launch(backend):
 def engine(request, backend):
     if request.param is None:
         pytest.skip("no model files: set LLAMBA_GPU_TEST_MODELS or fetch the catalog models")
-    from runtime.backend.cuda_synth import load_weights_only
+    from lab.synth import load_weights_only
     from runtime.engine import Engine
     return Engine(load_weights_only(request.param), device="cuda", n_ctx=512)
 

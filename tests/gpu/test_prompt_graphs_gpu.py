@@ -16,7 +16,7 @@ MODELS = model_files()
 @pytest.mark.parametrize("path", MODELS, ids=lambda p: p.stem)
 def test_prompt_chunks_from_graphs_equal_eager(path):
     import runtime.backend.cuda as CB
-    from runtime.backend.cuda_synth import load_weights_only
+    from lab.synth import load_weights_only
     from runtime.engine import Engine
     lm = load_weights_only(path)
     n_ctx = min(2304, lm.config.context_length)

@@ -6,7 +6,7 @@ import pytest
 
 import quant
 from quant import GGMLType, QTensor
-from runtime.backend.cuda_synth import _Noise, random_weight
+from lab.synth import _Noise, random_weight
 
 pytestmark = pytest.mark.gpu
 

@@ -17,7 +17,7 @@ MODELS = model_files()
 def gpu_pair(request):
     if request.param is None:
         pytest.skip("no model files: set LLAMBA_GPU_TEST_MODELS or fetch the catalog models")
-    from runtime.backend.cuda_synth import load_weights_only
+    from lab.synth import load_weights_only
     from runtime.engine import Engine
     lm = load_weights_only(request.param)
     return Engine(lm, device="cuda", n_ctx=512), Engine(lm, device="cuda", n_ctx=512), lm

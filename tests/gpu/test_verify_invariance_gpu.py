@@ -22,7 +22,7 @@ SHAPES = {     # head dim 64; n_heads / n_kv_heads = 1 and 4
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def engine(request, tmp_path_factory):
-    from runtime.backend.cuda_synth import load_weights_only, write_random_gguf
+    from lab.synth import load_weights_only, write_random_gguf
     from runtime.engine import Engine
     p = write_random_gguf(tmp_path_factory.mktemp("inv") / f"{request.param}.gguf", mix="Q4_K_M", seed=3,
                           **SHAPES[request.param])

@@ -84,10 +84,10 @@ def test_step_kernels_compile(arch, hd, g):
 
 @pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
 def test_stream_probe_compiles(tmp_path, arch):
-    """runtime/bench_gpu_stream.py keeps its kernels in a Python string: checked here, for
+    """tests/lab/gpu_stream.py keeps its kernels in a Python string: checked here, for
     the Ampere it needs (cp.async) and the Hopper its bulk copies need, since no CPU test
     runs them."""
-    from runtime.bench_gpu_stream import _SRC, CONFIGS, kernel_names
+    from lab.gpu_stream import _SRC, CONFIGS, kernel_names
     src = tmp_path / "stream_probe.cu"
     src.write_text(_SRC)
     _compile(src, arch, names=kernel_names(CONFIGS))
@@ -95,7 +95,7 @@ def test_stream_probe_compiles(tmp_path, arch):
 
 def test_q8_stream_compiles(tmp_path):
     """runtime/bench_gpu_q8ring.py's kernel (bulk copies: sm_90 and later)."""
-    from runtime.bench_gpu_q8ring import VARIANTS, _source
+    from lab.gpu_q8ring import VARIANTS, _source
     src = tmp_path / "q8_ring.cu"
     src.write_text(_source())
     _compile(src, "compute_90", names=[v[0] for v in VARIANTS])
@@ -112,4 +112,4 @@ _MEGA_L8 = ("-default-device", "-DMG_KMAX=14336", "-DMG_NPH=129", "-DMG_HD=128",
     ("compute_90", ("-DMG_T8=1", "-DMG_BULK=1", "-DMG_SB=32768", "-DMG_S=4")),
 ])
 def test_megakernel_compiles(arch, options):
-    _compile(BACKEND / "cuda_mega.cu", arch, options=_MEGA_L8 + options)
+    _compile(ROOT / "tests" / "lab" / "mega.cu", arch, options=_MEGA_L8 + options)

@@ -58,7 +58,7 @@ print(json.dumps([{{"test": "pp" + p, "t_s": 1.0, "sd": 0.0, "backend": "peer"}}
 def test_warm_up_runs_until_no_run_pays_a_one_time_cost():
     """A CUDA prompt chunk's first run is eager, its second captures a graph: both count as
     setup events, so the timed runs start at the third (and a plain step warms up once)."""
-    from runtime.bench import timed_runs
+    from runtime.bench.speed import timed_runs
 
     class Eng:
         setup_events = 0

@@ -104,7 +104,7 @@ def test_greedy_generation_same_with_and_without_argmax_seam(smol):
 
 def test_bench_tg_takes_the_greedy_seam(smol):
     """bench's tg decodes as generation does: through Engine.step(argmax=True)."""
-    from runtime.bench import time_tg
+    from runtime.bench.speed import time_tg
     eng = smol
     seen = []
     fwd = eng.backend.forward_argmax

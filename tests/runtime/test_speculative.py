@@ -559,10 +559,10 @@ def test_drafter_falls_back_when_drafting_does_not_pay(smol_pair):
 
 
 def test_kcontroller_replay_counts_rounds_as_the_drafter_runs_them():
-    """runtime.bench_kcontroller.replay on 13 positions that the draft always guesses,
+    """lab.kcontroller.replay on 13 positions that the draft always guesses,
     k = 3, exact costs: rounds at h = 1, 5, 9 (4 tokens each), the first feeding the
     draft 1 token and the later ones 2 (the last draft and the target's bonus token)."""
-    from runtime.bench_kcontroller import replay
+    from lab.kcontroller import replay
     match = [np.ones(13, bool)]
     V = {2: 1.2, 3: 1.3, 4: 1.5}
     r = replay(3, match, V.get, 0.25, 0.3, seed=0, noise=0.0, drift=0.0, gens=1)

@@ -12,7 +12,7 @@ built from source, e.g. ``/work/peer-venv/bin/python``). It is launched either
 by ``python -m runtime bench --peer /path/to/python`` (which runs this file
 under that interpreter with ``--json`` and merges the rows), or by hand::
 
-    /work/peer-venv/bin/python runtime/bench_peer.py -m MODEL.gguf \\
+    /work/peer-venv/bin/python runtime/bench/peer.py -m MODEL.gguf \\
         [-p 512] [-n 128] [-r 3] [-t 2] [--fa] [--ctx-depth D] [--json]
 
 What is measured (mirroring llama-bench's ``test_prompt`` / ``test_gen``):

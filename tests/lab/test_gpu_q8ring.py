@@ -1,4 +1,4 @@
-"""The Q8_0 ring kernel's host side (runtime/bench_gpu_q8ring.py; the kernel itself needs an
+"""The Q8_0 ring kernel's host side (tests/lab/gpu_q8ring.py; the kernel itself needs an
 sm_90 GPU and checks its own outputs against float64 before timing): its ops are the step's
 matrices, its slots whole rows, its float64 reference the Q8_0 format's own arithmetic."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from quant import GGMLType, QTensor, dequantize
-from runtime.bench_gpu_q8ring import _random_q8, _reference, q8_ops, slot_rows
-from runtime.bench_gpu_stream import step_ops
+from lab.gpu_q8ring import _random_q8, _reference, q8_ops, slot_rows
+from lab.gpu_stream import step_ops
 
 
 def test_ops_are_the_steps_matrices():

@@ -1,7 +1,7 @@
 """The stream probe's best structure with real arithmetic: a decode step's Q8_0 matvecs in
 one persistent kernel fed by bulk copies (sm_90+).
 
-    python -m runtime.bench_gpu_q8ring [L8] [zeros|random] [q8_stream<S,SB> ...]
+    python -m lab.gpu_q8ring [L8] [zeros|random] [q8_stream<S,SB> ...]
 
 `bench_gpu_stream` bounds a persistent step fed by bulk copies, a counter an op, at ~82% of
 copy for L8 Q8_0 with Q8_0's dp4a work (quant/cuda/NOTES.md, session 25).  Its consumer only
@@ -12,7 +12,7 @@ outputs written.  Slots are whole rows dealt to the SMs interleaved as in the pr
 Variants: `free` (no op waits), `barrier` (each op waits for every block to finish the op
 before: a counter an op).  What is left out: the ops between the matvecs (norms, RoPE,
 attention, the activations' rounding), so the input is one fixed vector, and mvs's order
-of summation (the megakernel's bulk path, runtime/backend/cuda_mega.cu, keeps it).  The
+of summation (the megakernel's bulk path, tests/lab/mega.cu, keeps it).  The
 first ops' outputs are checked against float64 before anything is timed; the other
 weights are zeros or hashed bytes (the same speed, session 26).
 
@@ -27,7 +27,7 @@ import types
 
 import numpy as np
 
-from runtime.bench_gpu_stream import BULK_SRC, step_matrices
+from lab.gpu_stream import BULK_SRC, step_matrices
 
 BLOCK_BYTES = 34            # Q8_0: fp16 scale, 32 int8
 MAX_K = 16384               # the input in shared memory: K int8 and K / 32 float scales
@@ -228,7 +228,7 @@ def measure(cp, shape="L8", reps=10, check_ops=4, only=None, fill="zeros"):
     the weights past the checked ops, zeros or hashed bytes ("random": their outputs are
     then not checked for NaN, since their fp16 scales are arbitrary bit patterns)."""
     only = only or [v[0] for v in VARIANTS]
-    from runtime.bench_gpu import _graph_seconds
+    from lab.gpu_bench import _graph_seconds
     ops = q8_ops(shape)
     sizes = [r * (k // 32 * BLOCK_BYTES) for r, k in ops]
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
@@ -288,7 +288,7 @@ def measure(cp, shape="L8", reps=10, check_ops=4, only=None, fill="zeros"):
 def main(argv=None) -> int:
     import cupy as cp
 
-    from runtime.bench_gpu import copy_bandwidth
+    from lab.gpu_bench import copy_bandwidth
     args = list(argv or sys.argv[1:])
     only = [a for a in args if "<" in a] or None             # kernels named, e.g. 'q8_stream<4,32768>'
     fills = [a for a in args if a in ("zeros", "random")] or ["zeros"]

@@ -108,7 +108,7 @@ constexpr int MB_P = (MG_SB / 68 + MG_WARPS * 32 - 1) / (MG_WARPS * 32);   // Q8
 constexpr int MB_BLOCKS = 2 * MB_P * MG_WARPS * 32;                         // blocks a slot, at most
 constexpr int MB_CH = MB_BLOCKS / 32;                                        // 32-block chunks a slot, at most
 constexpr int MB_AV = MG_WARPS * 32;                                         // addends an op a block keeps in shared memory (one a thread)
-constexpr int MB_ROWS = 32;                                                  // rows a slot, at most: a lane of the last warp each (cuda_mega.py BULK_ROWS)
+constexpr int MB_ROWS = 32;                                                  // rows a slot, at most: a lane of the last warp each (mega.py BULK_ROWS)
 DEV int mb_stride(int nb) { return (nb + 31) & ~31; }                       // a row's blocks in a slot: whole chunks
 #endif
 constexpr int ATT_GROUPS = MG_WARPS / 4;

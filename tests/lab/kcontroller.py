@@ -1,4 +1,4 @@
-"""`python -m runtime.bench_kcontroller`: the draft-length controller replayed offline.
+"""`python -m lab.kcontroller`: the draft-length controller replayed offline.
 
 A whole speculative bench run swings by 5-10% with this machine's drift, more
 than the controller changes it is meant to judge.  So this tool measures, once:
@@ -24,11 +24,11 @@ import time
 
 import numpy as np
 
-from .bench_speculative import DEFAULT_PROMPTS
-from .engine import Engine
-from .generate import Generation
-from .sampling import SamplingParams
-from .speculative import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, Drafter, KController
+from runtime.bench.speculative import DEFAULT_PROMPTS
+from runtime.engine import Engine
+from runtime.generate import Generation
+from runtime.sampling import SamplingParams
+from runtime.speculative import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, Drafter, KController
 
 
 def agreement(target: Engine, drafter: Drafter, prompts, n: int) -> list[np.ndarray]:
@@ -124,7 +124,7 @@ def replay(policy, match_sets, verify, d1, d2, seed, noise, drift, gens=6):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m runtime.bench_kcontroller", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lab.kcontroller", description=__doc__.split("\n")[0])
     ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
     ap.add_argument("-n", type=int, default=128)

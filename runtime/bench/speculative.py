@@ -15,10 +15,10 @@ import statistics
 import sys
 import time
 
-from .engine import Engine
-from .generate import Generation
-from .sampling import SamplingParams
-from .speculative import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, Drafter
+from ..engine import Engine
+from ..generate import Generation
+from ..sampling import SamplingParams
+from ..speculative import DEFAULT_DRAFT_QUANT, DEFAULT_DRAFT_VOCAB, Drafter
 
 DEFAULT_PROMPTS = ("def quicksort(arr):", "class LRUCache:", "def binary_search(arr, target):")
 

@@ -1,9 +1,11 @@
-"""Host side of the decode megakernel (cuda_mega.cu): a llama-family decode step
-(one token) as an embedding lookup plus one persistent kernel, instead of ~11
-launches a layer.  Opt-in (LLAMBA_CUDA_MEGA=1): measured slower than the kernels an
-op on the H200 (quant/cuda/NOTES.md; L8 Q8_0 with the bulk-copy ring, session 27: 3.0
-ms a step against 2.71).  When on, CUDABackend uses it for graph-replayed decode steps
-where `why_not` finds nothing against it; results equal the eager kernels' bit for bit.
+"""Experiment: the decode megakernel (mega.cu), a llama-family decode step (one token) as
+an embedding lookup plus one persistent kernel, instead of ~11 launches a layer.
+
+It measured slower than the kernels an op on the H200 (quant/cuda/NOTES.md; L8 Q8_0 with
+the bulk-copy ring, session 27: 3.0 ms a step against 2.71), so it left the product for the
+lab.  Importing this module hooks it into runtime.backend.cuda.CUDABackend (`_install`):
+with LLAMBA_CUDA_MEGA=1 (or ENABLED set), graph-replayed decode steps where `why_not` finds
+nothing against it run as the megakernel; results equal the eager kernels' bit for bit.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from pathlib import Path
 import numpy as np
 
 _DIR = Path(__file__).resolve().parent
-_QDIR = _DIR.parent.parent / "quant" / "cuda"
+_ROOT = _DIR.parent.parent
+_QDIR = _ROOT / "quant" / "cuda"
+_BDIR = _ROOT / "runtime" / "backend"        # cuda_attn.cuh: the product's attention, shared
 MIN_CC = 80                     # cp.async (the kernel compiles for sm_75 too, unpipelined)
 ENABLED = os.environ.get("LLAMBA_CUDA_MEGA", "0") == "1"
 WARPS = 16
@@ -24,13 +28,13 @@ PFA, PFB = 0, 0                 # slots a warp asks the L2 for ahead of its ring
 MAX_SPLITS = 64                 # CUDABackend._splits never asks for more
 # sm_90+ with Q8_0 weights: each block's matvec weights stream through one ring of whole-row
 # slots filled by bulk copies (cp.async.bulk), not through a cp.async ring a warp
-# (runtime/bench_gpu_q8ring.py measured the structure; LLAMBA_CUDA_MEGA_BULK=0 turns it off)
+# (tests/lab/gpu_q8ring.py measured the structure; LLAMBA_CUDA_MEGA_BULK=0 turns it off)
 BULK = os.environ.get("LLAMBA_CUDA_MEGA_BULK", "1") != "0"
 BULK_CC = 90
 BULK_SB = 32768                 # bytes a slot
 BULK_S = 4                      # slots (4 x 32 KB measured best: 6 x 32 KB and 8 x 16 KB were slower)
-BULK_ROWS = 32                  # rows a slot, at most (cuda_mega.cu MB_ROWS)
-TAB_BYTES = 512 * 4             # the block table's static shared memory (cuda_mega.cu MG_TABN)
+BULK_ROWS = 32                  # rows a slot, at most (mega.cu MB_ROWS)
+TAB_BYTES = 512 * 4             # the block table's static shared memory (mega.cu MG_TABN)
 OTHER_STATIC = 512              # the warp rings' other static shared memory, at most
 CW = 1024                       # weights a chunk (qint8.cuh MVS_CW)
 # GGML type id -> (block elements, block bytes) for the types the kernel decodes
@@ -49,13 +53,13 @@ def slot_words(ty: int, sub: int) -> int:
 
 
 def bulk_blocks(sb: int) -> int:
-    """Q8_0 blocks a bulk slot of sb bytes may hold: a pair a thread, whole blocks' shares (cuda_mega.cu MB_BLOCKS)."""
+    """Q8_0 blocks a bulk slot of sb bytes may hold: a pair a thread, whole blocks' shares (mega.cu MB_BLOCKS)."""
     per = 32 * WARPS
     return 2 * -(-(sb // 68) // per) * per
 
 
 def smem_bytes(kmax: int, hd: int, g: int, nph: int, slot: int, stages: int, warps: int = WARPS) -> tuple[int, int]:
-    """(bytes before the ring, total) of the kernel's dynamic shared memory, as cuda_mega.cu lays it out."""
+    """(bytes before the ring, total) of the kernel's dynamic shared memory, as mega.cu lays it out."""
     xq = (kmax + 15) // 16 * 16
     act = xq + kmax // 32 * 4 + kmax // 16 * 4
     att = warps // 4 * (8 * g + 4 * g * hd) * 4
@@ -189,14 +193,14 @@ class MegaDecode:
         props = cp.cuda.runtime.getDeviceProperties(dev.id)
         optin = int(props.get("sharedMemPerBlockOptin", 0) or props["sharedMemPerBlock"])
         from quant.cuda import source
-        src = source(_DIR / "cuda_mega.cu", _DIR / "cuda_attn.cuh", _QDIR / "qint8.cuh", _QDIR / "qblocks.cuh",
+        src = source(_DIR / "mega.cu", _BDIR / "cuda_attn.cuh", _QDIR / "qint8.cuh", _QDIR / "qblocks.cuh",
                      _QDIR / "bulk.cuh")
         self.grid = int(props["multiProcessorCount"])
         self.clock_khz = int(props["clockRate"])
         self.prof = cp.zeros(self.grid * (len(OPS) * L + 1) * 4 + self.grid, cp.int64) if prof else None
         self._args = {}
         self.runs = 0               # launches enqueued (eager or captured)
-        common = [f"-I{_QDIR}", f"-I{_DIR}", f"-DMG_WARPS={WARPS}", f"-DMG_KMAX={kmax}", f"-DMG_NPH={self.nph}",
+        common = [f"-I{_QDIR}", f"-I{_BDIR}", f"-DMG_WARPS={WARPS}", f"-DMG_KMAX={kmax}", f"-DMG_NPH={self.nph}",
                   f"-DMG_HD={HD}", f"-DMG_G={G}"] + [f"-DMG_T{t}=1" for t in sorted(types)]
         common += (["-DMG_PROF=1"] if prof else []) + (["-lineinfo"] if os.environ.get("LLAMBA_CUDA_LINEINFO") else [])
         if self.bulk:
@@ -300,3 +304,62 @@ class MegaDecode:
     def failed(self) -> bool:
         """True when a barrier timed out (not all blocks resident): results are garbage."""
         return bool(int(self.err.get()[0]))
+
+
+# ---- the hook into CUDABackend ------------------------------------------------------
+def mega_for(be, model, dstep):
+    """The megakernel for this model and step on backend `be`, or None (the kernels an op)."""
+    if not getattr(be, "use_mega", True):
+        return None
+    megas = be._megas
+    hit = megas.get(id(model))
+    if hit is None or hit[0] is not model:
+        why = why_not(be, model)
+        if why is None:
+            try:
+                why = MegaDecode(be, model)
+            except Exception as e:      # compile error, too little shared memory: the kernels an op
+                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        hit = megas[id(model)] = (model, why)
+    m = hit[1]
+    if isinstance(m, str) or not m.step_ok(dstep):
+        return None
+    if m.runs and not be.stream.is_capturing() and m.failed():
+        megas[id(model)] = (model, "a grid barrier timed out")   # not all blocks resident
+        return None
+    return m
+
+
+def mega_reason(be, model) -> str | None:
+    """Why decode steps of `model` do not use the megakernel (None: they do, or will)."""
+    hit = be._megas.get(id(model))
+    if hit is None:
+        return why_not(be, model)
+    return hit[1] if isinstance(hit[1], str) else None
+
+
+def _install():
+    from runtime.backend.cuda import CUDABackend
+    if getattr(CUDABackend, "_mega_installed", False):
+        return
+    init, run, plan = CUDABackend.__init__, CUDABackend._run, CUDABackend._attn_plan
+
+    def __init__(self, *a, **kw):
+        init(self, *a, **kw)
+        self._megas = {}            # id(model) -> (model, MegaDecode | reason it cannot run)
+        self.use_mega = True
+
+    def _run(self, model, dstep):
+        m = mega_for(self, model, dstep) if ENABLED else None
+        return run(self, model, dstep) if m is None else m.run(dstep)
+
+    def _attn_plan(self, n_tokens, ctx, model):
+        splits, tiles = plan(self, n_tokens, ctx, model)
+        # the megakernel has only the warp-a-key decode attention
+        return splits, tiles and not (ENABLED and getattr(self, "use_mega", True))
+
+    CUDABackend.__init__, CUDABackend._run, CUDABackend._attn_plan = __init__, _run, _attn_plan
+    CUDABackend._mega_installed = True
+
+
+_install()

@@ -1,6 +1,6 @@
-"""Where a prompt's time goes on the GPU: `python -m runtime.bench_gpu_prefill` (on the device).
+"""Where a prompt's time goes on the GPU: `PYTHONPATH=tests python -m lab.gpu_prefill` (on the device).
 
-For random-weight models of the issue's shapes (runtime/backend/cuda_synth.py), a 512-token
+For random-weight models of the issue's shapes (tests/lab/synth.py), a 512-token
 prompt step timed with each prompt attention kernel (`attn_prefill_mma` on the tensor cores,
 with its key splits by the default rule, never and at every context; `attn_prefill` in
 float32) and with the decode kernel, alternating in one process; then one step's eager
@@ -40,7 +40,7 @@ def _use(CB, cfg: dict) -> None:
 
 def main(argv=None) -> int:
     import runtime.backend.cuda as CB
-    from runtime.backend.cuda_synth import SHAPES, load_weights_only, write_random_gguf
+    from lab.synth import SHAPES, load_weights_only, write_random_gguf
     from runtime.engine import Engine
     shapes = (argv or sys.argv[1:]) or ["L8:Q4_K_M", "Q15:Q4_K_M"]
     rng = np.random.default_rng(0)

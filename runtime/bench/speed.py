@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .generate import greedy_next
+from ..generate import greedy_next
 
 
 def _random_tokens(engine, n: int, rng) -> list[int]:
@@ -163,7 +163,7 @@ def measure(fn, reps: int, engine=None) -> tuple[float, float]:
 
 
 def run_bench(args) -> int:
-    from .engine import Engine
+    from ..engine import Engine
     depths = [int(d) for d in str(getattr(args, "ctx_depths", None) or "").split(",") if d.strip()]
     reuse_n = getattr(args, "prefix_reuse", 0) or 0
     n_ctx = max(args.ctx_size, args.n_prompt + args.n_gen + 16, 4096, max(depths or [0]) + args.n_gen + 1,
@@ -263,7 +263,7 @@ def _interleaved_with_peer(args, path: Path, tests, engine=None):
 
 
 def _peer_rows(args, path: Path, reps: int | None = None) -> list[dict]:
-    script = Path(__file__).with_name("bench_peer.py")
+    script = Path(__file__).with_name("peer.py")
     cmd = [args.peer, str(script), "-m", str(path), "-p", str(args.n_prompt), "-n", str(args.n_gen),
            "-r", str(reps or args.repetitions), "-t", str(args.threads or 2), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True)

@@ -1,12 +1,12 @@
-"""The streaming probe (runtime/bench_gpu_stream.py) reads exactly a decode step's weight
+"""The streaming probe (tests/lab/gpu_stream.py) reads exactly a decode step's weight
 bytes: its ops, summed, equal the matrices of a random-weight model of the same shape and
 mix as the loader sees them (the probe itself needs a GPU: tests/gpu does not run it)."""
 from __future__ import annotations
 
 import pytest
 
-from runtime.backend import cuda_synth
-from runtime.bench_gpu_stream import step_ops
+from lab import synth as cuda_synth
+from lab.gpu_stream import step_ops
 
 TINY = dict(arch="llama", n_layers=8, d_model=256, d_ff=512, n_heads=4, n_kv_heads=2, vocab=512,
             rope_theta=1e4)
@@ -35,7 +35,7 @@ def test_step_ops_are_the_models_matrices(tmp_path, monkeypatch, mix, tied):
 
 
 def test_dataflow_waits_only_where_an_op_needs_all_of_its_input(monkeypatch):
-    from runtime.bench_gpu_stream import deps
+    from lab.gpu_stream import deps
     monkeypatch.setitem(cuda_synth.SHAPES, "TINY", dict(TINY, tied=False))
     ops = step_ops("TINY", "Q8_0", ctx=64)
     names = [name for name, _, _ in ops]
@@ -48,7 +48,7 @@ def test_dataflow_waits_only_where_an_op_needs_all_of_its_input(monkeypatch):
 
 
 def test_timeline_table_sums_each_op_over_the_layers():
-    from runtime.bench_gpu_stream import timeline_table
+    from lab.gpu_stream import timeline_table
     ops = [("qkv", 1000, 0), ("o", 500, 0), ("qkv", 1000, 0), ("o", 500, 0)]
     # (median start, median finish, last finish), ns; 1 GB/s makes 1000 bytes 1 us
     tl = [(0, 1000, 1200), (1300, 2000, 2100), (2600, 3600, 3700), (3800, 4000, 4500)]

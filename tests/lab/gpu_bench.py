@@ -1,10 +1,10 @@
 """GPU benchmark: pp512 / tg128 at batch 1 on random-weight GGUFs of real shapes,
 with HF transformers (bf16, same GPU) measured side by side in the same run.
 
-    python -m runtime.bench_gpu --shapes Q15,L8 --mixes Q4_K_M,Q4_0,Q8_0 --hf --out bench.json
+    python -m lab.gpu_bench --shapes Q15,L8 --mixes Q4_K_M,Q4_0,Q8_0 --hf --out bench.json
 
 The GPU machine has no network and takes few files, so the models are built
-there (runtime/backend/cuda_synth.py): speed does not depend on weight values.
+there (tests/lab/synth.py): speed does not depend on weight values.
 llama.cpp's figures for the same shapes on the same H200 are quoted from the
 issue (commit 0c1e57098, `llama-bench -ngl 99 -p 512 -n 128 -fa 1`).
 """
@@ -56,7 +56,7 @@ def matvec_bandwidth(cp, qc, qtype, M, K, reps=50) -> float:
     """One decode matvec alone (weights read once), bytes of W per second; rotates
     over enough weights to defeat the L2."""
     from quant import QTensor
-    from runtime.backend.cuda_synth import _Noise, random_weight
+    from lab.synth import _Noise, random_weight
     raw = _RAW.get((qtype, M, K))
     if raw is None:                     # made once a run: variants compare the same bytes
         raw = _RAW[(qtype, M, K)] = random_weight(qtype, (M, K), _Noise(1))
@@ -129,8 +129,8 @@ def mega_sweep(eng, configs, n_gen=128):
     ring slots cap, L2-prefetch slots before attention / before a barrier) in configs
     (0: the default), on the engine as it is.  n_gen: tg128's, so the replayed step's
     context (and its attention splits) is the main table's."""
-    from runtime.backend.cuda_mega import MegaDecode
-    from runtime.bench import time_tg
+    from lab.mega import MegaDecode
+    from runtime.bench.speed import time_tg
     be = eng.backend
     out = []
     for cfg in configs:
@@ -157,8 +157,8 @@ def mega_sweep(eng, configs, n_gen=128):
 
 def mega_profile(eng):
     """Where a megakernel decode step's time goes: a build with clock stamps, a few steps."""
-    from runtime.backend.cuda_mega import MegaDecode
-    from runtime.bench import time_tg
+    from lab.mega import MegaDecode
+    from runtime.bench.speed import time_tg
     be = eng.backend
     try:
         be._megas.clear()
@@ -186,21 +186,16 @@ def tg_host_paths(eng, reps, n_gen, rng, paths):
     interleaved (old, new, old, new, ...) after one untimed run each.  Per path: the tg
     runs, the graph replay of that path's decode graph after each (ms, 50 replays), and
     host ms a token (1/tg minus the replay)."""
-    from runtime.bench import mean_sd, time_tg
+    from runtime.bench.speed import mean_sd, time_tg
     be = eng.backend
-    keep = be.host_path
+    # (the "old" host path left the backend in session 29: "new" had measured faster)
     out = {p: {"runs": [], "replay_runs": []} for p in paths}
-    try:
+    for p in paths:
+        time_tg(eng, n_gen, rng)            # warm-up: capture the decode graphs
+    for _ in range(reps):
         for p in paths:
-            be.host_path = p
-            time_tg(eng, n_gen, rng)            # warm-up: capture this path's graphs
-        for _ in range(reps):
-            for p in paths:
-                be.host_path = p
-                out[p]["runs"].append(time_tg(eng, n_gen, rng))
-                out[p]["replay_runs"].append(be.replay_ms())
-    finally:
-        be.host_path = keep
+            out[p]["runs"].append(time_tg(eng, n_gen, rng))
+            out[p]["replay_runs"].append(be.replay_ms())
     for p, r in out.items():
         r["tg"] = mean_sd(r["runs"])
         r["graph_replay_ms"] = statistics.mean(r["replay_runs"])
@@ -262,8 +257,8 @@ def graph_parts(eng, reps=100):
 
 def bench_ours(path, reps, n_prompt, n_gen, sweep=None, profile=False, host_paths=("new",), parts=False):
     import cupy as cp
-    from runtime.backend.cuda_synth import load_weights_only
-    from runtime.bench import measure, time_pp
+    from lab.synth import load_weights_only
+    from runtime.bench.speed import measure, time_pp
     from runtime.engine import Engine
     lm = load_weights_only(path)
     t0 = time.perf_counter()
@@ -351,7 +346,7 @@ def bench_hf(shape, reps, n_prompt, n_gen):
         assert out.shape[1] == n_gen + 1
         return n_gen / (time.perf_counter() - t)
 
-    from runtime.bench import measure
+    from runtime.bench.speed import measure
     row = {"pp": measure(pp, reps), "tg": measure(tg, reps), "transformers": transformers.__version__,
            "torch": torch.__version__}
     del model
@@ -401,10 +396,6 @@ def main(argv=None):
                          "sub:stages:pfa:pfb,... (0 for sub/stages: the default), e.g. 4:0:4:1,2:0:4:1; for the "
                          "bulk-copy ring (Q8_0, sm_90+) bulk:slots:slot KB[:flags], e.g. bulk:4:32,bulk:4:32:XATT")
     ap.add_argument("--mega-profile", action="store_true", help="time each op of a megakernel step (clock stamps)")
-    ap.add_argument("--host", default="new",
-                    help="host paths of a decode step to measure side by side on one engine, repetitions "
-                         "interleaved: new (the default: step filled in place, argmax on the device), old "
-                         "(the step packed anew, logits to the host, np.argmax there); e.g. old,new")
     ap.add_argument("--graph-parts", action="store_true",
                     help="time the pieces a decode graph adds around the forward (copies, argmax)")
     ap.add_argument("--out", default=None)
@@ -413,11 +404,11 @@ def main(argv=None):
     import quant.cuda as qc
     from quant import GGMLType
     from runtime.backend.cuda import probe
-    from runtime.backend.cuda_synth import SHAPES, write_random_gguf
+    from lab.synth import SHAPES, write_random_gguf
     info = probe()
     if args.ncu_kernel:
         from quant import QTensor
-        from runtime.backend.cuda_synth import _Noise, random_weight
+        from lab.synth import _Noise, random_weight
         for qt in (GGMLType.Q4_K, GGMLType.Q8_0):
             W = qc.upload(QTensor("w", qt, (14336, 4096), random_weight(qt, (14336, 4096), _Noise(1))))
             x = cp.ones((1, 4096), cp.float32)
@@ -436,7 +427,7 @@ def main(argv=None):
             log(f"rows/block {rpw}: matvec {qt.name} {M}x{K}: {g:.0f} GB/s")
     if args.rpw:
         qc.set_rows_per_block(4)
-    import runtime.backend.cuda_mega as cm
+    import lab.mega as cm
     int8_default, kernel_default, mega_default = qc.INT8_MATVEC, qc.INT8_KERNEL, cm.ENABLED
     mvk_on_default, rules_default = set(qc.MVK_ON), qc.MVK_RULES
     hints_default = (qc.W_HINT, qc.W_PF)
@@ -586,7 +577,7 @@ def main(argv=None):
                     row = bench_ours(path, args.repetitions, args.n_prompt, args.n_gen,
                                      sweep=sweep if (variant == "mega" and shape == "L8") else None,
                                      profile=args.mega_profile and variant == "mega",
-                                     host_paths=tuple(args.host.split(",")), parts=args.graph_parts)
+                                     parts=args.graph_parts)
                 except Exception as e:     # report and go on to the next model
                     row = {"error": f"{type(e).__name__}: {e}"}
                 row.update(shape=shape, mix=mix, engine="llamba-cuda" + ("" if variant == "int8" else "-" + variant))

@@ -1,7 +1,7 @@
 """How fast could one persistent kernel stream a decode step's weights?  The ceiling of a
 dataflow decode kernel, measured before anyone writes one:
 
-    python -m runtime.bench_gpu_stream [--timeline] L8:Q4_K_M Q15:Q4_K_M
+    python -m lab.gpu_stream [--timeline] L8:Q4_K_M Q15:Q4_K_M
 
 The decode step today is a kernel an op (PDL between them), and its matvecs alone read L8's
 weights at ~70% of copy bandwidth (quant/cuda/NOTES.md).  The way past that is one kernel
@@ -35,7 +35,7 @@ dependencies with arithmetic (quant/cuda/NOTES.md).
 
 Figures are bytes per step over time per step (graph replay), against copy bandwidth
 measured in the same run.  No model files: byte sizes come from the shape and mix
-(runtime/backend/cuda_synth.py).
+(tests/lab/synth.py).
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
-# one slot copied by one instruction (sm_90+); also used by runtime/bench_gpu_q8ring.py
-BULK_SRC = (Path(__file__).resolve().parent.parent / "quant" / "cuda" / "bulk.cuh").read_text()
+# one slot copied by one instruction (sm_90+); also used by tests/lab/gpu_q8ring.py
+BULK_SRC = (Path(__file__).resolve().parents[2] / "quant" / "cuda" / "bulk.cuh").read_text()
 
 _SRC = BULK_SRC + r"""
 __device__ __forceinline__ void cp16(void* smem, const void* g) {
@@ -284,8 +284,8 @@ def _kernel(cp, S, W, shares):
 
 
 def _sizes(shape: str):
-    """(layers, d_model, d_ff, query width, key/value width) of a cuda_synth shape."""
-    from runtime.backend.cuda_synth import SHAPES
+    """(layers, d_model, d_ff, query width, key/value width) of a lab.synth shape."""
+    from lab.synth import SHAPES
     s = SHAPES[shape]
     hd = s["d_model"] // s["n_heads"]
     return s["n_layers"], s["d_model"], s["d_ff"], s["n_heads"] * hd, s["n_kv_heads"] * hd
@@ -294,7 +294,7 @@ def _sizes(shape: str):
 def step_matrices(shape: str):
     """[(op, [(tensor, rows, cols)])] of one decode step's matrices, in order: q/k/v, o,
     gate/up and down a layer, then the output matrix."""
-    from runtime.backend.cuda_synth import SHAPES
+    from lab.synth import SHAPES
     L, d, ff, q, kv = _sizes(shape)
     ops = []
     for i in range(L):
@@ -311,7 +311,7 @@ def step_matrices(shape: str):
 def step_ops(shape: str, mix: str, ctx: int, attention: bool = True):
     """[(name, bytes, input bytes)] of one decode step's ops, in order."""
     from quant import row_nbytes
-    from runtime.backend.cuda_synth import mix_type
+    from lab.synth import mix_type
     L, _, _, q, kv = _sizes(shape)
     ops = []
     for name, mats in step_matrices(shape):
@@ -383,7 +383,7 @@ def _ring_args(d, dep, o0, n, bar, il, trace=None):
 
 def measure(cp, ops, configs=CONFIGS, reps=20):
     """(bytes a step, [(S, W, shares, variant, seconds a step, bytes a second)])."""
-    from runtime.bench_gpu import _graph_seconds
+    from lab.gpu_bench import _graph_seconds
     d = _buffers(cp, ops)
     step_bytes = sum(b for _, b, _ in ops)
 
@@ -458,7 +458,7 @@ def timeline_table(ops, tl, bw) -> str:
 def main(argv=None) -> int:
     import cupy as cp
 
-    from runtime.bench_gpu import copy_bandwidth, read_bandwidth
+    from lab.gpu_bench import copy_bandwidth, read_bandwidth
     args = list(argv or sys.argv[1:])
     traced = "--timeline" in args                    # also where a step's time goes, by op
     specs = [a for a in args if a != "--timeline"] or ["L8:Q4_K_M"]

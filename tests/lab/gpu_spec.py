@@ -1,4 +1,4 @@
-"""`python -m runtime.bench_gpu_spec`: what speculative decoding costs on a GPU.
+"""`PYTHONPATH=tests python -m lab.gpu_spec`: what speculative decoding costs on a GPU.
 
 The real Qwen2.5-Coder pair does not travel to the GPU test machine (64 MiB of
 files a call), so this times random-weight models of its shapes (Q15 target,
@@ -28,7 +28,7 @@ def _median_ms(fn, reps: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m runtime.bench_gpu_spec")
+    ap = argparse.ArgumentParser(prog="python -m lab.gpu_spec")
     ap.add_argument("--dir", default="/tmp/llamba-bench")
     ap.add_argument("--target-mix", default="Q4_K_M")
     ap.add_argument("--draft-mix", default="Q4_0", help="Q4_0: what --draft-quant makes of the real draft")
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("-r", "--repetitions", type=int, default=50)
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
-    from runtime.backend.cuda_synth import SHAPES, load_weights_only, write_random_gguf
+    from lab.synth import SHAPES, load_weights_only, write_random_gguf
     from runtime.engine import Engine
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The decode megakernel (runtime/backend/cuda_mega.cu) against the eager kernels it
+"""The decode megakernel (tests/lab/mega.cu) against the eager kernels it
 replaces: the same logits bit for bit, on random models of the llama and qwen2
 layouts (biases, tied output) in each quantization mix, at contexts of one to
 several KV blocks and context splits; Q8_0 on sm_90+ through its bulk-copy ring."""
@@ -19,7 +19,7 @@ SHAPES = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from runtime.backend.cuda_synth import load_weights_only, write_random_gguf
+    from lab.synth import load_weights_only, write_random_gguf
     d = tmp_path_factory.mktemp("mega")
     out = {}
     for shape, spec in SHAPES.items():
@@ -33,7 +33,7 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_mega_equals_eager_kernels(models, shape, mix, monkeypatch):
     import quant.cuda as qc
-    import runtime.backend.cuda_mega as cm
+    import lab.mega as cm
     from runtime.engine import Engine
     monkeypatch.setattr(cm, "ENABLED", True)        # opt-in (LLAMBA_CUDA_MEGA=1)
     monkeypatch.setattr(qc, "INT8_KERNEL", "mvs")   # the megakernel's sums are mvs's
@@ -53,7 +53,7 @@ def test_mega_equals_eager_kernels(models, shape, mix, monkeypatch):
             assert np.array_equal(la, lb), (plen, i, float(np.abs(la - lb).max()))
         mega.release(a)
         ref.release(b)
-    assert mega.backend.mega_reason(mega.model) is None, mega.backend.mega_reason(mega.model)
+    assert cm.mega_reason(mega.backend, mega.model) is None, cm.mega_reason(mega.backend, mega.model)
     assert mega.backend.graph_replays > 0 and ref.backend.graph_replays > 0
     m = mega.backend._megas[id(mega.model)][1]
     assert m.runs > 0 and not m.failed()
