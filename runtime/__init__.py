@@ -1,4 +1,7 @@
 """How a model runs: loading, tokenizer, backends, KV cache, engine, sampling, CLI."""
+from ._home import claim as _claim
+
+_claim()     # `models`, `quant`, `app` are ours even where the working folder has a models/
 
 
 def _version() -> str:
