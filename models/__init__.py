@@ -1,5 +1,6 @@
 """What a model is: configs and one short file per architecture family."""
-from .config import SUPPORTED_ARCHS, ModelConfig, UnsupportedArchitecture, config_from_gguf
+from .config import (SUPPORTED_ARCHS, ModelConfig, UnsupportedArchitecture, UnsupportedModelFile, check_tensors,
+                     config_from_gguf, tensor_shapes)
 
 
 def model_class(arch: str):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 class UnsupportedArchitecture(ValueError):
     pass
@@ -14,7 +16,7 @@ class UnsupportedArchitecture(ValueError):
 
 @dataclass
 class ModelConfig:
-    arch: str                      # family name as GGUF spells it: llama, qwen2, gemma3
+    arch: str                      # family name as GGUF spells it: llama, qwen2, qwen3, gemma3, smollm3
     n_layers: int
     d_model: int
     d_ff: int
@@ -29,8 +31,13 @@ class ModelConfig:
     rope_dim: int = 0              # rotated dims per head (0 = all)
     rope_theta_local: float = 0.0  # gemma3 sliding-window layers use their own base
     rope_scale: float = 1.0        # linear position scaling (gemma3 global layers: 8)
+    # llama3 RoPE scaling: each inv_freq is divided by its factor (GGUF rope_freqs.weight)
+    rope_freq_factors: np.ndarray | None = field(default=None, compare=False, repr=False)
+    nope_layers: tuple = ()        # smollm3: layers that apply no RoPE at all
     sliding_window: int = 0        # 0: every layer attends to the whole context
     sliding_pattern: int = 0       # gemma3: every Nth layer is global, the rest local
+    local_layers: tuple | None = None  # the sliding-window layers spelled out (None: by sliding_pattern)
+    qk_norm: bool = False          # RMSNorm on each q and k head before RoPE (qwen3, gemma3)
     attn_scale: float = 0.0        # 0: 1/sqrt(head_dim)
     embed_scale: float = 1.0       # gemma multiplies embeddings by sqrt(d_model)
     qkv_bias: bool = False
@@ -40,7 +47,14 @@ class ModelConfig:
 
     def is_local_layer(self, i: int) -> bool:
         """True for layers that attend only inside the sliding window."""
-        return bool(self.sliding_window) and (self.sliding_pattern == 0 or (i + 1) % self.sliding_pattern != 0)
+        if not self.sliding_window:
+            return False
+        if self.local_layers is not None:
+            return i in self.local_layers
+        return self.sliding_pattern == 0 or (i + 1) % self.sliding_pattern != 0
+
+    def uses_rope(self, i: int) -> bool:
+        return i not in self.nope_layers
 
     @property
     def kv_dim(self) -> int:
@@ -49,12 +63,116 @@ class ModelConfig:
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 
+# Metadata keys under "{arch}." that Llamba reads (and honours).  Any other key
+# there may change the math in a way we do not implement (logit soft-capping,
+# experts, YaRN parameters, ...), so a file carrying one is refused rather than
+# run wrong.  Values are checked too (e.g. rope.scaling.type).
+_GGUF_KEYS = {"context_length", "embedding_length", "block_count", "feed_forward_length",
+              "attention.head_count", "attention.head_count_kv", "attention.key_length",
+              "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.freq_base",
+              "rope.dimension_count", "vocab_size", "rope.scaling.type", "rope.scaling.factor",
+              # informational once the scaling type is known to be none or linear
+              "rope.scaling.original_context_length", "rope.scaling.finetuned"}
+_GGUF_ARCH_KEYS = {
+    "llama": {"attention.sliding_window"},       # written by our converter for Mistral (HF sliding_window)
+    "gemma3": {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa"},
+}
+# rope.scaling.type values we implement (linear: positions divided by the factor)
+_ROPE_SCALING_OK = ("none", "linear")
 
-def config_from_gguf(meta: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
+
+class UnsupportedModelFile(ValueError):
+    """A model file whose metadata or tensors ask for math Llamba does not implement."""
+
+
+def rope_inv_freq(cfg: ModelConfig, theta: float) -> np.ndarray:
+    """RoPE's inverse frequencies for `cfg`'s rotated dims, divided by the llama3
+    frequency factors where the model has them (llama.cpp's rope_freqs)."""
+    dim = cfg.rope_dim or cfg.head_dim
+    inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if cfg.rope_freq_factors is not None:
+        inv = inv / np.asarray(cfg.rope_freq_factors, np.float64)
+    return inv.astype(np.float32)
+
+
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_context: int) -> np.ndarray:
+    """The per-frequency divisors of Llama 3.1's RoPE scaling, as llama.cpp's converter
+    computes them into rope_freqs.weight (the same curve as transformers' llama3 rope)."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
+    low_wavelen = original_context / low_freq_factor
+    high_wavelen = original_context / high_freq_factor
+    out = []
+    for f in freqs.astype(np.float64):
+        wavelen = 2 * np.pi / f
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """GGUF name -> numpy shape (rows first) of every weight tensor `cfg`'s model reads;
+    a file must hold exactly these (plus rope_freqs.weight where the family has it)."""
+    d, q, kv, ff = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_dim, cfg.d_ff
+    out = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
+    if not cfg.tied_output:
+        out["output.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        layer = {"attn_norm.weight": (d,), "attn_q.weight": (q, d), "attn_k.weight": (kv, d),
+                 "attn_v.weight": (kv, d), "attn_output.weight": (d, q), "ffn_norm.weight": (d,),
+                 "ffn_gate.weight": (ff, d), "ffn_up.weight": (ff, d), "ffn_down.weight": (d, ff)}
+        if cfg.qkv_bias:
+            layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+        if cfg.qk_norm:
+            layer.update({"attn_q_norm.weight": (cfg.head_dim,), "attn_k_norm.weight": (cfg.head_dim,)})
+        if cfg.arch == "gemma3":
+            layer.update({"post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)})
+        out.update({p + k: v for k, v in layer.items()})
+    return out
+
+
+# families whose GGUF may carry llama3 RoPE factors (llama.cpp reads rope_freqs.weight for these)
+ROPE_FREQS_ARCHS = ("llama",)
+
+
+def check_tensors(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """Refuse a file whose tensors are not exactly what `cfg`'s model reads: a tensor we
+    would ignore (a bias, an extra norm) means the file's model is not the one we run."""
+    want = tensor_shapes(cfg)
+    if cfg.arch in ROPE_FREQS_ARCHS:
+        want["rope_freqs.weight"] = ((cfg.rope_dim or cfg.head_dim) // 2,)
+    missing = [n for n in want if n not in shapes and n != "rope_freqs.weight"]
+    if missing:
+        raise UnsupportedModelFile(f"{where}: lacks tensor {missing[0]} that a {cfg.arch} model needs"
+                                   + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = sorted(n for n in shapes if n not in want)
+    if extra:
+        raise UnsupportedModelFile(
+            f"{where}: tensor {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''} is not part of a "
+            f"{cfg.arch} model as Llamba runs it (running without it would give wrong results)")
+    for n, shape in shapes.items():
+        if tuple(shape) != tuple(want[n]):
+            raise UnsupportedModelFile(f"{where}: tensor {n} has shape {list(shape)}, the metadata "
+                                       f"implies {list(want[n])}")
+
+
+def config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedArchitecture(
             f"model architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+    known = _GGUF_KEYS | _GGUF_ARCH_KEYS.get(arch, set())
+    for k in meta:
+        if k.startswith(arch + ".") and k[len(arch) + 1:] not in known:
+            raise UnsupportedModelFile(
+                f"GGUF metadata key '{k}' = {_short(meta[k])} asks for something Llamba does not implement "
+                f"for {arch}; refusing rather than running the model wrong")
 
     def get(key, default=None, required=True):
         v = meta.get(f"{arch}.{key}", default)
@@ -63,11 +181,14 @@ def config_from_gguf(meta: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> M
         return v
 
     d_model = int(get("embedding_length"))
-    n_heads = int(get("attention.head_count"))
-    n_kv = get("attention.head_count_kv", n_heads)
-    n_kv = int(n_kv if not hasattr(n_kv, "__len__") else n_kv[0])
+    n_heads = _one(get("attention.head_count"), "attention.head_count")
+    n_kv = _one(get("attention.head_count_kv", n_heads), "attention.head_count_kv")
     head_dim = int(get("attention.key_length", d_model // n_heads))
-    vocab = tensor_shapes["token_embd.weight"][0]
+    v_dim = int(get("attention.value_length", head_dim))
+    if v_dim != head_dim:
+        raise UnsupportedModelFile(f"{arch}.attention.value_length {v_dim} differs from the key length "
+                                   f"{head_dim}; Llamba runs equal q/k/v head sizes only")
+    vocab = shapes["token_embd.weight"][0]
     cfg = ModelConfig(
         arch=arch, n_layers=int(get("block_count")), d_model=d_model,
         d_ff=int(get("feed_forward_length")), n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
@@ -76,14 +197,46 @@ def config_from_gguf(meta: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> M
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_neox=arch in ("qwen2", "gemma3"),
         rope_dim=int(get("rope.dimension_count", head_dim, required=False) or head_dim),
-        qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
-        tied_output="output.weight" not in tensor_shapes,
+        qkv_bias="blk.0.attn_q.bias" in shapes,
+        qk_norm=arch == "gemma3",
+        tied_output="output.weight" not in shapes,
         name=str(meta.get("general.name", "")),
     )
-    if arch == "gemma3":
-        cfg.sliding_window = int(get("attention.sliding_window", 512))
-        cfg.sliding_pattern = 6
-        cfg.rope_theta_local = 10000.0
+    if not 0 < cfg.rope_dim <= head_dim or cfg.rope_dim % 2:
+        raise UnsupportedModelFile(f"{arch}.rope.dimension_count {cfg.rope_dim} does not fit a head of {head_dim}")
+    scaling = str(get("rope.scaling.type", "none", required=False))
+    if scaling not in _ROPE_SCALING_OK:
+        raise UnsupportedModelFile(f"{arch}.rope.scaling.type '{scaling}' is not implemented by Llamba "
+                                   f"(only {', '.join(_ROPE_SCALING_OK)}); refusing rather than running it wrong")
+    if scaling == "linear":
         cfg.rope_scale = float(get("rope.scaling.factor", 1.0, required=False) or 1.0)
+    if arch == "llama":
+        cfg.sliding_window = int(get("attention.sliding_window", 0, required=False) or 0)
+    if arch == "gemma3":
+        cfg.sliding_window = int(get("attention.sliding_window", 0, required=False) or 0)
+        pattern = get("attention.sliding_window_pattern", 6, required=False)
+        if hasattr(pattern, "__len__"):           # llama.cpp's per-layer form: true = sliding window
+            cfg.local_layers = tuple(i for i, s in enumerate(pattern) if s)
+        else:
+            cfg.sliding_pattern = int(pattern)
+        cfg.rope_theta_local = float(get("rope.freq_base_swa", 10000.0, required=False))
         cfg.embed_scale = d_model ** 0.5
+        if cfg.n_layers == 62:   # llama.cpp: Gemma 3 27B scales by 1/sqrt(d_model / n_heads)
+            cfg.attn_scale = (d_model / n_heads) ** -0.5
     return cfg
+
+
+def _one(v, key) -> int:
+    """A per-layer count that must be the same for every layer."""
+    if hasattr(v, "__len__"):
+        vals = {int(x) for x in v}
+        if len(vals) != 1:
+            raise UnsupportedModelFile(f"{key} differs between layers ({sorted(vals)}); Llamba runs "
+                                       f"uniform layers only")
+        return vals.pop()
+    return int(v)
+
+
+def _short(v) -> str:
+    r = repr(v.tolist() if hasattr(v, "tolist") else v)
+    return r if len(r) <= 60 else r[:57] + "..."

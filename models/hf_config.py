@@ -8,6 +8,10 @@ Layout differences between an HF checkpoint and a GGUF file:
   reorders each head's rows [0, d/2, 1, d/2+1, ...].  Our llama model runs the
   GGUF (pair) form, so q/k are permuted on load.  qwen2 and gemma3 run NeoX
   rope (halves) and need nothing.
+
+config.json keys that change the math are honoured (rope scaling: linear and
+llama3; sliding windows) or refused with the reason;
+a model is never run with a piece of its math left out.
 * gemma3: HF computes RMSNorm as x * (1 + w) and stores w; GGUF stores 1 + w.
 """
 from __future__ import annotations
@@ -16,7 +20,7 @@ import re
 
 import numpy as np
 
-from .config import SUPPORTED_ARCHS, ModelConfig, UnsupportedArchitecture
+from .config import SUPPORTED_ARCHS, ModelConfig, UnsupportedArchitecture, llama3_rope_factors
 
 # HF model_type -> GGUF architecture name
 _ARCH_OF_MODEL_TYPE = {
@@ -24,6 +28,8 @@ _ARCH_OF_MODEL_TYPE = {
     "qwen2": "qwen2",
     "gemma3": "gemma3", "gemma3_text": "gemma3",
 }
+# the activation of each family's GLU (config.json hidden_act / hidden_activation)
+_ACTIVATION = {"llama": ("silu",), "qwen2": ("silu",), "gemma3": ("gelu_pytorch_tanh",)}
 
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -117,42 +123,81 @@ def config_from_hf(hf: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> Model
     n_heads = int(need("num_attention_heads"))
     n_kv = int(hf.get("num_key_value_heads") or n_heads)
     head_dim = int(hf.get("head_dim") or d_model // n_heads)
+    n_layers = int(need("num_hidden_layers"))
     emb = tensor_shapes.get("token_embd.weight")
     vocab = int(emb[0]) if emb else int(need("vocab_size"))
     rope = _rope(hf, "full_attention" if arch == "gemma3" else None)
-    rope_type = rope.get("rope_type", "default")
-    if arch != "gemma3" and rope_type not in ("default", None):
-        raise CheckpointError(f"rope scaling type '{rope_type}' is not supported for {arch}")
+    rope_type = rope.get("rope_type") or "default"
+    prf = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or _ACTIVATION[arch][0]
+    if act not in _ACTIVATION[arch]:
+        raise CheckpointError(f"config.json: activation '{act}' is not the {arch} one Llamba implements "
+                              f"({', '.join(_ACTIVATION[arch])})")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key):
+            raise CheckpointError(f"config.json: {key}={hf[key]} is not implemented by Llamba")
     cfg = ModelConfig(
-        arch=arch, n_layers=int(need("num_hidden_layers")), d_model=d_model,
+        arch=arch, n_layers=n_layers, d_model=d_model,
         d_ff=int(need("intermediate_size")), n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
         vocab_size=vocab, context_length=int(hf.get("max_position_embeddings") or 2048),
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         rope_neox=arch in ("qwen2", "gemma3"),
-        rope_dim=head_dim,
+        rope_dim=int(head_dim * float(prf)),
         qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
+        qk_norm=arch == "gemma3",
         tied_output="output.weight" not in tensor_shapes,
         name=str(hf.get("_name_or_path") or hf.get("_model_name_or_path") or ""),
         extra={"hf_config": hf},
     )
+    if rope_type == "linear":
+        cfg.rope_scale = float(rope.get("factor", 1.0))
+    elif rope_type == "llama3" and arch == "llama":
+        cfg.rope_freq_factors = llama3_rope_factors(
+            cfg.rope_dim, cfg.rope_theta, float(rope.get("factor", 8.0)), float(rope.get("low_freq_factor", 1.0)),
+            float(rope.get("high_freq_factor", 4.0)), int(rope.get("original_max_position_embeddings", 8192)))
+    elif rope_type != "default":
+        raise CheckpointError(f"config.json: rope scaling type '{rope_type}' is not implemented by Llamba for "
+                              f"{arch} (only linear{' and llama3' if arch == 'llama' else ''}); refusing rather "
+                              f"than running the model with the wrong positions")
+    _windows(cfg, hf, arch)
     if arch == "gemma3":
-        cfg.sliding_window = int(hf.get("sliding_window") or 512)
-        kinds = hf.get("layer_types")
-        if isinstance(kinds, list) and "full_attention" in kinds:   # transformers 5 spells the pattern out
-            cfg.sliding_pattern = kinds.index("full_attention") + 1
-        else:
-            cfg.sliding_pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
         local = _rope(hf, "sliding_attention")
         cfg.rope_theta_local = float(hf.get("rope_local_base_freq") or local.get("rope_theta", 10000.0))
-        if rope_type == "linear":
-            cfg.rope_scale = float(rope.get("factor", 1.0))
-        elif rope_type not in ("default", None):
-            raise CheckpointError(f"rope scaling type '{rope_type}' is not supported for gemma3")
         cfg.embed_scale = d_model ** 0.5
         qpas = hf.get("query_pre_attn_scalar")
         cfg.attn_scale = float(qpas) ** -0.5 if qpas else 0.0
     return cfg
+
+
+def _windows(cfg: ModelConfig, hf: dict, arch: str) -> None:
+    """Sliding-window layers as transformers runs them: Mistral (model_type mistral)
+    windows every layer when sliding_window is set; the others name each layer's
+    kind in layer_types (transformers 5) or by pattern (gemma3, older configs)."""
+    window = int(hf.get("sliding_window") or 0)
+    kinds = hf.get("layer_types")
+    if arch == "gemma3":
+        cfg.sliding_window = window or 512
+        if isinstance(kinds, list):
+            cfg.local_layers = tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
+        else:
+            cfg.sliding_pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
+        return
+    if hf.get("model_type") == "mistral":
+        cfg.sliding_window = window          # 0 (null): full attention everywhere
+        return
+    if isinstance(kinds, list):
+        bad = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise CheckpointError(f"config.json: layer type {bad[0]} is not implemented by Llamba")
+        local = tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
+        if local and not window:
+            raise CheckpointError("config.json: sliding_attention layers without a sliding_window")
+        if local and hf.get("use_sliding_window", True):
+            cfg.sliding_window, cfg.local_layers = window, local
+    elif hf.get("use_sliding_window") and window:
+        raise CheckpointError("config.json: use_sliding_window without layer_types; Llamba cannot tell "
+                              "which layers attend through the window")
 
 
 def gguf_name(hf_name: str, arch: str) -> str | None:

@@ -1,18 +1,12 @@
-"""Llama-family decoder: llama (SmolLM2, Llama 3, Mistral) and qwen2 (QKV bias).
+"""Llama-family decoder: llama (SmolLM2, Llama 3.x, Mistral) and qwen2 (QKV bias).
 
 Written once against the Backend ops; the Backend decides where it runs.
-Weights are named as in GGUF files (`blk.{i}.attn_q.weight`, ...).
+Weights are named as in GGUF files (`blk.{i}.attn_q.weight`, ...).  Sliding-window
+layers need nothing here: the engine gives those layers a window.
 """
 from __future__ import annotations
 
-import numpy as np
-
-from .config import ModelConfig
-
-
-def rope_inv_freq(cfg: ModelConfig, theta: float) -> np.ndarray:
-    dim = cfg.rope_dim or cfg.head_dim
-    return (1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)).astype(np.float32)
+from .config import ModelConfig, rope_inv_freq  # noqa: F401  (rope_inv_freq: re-exported)
 
 
 class Llama:
@@ -34,8 +28,8 @@ class Llama:
                                 (L.get("attn_q.bias"), L.get("attn_k.bias"), L.get("attn_v.bias")))
             q = b.heads(q, cfg.n_heads)
             k = b.heads(k, cfg.n_kv_heads)
-            b.rope(q, step, self.inv_freq, cfg.rope_neox)
-            b.rope(k, step, self.inv_freq, cfg.rope_neox)
+            b.rope(q, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale)
+            b.rope(k, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale)
             a = b.attention(q, k, b.heads(v, cfg.n_kv_heads), i, step)
             b.matmul_add(a, L["attn_output"], x)
             h = b.rmsnorm(x, L["ffn_norm"], cfg.rms_eps)

@@ -2,7 +2,9 @@
 convert_hf_to_gguf.py + llama-quantize would write it: GGUF tensor names and
 layout (llama q/k permuted, gemma norms + 1), llama.cpp's metadata and
 tokenizer keys (with the chat template), and a per-tensor type policy
-(quant.policy).
+(quant.policy).  Llama 3.1's RoPE scaling goes in as rope_freqs.weight, as
+llama.cpp's converter writes it; what llama.cpp could not read back the way the
+checkpoint means it (a layer pattern it hard-codes differently) is refused.
 
 This is a tool at the top of the stack that happens to live in quant/: it
 reads checkpoints through runtime.safetensors_loader, so that a file written
@@ -126,12 +128,20 @@ def _write_metadata(w, ck, tok, scheme: str, folder: Path) -> None:
         w.add_value_length(cfg.head_dim)
     if cfg.arch == "llama":
         w.add_vocab_size(cfg.vocab_size)
-        w.add_rope_dimension_count(cfg.head_dim)
+    if cfg.arch == "llama" or cfg.rope_dim != cfg.head_dim:
+        w.add_rope_dimension_count(cfg.rope_dim)
+    if cfg.rope_scale != 1.0:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_scale)
     if cfg.arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
-        if cfg.rope_scale != 1.0:
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(cfg.rope_scale)
+        if cfg.local_layers is not None and \
+                tuple(cfg.local_layers) != tuple(i for i in range(cfg.n_layers) if (i + 1) % 6):
+            w.add_sliding_window_pattern([cfg.is_local_layer(i) for i in range(cfg.n_layers)])
+        if cfg.rope_theta_local != 10000.0:
+            w.add_rope_freq_base_swa(cfg.rope_theta_local)
+    elif cfg.arch == "llama" and cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)    # Mistral's window over every layer
 
     tj = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     model, pre, tokens, types, scores = _vocab(folder, cfg.vocab_size, tj)
@@ -155,6 +165,13 @@ def _write_metadata(w, ck, tok, scheme: str, folder: Path) -> None:
     sv.add_to_gguf(w, quiet=True)
 
 
+def _check_expressible(cfg) -> None:
+    """Refuse a checkpoint whose GGUF llama.cpp would run differently from config.json."""
+    if cfg.arch != "gemma3" and cfg.local_layers is not None and cfg.sliding_window:
+        raise ConvertError(f"{cfg.arch}: sliding-window layers {list(cfg.local_layers)} cannot be written to a "
+                           f"GGUF file that llama.cpp reads the same way")
+
+
 def _order(names: list[str]) -> list[str]:
     """llama.cpp's order: embeddings, layers in order, final norm, output."""
     def key(n):
@@ -170,7 +187,7 @@ def convert(src, out, scheme: str = "f16", progress: bool | None = None) -> dict
     import gguf
     from tqdm import tqdm
 
-    from quant import tensor_nbytes
+    from quant import GGMLType, tensor_nbytes
     from runtime.safetensors_loader import Checkpoint
     from runtime.tokenizer import Tokenizer
 
@@ -184,12 +201,19 @@ def convert(src, out, scheme: str = "f16", progress: bool | None = None) -> dict
     tok = Tokenizer.from_hf_files(folder)
     from quant.policy import tensor_type
     cfg = ck.config
+    _check_expressible(cfg)
     names = _order(ck.names)
     plan = {}
     for n in names:
         s, h = ck.sources[n]
         shape = s.shape(h)
         plan[n] = (shape, tensor_type(scheme, n, shape, cfg.n_layers, cfg.tied_output))
+
+    extra = {}   # tensors made from config.json, not read from the checkpoint
+    if cfg.rope_freq_factors is not None:
+        extra["rope_freqs.weight"] = np.asarray(cfg.rope_freq_factors, np.float32)
+        plan["rope_freqs.weight"] = (extra["rope_freqs.weight"].shape, GGMLType.F32)
+        names = ["rope_freqs.weight"] + names
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.part-{os.getpid()}")
@@ -212,7 +236,7 @@ def convert(src, out, scheme: str = "f16", progress: bool | None = None) -> dict
                   file=sys.stderr) as bar:
             for n in names:
                 shape, qt = plan[n]
-                data = ck.tensor(n, qt).data
+                data = extra[n].view(np.uint8) if n in extra else ck.tensor(n, qt).data
                 w.write_tensor_data(np.ascontiguousarray(data).reshape(-1))
                 bar.update(data.size)
         w.close()

@@ -31,13 +31,18 @@ def check_policy(policy: str) -> str:
 
 
 def rope_for_layer(cfg, layer: int) -> tuple[np.ndarray, bool, float]:
-    """(inv_freq, neox, pos_scale) that the model's forward uses for `layer`'s keys."""
-    from models.llama import rope_inv_freq
+    """(inv_freq, neox, pos_scale) that the model's forward uses for `layer`'s keys
+    (a layer without RoPE, as in SmolLM3: zero frequencies, so a shift moves its keys
+    without rotating them)."""
+    from models.config import rope_inv_freq
     if cfg.arch == "gemma3":
         if cfg.is_local_layer(layer):
             return rope_inv_freq(cfg, cfg.rope_theta_local), True, 1.0
         return rope_inv_freq(cfg, cfg.rope_theta), True, cfg.rope_scale
-    return rope_inv_freq(cfg, cfg.rope_theta), cfg.rope_neox, 1.0
+    inv_freq = rope_inv_freq(cfg, cfg.rope_theta)
+    if not cfg.uses_rope(layer):
+        inv_freq = np.zeros_like(inv_freq)
+    return inv_freq, cfg.rope_neox, cfg.rope_scale
 
 
 def shift_amount(n_tokens: int, keep: int, n_new: int, n_ctx: int) -> int:

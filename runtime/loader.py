@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models import config_from_gguf
+import numpy as np
+
+from models import check_tensors, config_from_gguf
 from models.catalog import CATALOG, DEFAULT_MODEL
 from quant import QTensor, UnsupportedQuantType
 
@@ -40,12 +42,20 @@ def load_model(model: str | Path | None, progress=None, quant: str | None = None
 
 
 def load_gguf(path: Path) -> LoadedModel:
+    """Every tensor and every metadata key that changes the math must be one the
+    model understands, else the file is refused (models.UnsupportedModelFile)."""
     from .tokenizer import Tokenizer
     g = GGUFFile(path)
     shapes = {n: t.shape for n, t in g.tensors.items()}
     cfg = config_from_gguf(g.metadata, shapes)
+    check_tensors(cfg, shapes, path.name)
     tensors = {}
     for name, info in g.tensors.items():
+        if name == "rope_freqs.weight":   # llama3 RoPE scaling: divisors of the frequencies, not a weight
+            if info.ggml_type != 0:
+                raise GGUFError(f"{path.name}: rope_freqs.weight is stored as ggml type {info.ggml_type}, not F32")
+            cfg.rope_freq_factors = np.frombuffer(g.tensor_bytes(name), np.float32).copy()
+            continue
         tensors[name] = QTensor.from_file_bytes(name, info.ggml_type, info.shape, g.tensor_bytes(name))
     tok = Tokenizer.from_gguf(g.metadata)
     return LoadedModel(path=path, config=cfg, tensors=tensors, tokenizer=tok, metadata=g.metadata,

@@ -23,6 +23,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from models import tensor_shapes
 from models.hf_config import CheckpointError, config_from_hf, fix_layout, gguf_name, hf_arch, layout_changes
 from quant import GGMLType, QTensor, quantize
 from quant.policy import tensor_type
@@ -128,22 +129,7 @@ def open_shards(folder: Path) -> dict[str, Shard]:
 
 def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """GGUF name -> numpy shape of every tensor the model needs."""
-    d, q, kv, ff = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_dim, cfg.d_ff
-    out = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
-    if not cfg.tied_output:
-        out["output.weight"] = (cfg.vocab_size, d)
-    for i in range(cfg.n_layers):
-        p = f"blk.{i}."
-        layer = {"attn_norm.weight": (d,), "attn_q.weight": (q, d), "attn_k.weight": (kv, d),
-                 "attn_v.weight": (kv, d), "attn_output.weight": (d, q), "ffn_norm.weight": (d,),
-                 "ffn_gate.weight": (ff, d), "ffn_up.weight": (ff, d), "ffn_down.weight": (d, ff)}
-        if cfg.qkv_bias:
-            layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
-        if cfg.arch == "gemma3":
-            layer.update({"attn_q_norm.weight": (cfg.head_dim,), "attn_k_norm.weight": (cfg.head_dim,),
-                          "post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)})
-        out.update({p + k: v for k, v in layer.items()})
-    return out
+    return tensor_shapes(cfg)
 
 
 class Checkpoint:

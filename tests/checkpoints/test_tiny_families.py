@@ -1,0 +1,216 @@
+"""The families people download today, each as a tiny random-weight checkpoint
+made by HF transformers with the real architecture's config: our logits against
+transformers on the same weights, read from the safetensors folder, from the GGUF
+our converter writes and from the GGUF llama.cpp's own converter writes.
+
+Bar (F16 weights, 96 random tokens): top-1 agreement >= 99%, mean KL <= 1e-3.
+Then the strictness: what changes the math and is not implemented is refused.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from ckpt_helpers import engine_logits, kl
+from models import UnsupportedModelFile, check_tensors, config_from_gguf
+from models.hf_config import CheckpointError
+from runtime.context import rope_for_layer
+from runtime.gguf_file import GGUFFile
+from runtime.loader import load_model
+from tiny_models import (FAMILIES, llama_cpp_convert, llama_cpp_converter, make_tiny, prompt_ids,
+                         transformers_logits)
+
+pytest.importorskip("transformers")
+MIN_TOP1, MAX_KL = 0.99, 1e-3
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """tiny(family) -> (folder, prompt ids, transformers' logits), made once per session."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            d = make_tiny(family, tmp_path_factory.mktemp("tiny") / family)
+            ids = prompt_ids()
+            made[family] = (d, ids, transformers_logits(d, ids))
+        return made[family]
+    return get
+
+
+@pytest.fixture(scope="session")
+def lcpp(tiny, tmp_path_factory):
+    """lcpp(family) -> the GGUF llama.cpp's convert_hf_to_gguf.py writes (f16)."""
+    script = llama_cpp_converter()
+    if script is None:
+        pytest.skip("llama.cpp's converter could not be fetched (pip download llama-cpp-python sdist failed)")
+    out = {}
+
+    def get(family):
+        if family not in out:
+            folder = tiny(family)[0]
+            out[family] = llama_cpp_convert(script, folder, tmp_path_factory.mktemp("lcpp") / f"{family}.gguf")
+        return out[family]
+    return get
+
+
+def _agree(lm, ids, ref, what, rows=None):
+    ours = engine_logits(lm, ids)
+    if rows is not None:
+        ours, ref = ours[rows], ref[rows]
+    top1 = float((ours.argmax(-1) == ref.argmax(-1)).mean())
+    mean_kl = float(kl(ref, ours).mean())
+    print(f"{what}: top-1 {top1:.4f}, mean KL {mean_kl:.2e}")
+    assert top1 >= MIN_TOP1, f"{what}: top-1 agreement {top1:.3f}"
+    assert mean_kl <= MAX_KL, f"{what}: mean KL {mean_kl:.2e}"
+    return ours
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_safetensors_folder_matches_transformers(tiny, family):
+    folder, ids, ref = tiny(family)
+    lm = load_model(folder)
+    assert lm.config.arch == FAMILIES[family][2]
+    assert {t.qtype.name for t in lm.tensors.values() if len(t.shape) == 2} == {"F16"}
+    _agree(lm, ids, ref, f"{family} safetensors")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_our_gguf_matches_transformers(tiny, family, tmp_path):
+    from quant.convert import convert
+    folder, ids, ref = tiny(family)
+    path = tmp_path / f"{family}.gguf"
+    convert(folder, path, "f16", progress=False)
+    lm = load_model(path)
+    assert lm.config.arch == FAMILIES[family][2]
+    _agree(lm, ids, ref, f"{family} our GGUF")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_llama_cpp_gguf_matches_transformers(tiny, lcpp, family):
+    folder, ids, ref = tiny(family)
+    lm = load_model(lcpp(family))
+    assert lm.config.arch == FAMILIES[family][2]
+    if family == "mistral":
+        # llama.cpp's converter drops Mistral's sliding_window (llama.cpp runs every layer with
+        # full attention), so its file agrees with transformers only inside the window
+        assert lm.config.sliding_window == 0
+        _agree(lm, ids, ref, f"{family} llama.cpp GGUF", rows=slice(0, 16))
+    else:
+        _agree(lm, ids, ref, f"{family} llama.cpp GGUF")
+
+
+def test_llama3_rope_scaling_is_applied(tiny, lcpp):
+    """A Llama 3.2-shaped file from llama.cpp's converter carries rope_freqs.weight; we
+    divide the frequencies by it.  Without it the same file disagrees with transformers."""
+    _, ids, ref = tiny("llama3")
+    path = lcpp("llama3")
+    g = GGUFFile(path)
+    assert "rope_freqs.weight" in g.tensors and g.tensors["rope_freqs.weight"].shape == (8,)
+    lm = load_model(path)
+    assert "rope_freqs.weight" not in lm.tensors
+    factors = lm.config.rope_freq_factors
+    assert factors[0] == 1.0 and factors[-1] == 8.0 and 1.0 < factors[1] < 8.0
+    inv_freq, neox, _ = rope_for_layer(lm.config, 0)
+    assert not neox and np.allclose(inv_freq * factors, rope_for_layer_unscaled(lm.config))
+    _agree(lm, ids, ref, "llama3 llama.cpp GGUF")
+    lm.config.rope_freq_factors = None       # what we used to do: ignore the tensor
+    ours = engine_logits(lm, ids)
+    assert float(kl(ref, ours).mean()) > 100 * MAX_KL
+
+
+def rope_for_layer_unscaled(cfg):
+    from models.config import rope_inv_freq
+    saved, cfg.rope_freq_factors = cfg.rope_freq_factors, None
+    try:
+        return rope_inv_freq(cfg, cfg.rope_theta)
+    finally:
+        cfg.rope_freq_factors = saved
+
+
+def test_our_gguf_reads_as_llama_cpp_s_does(tiny, lcpp, tmp_path):
+    """Our converter's file and llama.cpp's give the same config and the same tensors;
+    the one difference is Mistral's sliding window, which we write and llama.cpp's
+    converter leaves out (llama.cpp runs Mistral with full attention)."""
+    import dataclasses
+
+    from quant.convert import convert
+    for family in FAMILIES:
+        ours = load_model(convert(tiny(family)[0], tmp_path / f"{family}.gguf", "f16", progress=False)["path"])
+        theirs = load_model(lcpp(family))
+        assert set(ours.tensors) == set(theirs.tensors), family
+        a, b = (dataclasses.replace(lm.config, name="") for lm in (ours, theirs))
+        if family == "mistral":
+            assert (a.sliding_window, b.sliding_window) == (16, 0)
+            a.sliding_window = 0
+        assert a == b, family
+        assert np.array_equal(a.rope_freq_factors, b.rope_freq_factors) if b.rope_freq_factors is not None \
+            else a.rope_freq_factors is None
+
+
+def test_mistral_window_reaches_the_engine(tiny):
+    from runtime.engine import Engine
+    lm = load_model(tiny("mistral")[0])
+    assert lm.config.sliding_window == 16
+    assert Engine(lm, n_ctx=64).windows == [16] * 4
+
+
+# ---- refusing what we do not implement ---------------------------------------------------------------------
+
+def _edit_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10000.0},
+    {"rope_type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8, "rope_theta": 10000.0,
+     "original_max_position_embeddings": 1024},
+    {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+])
+def test_unimplemented_rope_scaling_is_refused(tiny, tmp_path, rope):
+    d = _edit_config(tiny("llama3")[0], tmp_path / "ck", rope_parameters=rope)
+    with pytest.raises(CheckpointError, match=f"rope scaling type '{rope['rope_type']}' is not implemented"):
+        load_model(d)
+
+
+def test_unknown_activation_is_refused(tiny, tmp_path):
+    d = _edit_config(tiny("llama3")[0], tmp_path / "ck", hidden_act="gelu")
+    with pytest.raises(CheckpointError, match="activation 'gelu'"):
+        load_model(d)
+
+
+def test_unknown_gguf_metadata_is_refused(tiny, lcpp):
+    g = GGUFFile(lcpp("llama3"))
+    shapes = {n: t.shape for n, t in g.tensors.items()}
+    config_from_gguf(g.metadata, shapes)
+    for key, value in [("llama.attention.logit_softcapping", 30.0), ("llama.expert_count", 8),
+                       ("llama.rope.scaling.type", "yarn")]:
+        with pytest.raises(UnsupportedModelFile, match=key.split(".", 1)[1] if "type" not in key else "yarn"):
+            config_from_gguf({**g.metadata, key: value}, shapes)
+
+
+def test_unknown_gguf_tensor_is_refused(tiny, lcpp):
+    g = GGUFFile(lcpp("llama3"))
+    shapes = {n: t.shape for n, t in g.tensors.items()}
+    cfg = config_from_gguf(g.metadata, shapes)
+    check_tensors(cfg, shapes, "x.gguf")
+    with pytest.raises(UnsupportedModelFile, match="blk.1.attn_output.bias is not part of a llama model"):
+        check_tensors(cfg, {**shapes, "blk.1.attn_output.bias": (64,)}, "x.gguf")
+    missing = dict(shapes)
+    del missing["blk.2.ffn_up.weight"]
+    with pytest.raises(UnsupportedModelFile, match="lacks tensor blk.2.ffn_up.weight"):
+        check_tensors(cfg, missing, "x.gguf")
+
+
+def test_attention_bias_checkpoint_is_refused(tmp_path):
+    """Llama with attention_bias also has an o_proj bias, which our llama does not add."""
+    d = make_tiny("llama3", tmp_path / "ck", attention_bias=True)
+    with pytest.raises(CheckpointError, match="unexpected tensors.*o_proj.bias"):
+        load_model(d)

@@ -1,0 +1,149 @@
+"""Tiny random-weight checkpoints of real architectures, made by HF transformers
+(their configs are the real families' shapes, only small), and llama.cpp's own
+converter to turn them into GGUF files.
+
+A checkpoint is a float16 safetensors folder with SmolLM2's tokenizer (taken once
+from the catalog GGUF): 4 layers, d_model 64, vocab 49152.  Weights are drawn so
+that activations stay O(1) and logits have clear margins (HF's own init, std
+0.02, would make every logit nearly equal and top-1 agreement a coin toss).
+
+llama.cpp's converter comes from the llama-cpp-python source distribution on
+PyPI (its vendor/llama.cpp), fetched once into the test cache; `llama_cpp_converter()`
+returns None when it cannot be had (no network), and the tests that need it skip.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+
+CACHE = Path(os.environ.get("LLAMBA_TEST_CACHE", Path.home() / ".cache" / "llamba-test"))
+LLAMA_CPP_PYTHON = "0.3.36"      # the sdist whose vendor/llama.cpp converts the tiny checkpoints
+N_PROMPT = 96
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5, vocab_size=49152,
+               bos_token_id=1, eos_token_id=2, pad_token_id=None, tie_word_embeddings=True)
+
+# family -> (transformers config class, its arguments beyond _COMMON, our arch)
+FAMILIES = {
+    # Llama 3.2 shape: tied output, llama3 RoPE scaling (original context 64 so that the
+    # scaling bends frequencies that a 96-token prompt turns through)
+    "llama3": ("LlamaConfig", dict(rope_theta=10000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}), "llama"),
+    "mistral": ("MistralConfig", dict(sliding_window=16, tie_word_embeddings=False, rope_theta=1000000.0),
+                "llama"),
+}
+
+
+def tokenizer_dir() -> Path:
+    """SmolLM2's tokenizer as an HF folder (tokenizer.json, tokenizer_config.json), made once."""
+    out = CACHE / "tokenizer-smollm2"
+    if (out / ".complete").exists():
+        return out
+    from transformers import AutoTokenizer
+
+    from runtime.loader import resolve_model_path
+    gguf_path = resolve_model_path("smollm2-135m")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
+    (tmp / ".complete").write_text("smollm2-135m\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def make_tiny(family: str, folder: Path, seed: int = 0, **overrides) -> Path:
+    """Write a tiny random `family` checkpoint into `folder` (float16 safetensors)."""
+    import torch
+    import transformers
+
+    cls_name, args, _ = FAMILIES[family]
+    config = getattr(transformers, cls_name)(**{**_COMMON, **args, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("embed_tokens.weight"):
+                p.normal_(0.0, 1.0)
+            elif p.ndim == 2:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+            elif name.endswith("norm.weight"):
+                p.uniform_(0.7, 1.3)
+            else:
+                p.normal_(0.0, 0.1)
+    folder = Path(folder)
+    model.to(torch.float16).save_pretrained(folder)
+    for p in tokenizer_dir().iterdir():
+        if not p.name.startswith("."):
+            shutil.copy(p, folder / p.name)
+    return folder
+
+
+def prompt_ids(seed: int = 1) -> list[int]:
+    return np.random.default_rng(seed).integers(100, 49000, N_PROMPT).tolist()
+
+
+def transformers_logits(folder, ids) -> np.ndarray:
+    import torch
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return m(torch.tensor([ids])).logits[0].numpy()
+
+
+def llama_cpp_converter() -> Path | None:
+    """Path of llama.cpp's convert_hf_to_gguf.py (with its conversion/ and gguf-py/),
+    fetched once from the llama-cpp-python sdist; None if it cannot be fetched."""
+    root = CACHE / f"llama.cpp-{LLAMA_CPP_PYTHON}"
+    script = root / "convert_hf_to_gguf.py"
+    if (root / ".complete").exists():
+        return script
+    dl = CACHE / f"sdist-{os.getpid()}"
+    shutil.rmtree(dl, ignore_errors=True)
+    try:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                            "--no-deps", "--no-binary", "llama-cpp-python", "-d", str(dl)],
+                           capture_output=True, text=True, timeout=600)
+        tars = list(dl.glob("*.tar.gz"))
+        if r.returncode != 0 or not tars:
+            return None
+        tmp = root.with_name(root.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+        with tarfile.open(tars[0]) as tf:
+            for m in tf.getmembers():
+                rel = m.name[len(prefix):] if m.name.startswith(prefix) else None
+                if rel and m.isfile() and (rel == "convert_hf_to_gguf.py" or rel.startswith(("conversion/",
+                                                                                              "gguf-py/"))):
+                    dst = tmp / rel
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    dst.write_bytes(tf.extractfile(m).read())
+        if not (tmp / "convert_hf_to_gguf.py").exists():
+            return None
+        (tmp / ".complete").write_text(tars[0].name + "\n")
+        shutil.rmtree(root, ignore_errors=True)
+        tmp.rename(root)
+        return script
+    except (OSError, subprocess.SubprocessError, tarfile.TarError):
+        return None
+    finally:
+        shutil.rmtree(dl, ignore_errors=True)
+
+
+def llama_cpp_convert(script: Path, folder: Path, out: Path, outtype: str = "f16") -> Path:
+    """Run llama.cpp's converter (with the gguf-py it ships) on `folder`."""
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+    r = subprocess.run([sys.executable, str(script), str(folder), "--outfile", str(out), "--outtype", outtype],
+                       capture_output=True, text=True, env=env, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama.cpp's converter failed on {folder.name}:\n{r.stderr[-3000:]}")
+    return out
