@@ -1,0 +1,376 @@
+"""The HTTP routes: OpenAI's chat and text completions (streamed as server-sent events or
+whole), models, tokenize/detokenize, health and metrics.  A thin shell: a request becomes
+scheduler Requests (runtime/scheduler.py), whose events come back through an asyncio queue;
+the engine runs in the scheduler's thread, never in the event loop."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..sampling import SamplingParams
+from ..scheduler import QueueFull, Request
+from . import errors
+from .errors import APIError
+from .guard import BodyTooLarge, Guard
+from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+RETRY_AFTER = "2"
+
+
+def create_app(host, *, api_key=None, allowed_hosts=None, cors_origins=(), metrics=None,
+               max_body=8 << 20) -> FastAPI:
+    app = FastAPI(title="Llamba", docs_url=None, redoc_url=None)
+    app.state.host, app.state.metrics = host, metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return errors.response(e.status, e.message, e.param, e.code, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        err = (e.errors() or [{}])[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        kind = err.get("type", "")
+        if kind == "json_invalid":
+            return errors.response(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}".strip(),
+                                   None, "invalid_json")
+        if kind == "extra_forbidden":
+            return errors.response(400, f"unsupported field '{param}': Llamba does not implement it", param,
+                                   "unsupported_field")
+        if not loc:
+            return errors.response(400, "the body must be a JSON object", None, "invalid_body")
+        return errors.response(400, f"invalid '{param}': {err.get('msg', 'invalid value')}", param, "invalid_value")
+
+    @app.exception_handler(HTTPException)
+    async def _http(_, e: HTTPException):
+        if isinstance(e.__cause__, BodyTooLarge):      # FastAPI wraps what the body's reading raised
+            return errors.response(413, f"request body exceeds the limit of {max_body} bytes", None, "body_too_large")
+        return errors.response(e.status_code, str(e.detail), None, None)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_, e):
+        return errors.response(413, f"request body exceeds the limit of {max_body} bytes", None, "body_too_large")
+
+    @app.exception_handler(Exception)
+    async def _crash(_, e: Exception):
+        return errors.response(500, f"internal error: {type(e).__name__}", None, "internal_error")
+
+    @app.get("/health")
+    async def health():
+        if not host.ready.is_set():
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if host.error:
+            return JSONResponse({"status": "error", "error": host.error}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        h = _ready(host)
+        c = h.engine.config
+        return {"object": "list", "data": [{"id": h.model_id, "object": "model", "created": int(h.started),
+                                            "owned_by": "llamba",
+                                            "meta": {"architecture": c.arch, "n_ctx": h.engine.n_ctx,
+                                                     "n_vocab": c.vocab_size, "parameters": h.engine.loaded.n_params}}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        tok = _ready(host).engine.tokenizer
+        ids = await run_in_threadpool(tok.encode, body.content, body.add_special)
+        if body.with_pieces:
+            return {"tokens": [{"id": i, "piece": tok.token_bytes(i).decode("utf-8", "replace")} for i in ids]}
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        tok = _ready(host).engine.tokenizer
+        bad = next((t for t in body.tokens if t >= tok.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of the vocabulary (0..{tok.vocab_size - 1})", "tokens")
+        return {"content": await run_in_threadpool(tok.decode, body.tokens)}
+
+    @app.get("/metrics")
+    async def prometheus():
+        if metrics is None:
+            raise APIError(404, "metrics are off (start the server with --metrics)")
+        from .metrics import CONTENT_TYPE
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, http: HTTPRequest):
+        h = _ready(host)
+        eng = h.engine
+        from ..chat_template import ChatTemplateError, encode_chat
+        msgs = [_message(m) for m in body.messages]
+        try:
+            ids = await run_in_threadpool(lambda: encode_chat(eng.tokenizer, eng.loaded.chat_template, msgs,
+                                                              arch=eng.config.arch))
+        except ChatTemplateError as e:
+            raise APIError(400, f"the chat template failed on these messages: {e}", "messages",
+                           "chat_template_error")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await _complete(h, http, body, [ids], max_tokens, chat=True,
+                               logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        h = _ready(host)
+        tok = h.engine.tokenizer
+        p = body.prompt
+        if isinstance(p, str):
+            prompts = [await run_in_threadpool(tok.encode, p)]
+        elif isinstance(p[0], str):
+            prompts = [await run_in_threadpool(tok.encode, x) for x in p]
+        else:
+            bad = next((t for t in p if t >= tok.vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is out of the vocabulary (0..{tok.vocab_size - 1})", "prompt")
+            prompts = [list(p)]
+        return await _complete(h, http, body, prompts, body.max_tokens or 16, chat=False, logprobs=body.logprobs)
+
+    async def _complete(h, http, body, prompts, max_tokens, chat: bool, logprobs):
+        eng, sch = h.engine, h.scheduler
+        n_ctx = eng.n_ctx
+        for ids in prompts:
+            if not ids:
+                raise APIError(400, "the prompt is empty", "prompt")
+            if len(ids) >= n_ctx:
+                raise APIError(400, f"the prompt is {len(ids)} tokens, this server's context is {n_ctx} tokens: "
+                                    f"shorten it", "messages" if chat else "prompt", "context_length_exceeded")
+        if max_tokens is not None and max_tokens > n_ctx:
+            raise APIError(400, f"max_tokens {max_tokens} exceeds this server's context of {n_ctx} tokens",
+                           "max_tokens", "invalid_value")
+        started = time.monotonic()
+        params = _params(body)
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        reqs = []
+        stop = body.stop_list()
+        for pi, ids in enumerate(prompts):
+            for c in range(body.n):
+                index = pi * body.n + c
+                seed = None if params.seed is None else (params.seed + index) % (1 << 64)
+                p = SamplingParams(**{**params.__dict__, "seed": seed})
+                reqs.append(Request(ids, p, max_tokens=max_tokens or (n_ctx - len(ids)), stop=stop, logprobs=logprobs,
+                                    presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                    on_event=_bridge(loop, queue, index)))
+        try:
+            for r in reqs:
+                sch.submit(r)
+        except QueueFull as e:
+            for r in reqs:
+                r.cancel()
+            sch.wake()
+            raise APIError(503, f"the server is busy ({e}); retry shortly", None, "server_busy",
+                           {"Retry-After": RETRY_AFTER})
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        shape = _Shape(rid, created, h.model_id, chat, eng.tokenizer)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_sse(shape, reqs, queue, sch, started, include_usage, metrics, len(prompts)),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _whole(shape, reqs, queue, sch, http, started, metrics, len(prompts))
+
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"])
+    # the guard wraps everything, CORS included: its checks come first
+    app.add_middleware(Guard, api_key=api_key, allowed_hosts=allowed_hosts, max_body=max_body)
+    return app
+
+
+def _ready(host):
+    if not host.ready.is_set():
+        raise APIError(503, "the model is still loading", None, "model_loading", {"Retry-After": RETRY_AFTER})
+    if host.error:
+        raise APIError(503, f"the model failed to load: {host.error}", None, "model_error")
+    return host
+
+
+def _message(m) -> dict:
+    out = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": t.id, "type": t.type,
+                              "function": {"name": t.function.name, "arguments": t.function.arguments}}
+                             for t in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _params(body) -> SamplingParams:
+    d = SamplingParams()
+    return SamplingParams(
+        temperature=d.temperature if body.temperature is None else body.temperature,
+        top_k=d.top_k if body.top_k is None else body.top_k,
+        top_p=d.top_p if body.top_p is None else body.top_p,
+        min_p=d.min_p if body.min_p is None else body.min_p,
+        seed=None if body.seed is None else body.seed % (1 << 64))
+
+
+def _bridge(loop, queue, index):
+    """The scheduler thread's events, handed to the event loop."""
+    def put(ev):
+        loop.call_soon_threadsafe(queue.put_nowait, (index, ev))
+    return put
+
+
+class _Shape:
+    """OpenAI's response objects for one request."""
+
+    def __init__(self, rid, created, model, chat, tok):
+        self.rid, self.created, self.model, self.chat, self.tok = rid, created, model, chat, tok
+
+    def _piece(self, t: int) -> str:
+        return self.tok.token_bytes(t).decode("utf-8", "replace")
+
+    def logprobs(self, items: list[dict]):
+        if self.chat:
+            return {"content": [{"token": self._piece(x["token"]), "logprob": x["logprob"],
+                                 "bytes": list(self.tok.token_bytes(x["token"])),
+                                 "top_logprobs": [{"token": self._piece(t), "logprob": lp,
+                                                   "bytes": list(self.tok.token_bytes(t))} for t, lp in x["top"]]}
+                                for x in items]}
+        return {"tokens": [self._piece(x["token"]) for x in items], "token_logprobs": [x["logprob"] for x in items],
+                "top_logprobs": [{self._piece(t): lp for t, lp in x["top"]} for x in items]}
+
+    def chunk(self, index, text=None, finish=None, role=False, logprobs=None) -> str:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            obj = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                   "choices": [choice]}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            obj = {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
+                   "choices": [choice]}
+        return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
+
+    def usage_chunk(self, usage) -> str:
+        obj = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": [], "usage": usage}
+        return "data: " + json.dumps(obj) + "\n\n"
+
+    def whole(self, texts, finishes, logprobs, usage) -> dict:
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
+                        "finish_reason": f} for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs))]
+            obj = "chat.completion"
+        else:
+            choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": f}
+                       for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs))]
+            obj = "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                "usage": usage}
+
+
+def _usage(reqs, n_prompts) -> dict:
+    per_prompt = len(reqs) // max(1, n_prompts)
+    prompt = sum(r.stats.prompt_tokens for r in reqs[::per_prompt])
+    cached = sum(r.stats.cached_tokens for r in reqs[::per_prompt])
+    done = sum(r.stats.completion_tokens for r in reqs)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class _Timer:
+    """Time to first token and inter-token latency, into the metrics' histograms."""
+
+    def __init__(self, metrics, started, n):
+        self.m, self.started, self.last = metrics, started, [None] * n
+
+    def token(self, index):
+        if self.m is None:
+            return
+        now = time.monotonic()
+        if self.last[index] is None:
+            self.m.ttft.observe(now - self.started)
+        else:
+            self.m.itl.observe(now - self.last[index])
+        self.last[index] = now
+
+
+def _finish_reason(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+async def _whole(shape, reqs, queue, sch, http, started, metrics, n_prompts):
+    n = len(reqs)
+    texts, finishes, lps = [""] * n, [None] * n, [[] for _ in range(n)]
+    timer = _Timer(metrics, started, n)
+    left = n
+    try:
+        while left:
+            try:
+                index, ev = await asyncio.wait_for(queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    return Response(status_code=499)
+                continue
+            texts[index] += ev.text
+            if ev.token is not None:
+                timer.token(index)
+            if ev.logprob is not None:
+                lps[index].append(ev.logprob)
+            if ev.finish is not None:
+                if ev.finish == "error":
+                    raise APIError(500, f"generation failed: {ev.error}", None, "generation_error")
+                finishes[index] = _finish_reason(ev.finish)
+                left -= 1
+    finally:
+        for r in reqs:
+            if r.finish_reason is None:
+                r.cancel()
+        sch.wake()
+    if metrics:
+        metrics.requests.labels("chat" if shape.chat else "completions", "200").inc()
+    with_lp = reqs[0].logprobs is not None
+    return shape.whole(texts, finishes, [shape.logprobs(x) if with_lp else None for x in lps],
+                       _usage(reqs, n_prompts))
+
+
+async def _sse(shape, reqs, queue, sch, started, include_usage, metrics, n_prompts):
+    n = len(reqs)
+    timer = _Timer(metrics, started, n)
+    left = n
+    try:
+        if shape.chat:
+            for i in range(n):
+                yield shape.chunk(i, role=True)
+        while left:
+            index, ev = await queue.get()
+            if ev.token is not None:
+                timer.token(index)
+            lp = shape.logprobs([ev.logprob]) if ev.logprob is not None else None
+            if ev.text or lp:
+                yield shape.chunk(index, text=ev.text, logprobs=lp)
+            if ev.finish is not None:
+                left -= 1
+                if ev.finish == "error":
+                    yield "data: " + json.dumps(errors.body(500, f"generation failed: {ev.error}", None,
+                                                            "generation_error")) + "\n\n"
+                    return
+                yield shape.chunk(index, finish=_finish_reason(ev.finish))
+        if include_usage:
+            yield shape.usage_chunk(_usage(reqs, n_prompts))
+        yield "data: [DONE]\n\n"
+        if metrics:
+            metrics.requests.labels("chat" if shape.chat else "completions", "200").inc()
+    finally:        # the client went away (the response task is cancelled) or we are done
+        for r in reqs:
+            if r.finish_reason is None:
+                r.cancel()
+        sch.wake()

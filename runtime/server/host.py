@@ -1,0 +1,74 @@
+"""The model a server holds: loaded in a thread while the server already answers /health
+(503 until it is ready), then driven by one Scheduler in its own thread."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class ServeConfig:
+    model: str | None = None
+    device: str = "cpu"
+    threads: int | None = None
+    n_ctx: int = 4096                 # a request's context: prompt + answer
+    parallel: int = 8                 # requests computed at once
+    queue: int = 64                   # requests waiting beyond those
+    kv_tokens: int = 0                # KV-cache pool in tokens (0: parallel x n_ctx, within kv_budget)
+    kv_budget: int = 2 << 30          # bytes the default pool may take
+    cache_type: str = "f16"
+    chunk: int = 512
+    prefix_cache: bool = True
+    gpu_layers: int | None = None
+    draft_model: str | None = None
+
+
+class ModelHost:
+    def __init__(self, cfg: ServeConfig, announce=print):
+        self.cfg = cfg
+        self.announce = announce
+        self.engine = None
+        self.scheduler = None
+        self.model_id = ""
+        self.error: str | None = None
+        self.ready = threading.Event()
+        self.started = time.time()
+
+    def load(self) -> None:
+        """Load the model and start the scheduler (call in a thread)."""
+        try:
+            self._load()
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+            self.announce(f"error: could not load the model: {self.error}")
+        finally:
+            self.ready.set()
+
+    def _load(self) -> None:
+        from ..engine import Engine
+        from ..loader import load_model
+        from ..scheduler import Scheduler
+        from ..warmup import warm_up
+        from ..backend.cpu import kv_bytes_per_token_layer
+        cfg = self.cfg
+        lm = load_model(cfg.model)
+        c = lm.config
+        n_ctx = min(cfg.n_ctx or 4096, c.context_length)
+        per_token = c.n_layers * kv_bytes_per_token_layer(c.n_kv_heads, c.head_dim, cfg.cache_type)
+        tokens = cfg.kv_tokens or max(2 * n_ctx, min(cfg.parallel * n_ctx, cfg.kv_budget // max(1, per_token)))
+        block = 16
+        blocks = -(-max(tokens, n_ctx + block) // block)
+        eng = Engine(lm, device=cfg.device, n_ctx=n_ctx, threads=cfg.threads, cache_blocks=blocks,
+                     cache_type=cfg.cache_type, gpu_layers=cfg.gpu_layers, announce=self.announce)
+        warm_up(eng, notice=self.announce)
+        self.engine = eng
+        self.model_id = lm.path.stem if lm.path.is_file() else lm.path.name
+        self.announce(f"model {self.model_id}: context {n_ctx} tokens a request, KV pool {blocks * block} tokens "
+                      f"({blocks * block * per_token / 2**20:.0f} MiB), {cfg.parallel} requests at once")
+        self.scheduler = Scheduler(eng, max_running=cfg.parallel, max_waiting=cfg.queue, chunk=cfg.chunk,
+                                   prefix_cache=cfg.prefix_cache).start()
+
+    def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
