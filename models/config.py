@@ -61,7 +61,7 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
 # Metadata keys under "{arch}." that Llamba reads (and honours).  Any other key
 # there may change the math in a way we do not implement (logit soft-capping,
@@ -195,10 +195,10 @@ def config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
         vocab_size=int(vocab), context_length=int(get("context_length", 2048)),
         rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_neox=arch in ("qwen2", "gemma3"),
+        rope_neox=arch in ("qwen2", "qwen3", "gemma3"),
         rope_dim=int(get("rope.dimension_count", head_dim, required=False) or head_dim),
         qkv_bias="blk.0.attn_q.bias" in shapes,
-        qk_norm=arch == "gemma3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         tied_output="output.weight" not in shapes,
         name=str(meta.get("general.name", "")),
     )

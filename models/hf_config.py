@@ -6,8 +6,8 @@ Layout differences between an HF checkpoint and a GGUF file:
 * llama: q/k rows are permuted.  HF rotates the two halves of each head
   (rotate_half); GGUF/llama.cpp rotates adjacent pairs, so its converter
   reorders each head's rows [0, d/2, 1, d/2+1, ...].  Our llama model runs the
-  GGUF (pair) form, so q/k are permuted on load.  qwen2 and gemma3 run NeoX
-  rope (halves) and need nothing.
+  GGUF (pair) form, so q/k are permuted on load.  qwen2, qwen3 and gemma3 run
+  NeoX rope (halves) and need nothing.
 
 config.json keys that change the math are honoured (rope scaling: linear and
 llama3; sliding windows) or refused with the reason;
@@ -25,11 +25,11 @@ from .config import SUPPORTED_ARCHS, ModelConfig, UnsupportedArchitecture, llama
 # HF model_type -> GGUF architecture name
 _ARCH_OF_MODEL_TYPE = {
     "llama": "llama", "mistral": "llama", "smollm": "llama",
-    "qwen2": "qwen2",
+    "qwen2": "qwen2", "qwen3": "qwen3",
     "gemma3": "gemma3", "gemma3_text": "gemma3",
 }
 # the activation of each family's GLU (config.json hidden_act / hidden_activation)
-_ACTIVATION = {"llama": ("silu",), "qwen2": ("silu",), "gemma3": ("gelu_pytorch_tanh",)}
+_ACTIVATION = {"llama": ("silu",), "qwen2": ("silu",), "qwen3": ("silu",), "gemma3": ("gelu_pytorch_tanh",)}
 
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -53,6 +53,7 @@ _LAYER_NAMES = {
 _LAYER_NAMES_BY_ARCH = {
     "llama": {"post_attention_layernorm": "ffn_norm"},
     "qwen2": {"post_attention_layernorm": "ffn_norm"},
+    "qwen3": {"post_attention_layernorm": "ffn_norm"},
     "gemma3": {"post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"},
@@ -142,10 +143,10 @@ def config_from_hf(hf: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> Model
         vocab_size=vocab, context_length=int(hf.get("max_position_embeddings") or 2048),
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
-        rope_neox=arch in ("qwen2", "gemma3"),
+        rope_neox=arch in ("qwen2", "qwen3", "gemma3"),
         rope_dim=int(head_dim * float(prf)),
         qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
-        qk_norm=arch == "gemma3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         tied_output="output.weight" not in tensor_shapes,
         name=str(hf.get("_name_or_path") or hf.get("_model_name_or_path") or ""),
         extra={"hf_config": hf},

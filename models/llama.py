@@ -1,8 +1,9 @@
-"""Llama-family decoder: llama (SmolLM2, Llama 3.x, Mistral) and qwen2 (QKV bias).
+"""Llama-family decoder: llama (SmolLM2, Llama 3.x, Mistral), qwen2 (QKV bias)
+and qwen3 (RMS-normed q/k heads).
 
 Written once against the Backend ops; the Backend decides where it runs.
 Weights are named as in GGUF files (`blk.{i}.attn_q.weight`, ...).  Sliding-window
-layers need nothing here: the engine gives those layers a window.
+layers (Mistral) need nothing here: the engine gives those layers a window.
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ class Llama:
                                 (L.get("attn_q.bias"), L.get("attn_k.bias"), L.get("attn_v.bias")))
             q = b.heads(q, cfg.n_heads)
             k = b.heads(k, cfg.n_kv_heads)
+            if cfg.qk_norm:
+                q = b.rmsnorm(q, L["attn_q_norm"], cfg.rms_eps)
+                k = b.rmsnorm(k, L["attn_k_norm"], cfg.rms_eps)
             b.rope(q, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale)
             b.rope(k, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale)
             a = b.attention(q, k, b.heads(v, cfg.n_kv_heads), i, step)

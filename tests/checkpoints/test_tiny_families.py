@@ -181,17 +181,17 @@ def test_unimplemented_rope_scaling_is_refused(tiny, tmp_path, rope):
 
 
 def test_unknown_activation_is_refused(tiny, tmp_path):
-    d = _edit_config(tiny("llama3")[0], tmp_path / "ck", hidden_act="gelu")
+    d = _edit_config(tiny("qwen3")[0], tmp_path / "ck", hidden_act="gelu")
     with pytest.raises(CheckpointError, match="activation 'gelu'"):
         load_model(d)
 
 
 def test_unknown_gguf_metadata_is_refused(tiny, lcpp):
-    g = GGUFFile(lcpp("llama3"))
+    g = GGUFFile(lcpp("qwen3"))
     shapes = {n: t.shape for n, t in g.tensors.items()}
     config_from_gguf(g.metadata, shapes)
-    for key, value in [("llama.attention.logit_softcapping", 30.0), ("llama.expert_count", 8),
-                       ("llama.rope.scaling.type", "yarn")]:
+    for key, value in [("qwen3.attention.logit_softcapping", 30.0), ("qwen3.expert_count", 8),
+                       ("qwen3.rope.scaling.type", "yarn")]:
         with pytest.raises(UnsupportedModelFile, match=key.split(".", 1)[1] if "type" not in key else "yarn"):
             config_from_gguf({**g.metadata, key: value}, shapes)
 

@@ -38,6 +38,7 @@ FAMILIES = {
     "llama3": ("LlamaConfig", dict(rope_theta=10000.0, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}), "llama"),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, rope_theta=1000000.0), "qwen3"),
     "mistral": ("MistralConfig", dict(sliding_window=16, tie_word_embeddings=False, rope_theta=1000000.0),
                 "llama"),
 }
