@@ -4,7 +4,7 @@ from .config import (SUPPORTED_ARCHS, ModelConfig, UnsupportedArchitecture, Unsu
 
 
 def model_class(arch: str):
-    if arch in ("llama", "qwen2", "qwen3"):
+    if arch in ("llama", "qwen2", "qwen3", "smollm3"):
         from .llama import Llama
         return Llama
     if arch == "gemma3":

@@ -61,7 +61,7 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "smollm3")
 
 # Metadata keys under "{arch}." that Llamba reads (and honours).  Any other key
 # there may change the math in a way we do not implement (logit soft-capping,
@@ -212,6 +212,9 @@ def config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
         cfg.rope_scale = float(get("rope.scaling.factor", 1.0, required=False) or 1.0)
     if arch == "llama":
         cfg.sliding_window = int(get("attention.sliding_window", 0, required=False) or 0)
+    if arch == "smollm3":
+        # llama.cpp: every 4th layer (1-based) of SmolLM3 has no RoPE; there is no key for it
+        cfg.nope_layers = tuple(i for i in range(cfg.n_layers) if (i + 1) % 4 == 0)
     if arch == "gemma3":
         cfg.sliding_window = int(get("attention.sliding_window", 0, required=False) or 0)
         pattern = get("attention.sliding_window_pattern", 6, required=False)

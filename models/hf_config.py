@@ -3,14 +3,14 @@ HF tensor names -> GGUF tensor names, and the layout fixes that llama.cpp's
 converter applies (so a checkpoint loads into the same model code as a GGUF).
 
 Layout differences between an HF checkpoint and a GGUF file:
-* llama: q/k rows are permuted.  HF rotates the two halves of each head
+* llama, smollm3: q/k rows are permuted.  HF rotates the two halves of each head
   (rotate_half); GGUF/llama.cpp rotates adjacent pairs, so its converter
   reorders each head's rows [0, d/2, 1, d/2+1, ...].  Our llama model runs the
   GGUF (pair) form, so q/k are permuted on load.  qwen2, qwen3 and gemma3 run
   NeoX rope (halves) and need nothing.
 
 config.json keys that change the math are honoured (rope scaling: linear and
-llama3; sliding windows) or refused with the reason;
+llama3; sliding windows; SmolLM3's no_rope_layers) or refused with the reason;
 a model is never run with a piece of its math left out.
 * gemma3: HF computes RMSNorm as x * (1 + w) and stores w; GGUF stores 1 + w.
 """
@@ -25,11 +25,12 @@ from .config import SUPPORTED_ARCHS, ModelConfig, UnsupportedArchitecture, llama
 # HF model_type -> GGUF architecture name
 _ARCH_OF_MODEL_TYPE = {
     "llama": "llama", "mistral": "llama", "smollm": "llama",
-    "qwen2": "qwen2", "qwen3": "qwen3",
+    "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3",
     "gemma3": "gemma3", "gemma3_text": "gemma3",
 }
 # the activation of each family's GLU (config.json hidden_act / hidden_activation)
-_ACTIVATION = {"llama": ("silu",), "qwen2": ("silu",), "qwen3": ("silu",), "gemma3": ("gelu_pytorch_tanh",)}
+_ACTIVATION = {"llama": ("silu",), "qwen2": ("silu",), "qwen3": ("silu",), "smollm3": ("silu",),
+               "gemma3": ("gelu_pytorch_tanh",)}
 
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -54,6 +55,7 @@ _LAYER_NAMES_BY_ARCH = {
     "llama": {"post_attention_layernorm": "ffn_norm"},
     "qwen2": {"post_attention_layernorm": "ffn_norm"},
     "qwen3": {"post_attention_layernorm": "ffn_norm"},
+    "smollm3": {"post_attention_layernorm": "ffn_norm"},
     "gemma3": {"post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"},
@@ -162,6 +164,14 @@ def config_from_hf(hf: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> Model
                               f"{arch} (only linear{' and llama3' if arch == 'llama' else ''}); refusing rather "
                               f"than running the model with the wrong positions")
     _windows(cfg, hf, arch)
+    if arch == "smollm3":
+        flags = hf.get("no_rope_layers")
+        if flags is None:
+            every = int(hf.get("no_rope_layer_interval") or 4)
+            flags = [int((i + 1) % every != 0) for i in range(n_layers)]
+        if len(flags) != n_layers:
+            raise CheckpointError(f"config.json: no_rope_layers has {len(flags)} entries for {n_layers} layers")
+        cfg.nope_layers = tuple(i for i, f in enumerate(flags) if not f)   # 1 = this layer uses RoPE
     if arch == "gemma3":
         local = _rope(hf, "sliding_attention")
         cfg.rope_theta_local = float(hf.get("rope_local_base_freq") or local.get("rope_theta", 10000.0))
@@ -224,7 +234,7 @@ def gguf_name(hf_name: str, arch: str) -> str | None:
 
 
 def needs_qk_permute(arch: str) -> bool:
-    return arch == "llama"
+    return arch in ("llama", "smollm3")
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""Llama-family decoder: llama (SmolLM2, Llama 3.x, Mistral), qwen2 (QKV bias)
-and qwen3 (RMS-normed q/k heads).
+"""Llama-family decoder: llama (SmolLM2, Llama 3.x, Mistral), qwen2 (QKV bias),
+qwen3 (RMS-normed q/k heads) and smollm3 (no RoPE in every 4th layer).
 
 Written once against the Backend ops; the Backend decides where it runs.
 Weights are named as in GGUF files (`blk.{i}.attn_q.weight`, ...).  Sliding-window
@@ -32,8 +32,9 @@ class Llama:
             if cfg.qk_norm:
                 q = b.rmsnorm(q, L["attn_q_norm"], cfg.rms_eps)
                 k = b.rmsnorm(k, L["attn_k_norm"], cfg.rms_eps)
-            b.rope(q, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale)
-            b.rope(k, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale)
+            if cfg.uses_rope(i):
+                b.rope(q, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale)
+                b.rope(k, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale)
             a = b.attention(q, k, b.heads(v, cfg.n_kv_heads), i, step)
             b.matmul_add(a, L["attn_output"], x)
             h = b.rmsnorm(x, L["ffn_norm"], cfg.rms_eps)

@@ -126,9 +126,9 @@ def _write_metadata(w, ck, tok, scheme: str, folder: Path) -> None:
     if cfg.arch == "gemma3" or cfg.head_dim != cfg.d_model // cfg.n_heads:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-    if cfg.arch == "llama":
+    if cfg.arch in ("llama", "smollm3"):
         w.add_vocab_size(cfg.vocab_size)
-    if cfg.arch == "llama" or cfg.rope_dim != cfg.head_dim:
+    if cfg.arch in ("llama", "smollm3") or cfg.rope_dim != cfg.head_dim:
         w.add_rope_dimension_count(cfg.rope_dim)
     if cfg.rope_scale != 1.0:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -167,6 +167,11 @@ def _write_metadata(w, ck, tok, scheme: str, folder: Path) -> None:
 
 def _check_expressible(cfg) -> None:
     """Refuse a checkpoint whose GGUF llama.cpp would run differently from config.json."""
+    if cfg.arch == "smollm3":
+        want = tuple(i for i in range(cfg.n_layers) if (i + 1) % 4 == 0)
+        if tuple(cfg.nope_layers) != want:
+            raise ConvertError(f"smollm3: no_rope_layers leaves out RoPE in layers {list(cfg.nope_layers)}; "
+                               f"GGUF readers (llama.cpp) assume every 4th layer {list(want)}")
     if cfg.arch != "gemma3" and cfg.local_layers is not None and cfg.sliding_window:
         raise ConvertError(f"{cfg.arch}: sliding-window layers {list(cfg.local_layers)} cannot be written to a "
                            f"GGUF file that llama.cpp reads the same way")

@@ -151,6 +151,12 @@ def test_our_gguf_reads_as_llama_cpp_s_does(tiny, lcpp, tmp_path):
             else a.rope_freq_factors is None
 
 
+def test_layers_without_rope_shift_without_rotation(tiny):
+    lm = load_model(tiny("smollm3")[0])
+    assert lm.config.nope_layers == (3,)
+    assert not rope_for_layer(lm.config, 3)[0].any() and rope_for_layer(lm.config, 2)[0].all()
+
+
 def test_mistral_window_reaches_the_engine(tiny):
     from runtime.engine import Engine
     lm = load_model(tiny("mistral")[0])
@@ -214,3 +220,11 @@ def test_attention_bias_checkpoint_is_refused(tmp_path):
     d = make_tiny("llama3", tmp_path / "ck", attention_bias=True)
     with pytest.raises(CheckpointError, match="unexpected tensors.*o_proj.bias"):
         load_model(d)
+
+
+def test_smollm3_odd_nope_pattern_loads_but_does_not_convert(tmp_path):
+    from quant.convert import ConvertError, convert
+    d = make_tiny("smollm3", tmp_path / "ck", no_rope_layers=[1, 0, 1, 1])
+    assert load_model(d).config.nope_layers == (1,)
+    with pytest.raises(ConvertError, match="every 4th layer"):
+        convert(d, tmp_path / "x.gguf", "f16", progress=False)

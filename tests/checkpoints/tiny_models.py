@@ -41,6 +41,7 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(head_dim=32, rope_theta=1000000.0), "qwen3"),
     "mistral": ("MistralConfig", dict(sliding_window=16, tie_word_embeddings=False, rope_theta=1000000.0),
                 "llama"),
+    "smollm3": ("SmolLM3Config", dict(rope_theta=5000000.0), "smollm3"),
 }
 
 
