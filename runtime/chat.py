@@ -13,7 +13,7 @@ from .sampling import SamplingParams
 
 class ChatSession:
     def __init__(self, engine: Engine, system: str | None = None, params: SamplingParams | None = None,
-                 max_tokens: int = 1024, overflow: str | None = None, drafter=None):
+                 max_tokens: int = 1024, overflow: str | None = None, drafter=None, constraint=None):
         self.engine = engine
         # context overflow (runtime/context.py): "stop", "drop-turns" or "shift" (engine-level)
         self.overflow = check_policy(overflow or engine.overflow)
@@ -22,6 +22,7 @@ class ChatSession:
         self.first_shown = 0          # drop-turns: messages before this index are not in the prompt
         self.dropped_turns = 0
         self.drafter = drafter      # speculative.Drafter or None
+        self.constraint = constraint    # constrain.Constraint every answer follows, or None
         self.system = system
         self.params = params or SamplingParams()
         self.max_tokens = max_tokens
@@ -99,7 +100,8 @@ class ChatSession:
         ids = self.prompt_ids()
         seq = self._sequence_for(ids)
         gen = Generation(self.engine, ids, self.params, max_tokens=self.max_tokens, seq=seq,
-                         should_stop=should_stop, on_step=on_step, drafter=self.drafter)
+                         should_stop=should_stop, on_step=on_step, drafter=self.drafter,
+                         constraint=self.constraint)
         self.last_generation = gen
         reply = {"role": "assistant", "content": ""}
         self.messages.append(reply)

@@ -40,6 +40,15 @@ def _add_sampling(p):
     p.add_argument("--seed", type=int, default=None)
 
 
+def _add_constraint(p):
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
+                   help="constrain the output to JSON valid under this schema (a file or the JSON text)")
+    g.add_argument("--grammar", default=None, metavar="FILE",
+                   help="constrain the output to a grammar: .gbnf (llama.cpp) or .lark (llguidance's Lark)")
+    g.add_argument("--regex", default=None, metavar="R", help="constrain the output to match this regex")
+
+
 def _add_draft(p):
     p.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="speculative decoding: a small model sharing the target's vocabulary drafts tokens")
@@ -59,14 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="continue a raw prompt")
-    _add_model(g); _add_engine(g); _add_sampling(g); _add_draft(g)
+    _add_model(g); _add_engine(g); _add_sampling(g); _add_draft(g); _add_constraint(g)
     g.add_argument("-p", "--prompt", required=True)
     g.add_argument("-n", "--n-predict", type=int, default=128)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--json", action="store_true")
 
     c = sub.add_parser("chat", help="interactive chat with the model's chat template")
-    _add_model(c); _add_engine(c); _add_sampling(c); _add_draft(c)
+    _add_model(c); _add_engine(c); _add_sampling(c); _add_draft(c); _add_constraint(c)
     c.add_argument("--system", default=None)
     c.add_argument("-n", "--n-predict", type=int, default=1024)
 
@@ -138,6 +147,28 @@ def _drafter(args, eng):
     return d
 
 
+def _constraint(args, eng):
+    """The --json-schema / --grammar / --regex constraint (None without one); ConstraintError is a ValueError."""
+    from pathlib import Path
+    if not (args.json_schema or args.grammar or args.regex):
+        return None
+    from .constrain import Constraint
+    if args.regex:
+        return Constraint.regex(args.regex, eng)
+    if args.grammar:
+        path = Path(args.grammar)
+        text = path.read_text(encoding="utf-8")
+        ext = path.suffix.lower()
+        if ext == ".gbnf":
+            return Constraint.gbnf(text, eng)
+        if ext == ".lark":
+            return Constraint.lark(text, eng)
+        return Constraint.grammar(text, eng)       # by content: `::=` rules are GBNF
+    src = args.json_schema
+    text = src if src.lstrip().startswith(("{", "true")) else Path(src).read_text(encoding="utf-8")
+    return Constraint.json_schema(text, eng)
+
+
 def _params(args):
     from .sampling import SamplingParams
     return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -149,7 +180,7 @@ def cmd_generate(args) -> int:
     eng = _engine(args)
     ids = eng.tokenizer.encode(args.prompt)
     gen = Generation(eng, ids, _params(args), max_tokens=args.n_predict, stop=tuple(args.stop),
-                     drafter=_drafter(args, eng))
+                     drafter=_drafter(args, eng), constraint=_constraint(args, eng))
     if args.json:
         gen.run()
         st = gen.stats
@@ -159,6 +190,8 @@ def cmd_generate(args) -> int:
                "kv_cache": eng.stats()}
         if st.speculative:
             out["speculative"] = st.speculative
+        if st.constraint_error:
+            out["constraint_error"] = st.constraint_error
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write(args.prompt)
@@ -184,7 +217,7 @@ def cmd_chat(args) -> int:
     from .chat import ChatSession
     eng = _engine(args)
     chat = ChatSession(eng, system=args.system, params=_params(args), max_tokens=args.n_predict,
-                       overflow=args.overflow,
+                       overflow=args.overflow, constraint=_constraint(args, eng),
                        drafter=_drafter(args, eng))
     print("Chatting with", eng.loaded.path.name, "— empty line or Ctrl-D to quit.", file=sys.stderr)
     while True:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from .constrain import ConstraintDead
 from .engine import ContextOverflow, Engine
 from .kv_cache import Sequence
 from .sampling import Sampler, SamplingParams
@@ -20,6 +21,7 @@ class GenStats:
     generate_seconds: float = 0.0
     stop_reason: str = ""
     speculative: dict = field(default_factory=dict)
+    constraint_error: str = ""      # stop_reason "constraint": why no token could follow
 
     @property
     def prompt_tokens_per_s(self) -> float:
@@ -38,9 +40,13 @@ class Generation:
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams | None = None,
                  max_tokens: int = 128, stop: tuple[str, ...] = (), seq: Sequence | None = None,
-                 should_stop=None, on_step=None, drafter=None):
+                 should_stop=None, on_step=None, drafter=None, constraint=None):
         self.engine, self.prompt_ids = engine, list(prompt_ids)
         self.drafter = drafter      # a speculative.Drafter: decode with a draft model
+        # a constrain.Constraint (or one sequence's Matcher): the output follows its grammar and
+        # ends ("stop") where the grammar allows nothing more
+        self.constraint = constraint
+        self.matcher = None
         self.params = params or SamplingParams()
         self.max_tokens, self.stop = max_tokens, tuple(s for s in stop if s)
         self.seq = seq
@@ -65,17 +71,26 @@ class Generation:
         history = list(self.prompt_ids)
         stream = tok.stream()
         pending = ""            # text held back while it could still begin a stop string
+        hit = None
+        c = self.constraint
+        matcher = self.matcher = c.matcher() if hasattr(c, "matcher") else c
         t1 = time.perf_counter()
-        source = (self.drafter.tokens(seq, logits, history, sampler) if self.drafter
-                  else _plain_tokens(eng, seq, logits, history, sampler))
+        source = (self.drafter.tokens(seq, logits, history, sampler, matcher) if self.drafter
+                  else _plain_tokens(eng, seq, logits, history, sampler, matcher))
         while True:
             try:
                 nxt = next(source)
             except ContextOverflow:
                 st.stop_reason = "context"
                 break
+            except ConstraintDead as e:
+                st.stop_reason, st.constraint_error = "constraint", str(e)
+                break
             if nxt in tok.stop_ids:
                 st.stop_reason = "eos"
+                break
+            if matcher is not None and not matcher.consume(nxt):
+                st.stop_reason, st.constraint_error = "constraint", matcher.error
                 break
             self.ids.append(nxt)
             history.append(nxt)
@@ -90,6 +105,9 @@ class Generation:
                 self.text += emit
                 yield emit
             if hit is not None:
+                break
+            if matcher is not None and matcher.done:     # the grammar is complete: nothing may follow
+                st.stop_reason = "stop"
                 break
             if len(self.ids) >= self.max_tokens:
                 st.stop_reason = "length"
@@ -106,7 +124,7 @@ class Generation:
             # last (all after EOS); accepted drafts past the stop must not stay
             self.drafter.finish(seq, len(self.prompt_ids) + len(self.ids) - (st.stop_reason != "eos"))
             st.speculative = self.drafter.stats.as_dict()
-        tail = pending + (stream.flush() if st.stop_reason != "stop" else "")
+        tail = pending + (stream.flush() if hit is None else "")
         if tail:
             self.text += tail
             yield tail
@@ -137,13 +155,16 @@ def greedy_next(eng: Engine, seq: Sequence, token: int) -> int:
     return int(eng.step([seq], [[token]], argmax=True)[0])
 
 
-def _plain_tokens(eng: Engine, seq: Sequence, logits, history: list[int], sampler: Sampler):
-    """One target step per token; the consumer appends each token to history.  Greedy
-    decoding without penalties asks the engine for the argmax alone (no logits)."""
-    nxt = sampler.sample(logits, history)
+def _plain_tokens(eng: Engine, seq: Sequence, logits, history: list[int], sampler: Sampler, matcher=None):
+    """One target step per token; the consumer appends each token to history (and
+    consumes it into `matcher`, whose mask each step's logits get).  Greedy decoding
+    without penalties or constraint asks the engine for the argmax alone (no logits)."""
+    def pick(logits):
+        return sampler.sample(logits if matcher is None else matcher.mask_logits(logits), history)
+    nxt = pick(logits)
     while True:
         yield nxt
-        if sampler.p.argmax_only:
+        if sampler.p.argmax_only and matcher is None:
             nxt = greedy_next(eng, seq, nxt)
         else:
-            nxt = sampler.sample(eng.step([seq], [[nxt]])[0], history)
+            nxt = pick(eng.step([seq], [[nxt]])[0])

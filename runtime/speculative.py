@@ -34,6 +34,7 @@ import numpy as np
 
 from quant import QTensor
 
+from .constrain import ConstraintDead, apply_mask
 from .engine import ContextOverflow, Engine
 from .kv_cache import Sequence
 from .sampling import Sampler
@@ -600,11 +601,19 @@ class Drafter:
             self.draft.cache.truncate(seq, n)
         return self.draft.prefill(seq, history)
 
-    def _draft_pick(self, logits: np.ndarray, sampler: Sampler, history: list[int], rng):
+    def _draft_pick(self, logits: np.ndarray, sampler: Sampler, history: list[int], rng, matcher=None):
         """(token, q) where q = (ids, probs) is the distribution it was drawn from
-        (None for greedy)."""
+        (None for greedy).  matcher: a constraint's state, which the token must satisfy."""
         ids = self.vocab_ids
         p = sampler.p
+        if matcher is not None:
+            try:
+                logits = matcher.mask_logits(logits, ids)
+            except ConstraintDead:      # nothing allowed among the draft's ids: propose one that is
+                t = matcher.first_allowed()
+                if t < 0:
+                    raise
+                return t, (None if p.greedy else (np.array([t]), np.array([1.0])))
         hist = history[-p.repeat_last_n:] if p.repeat_penalty != 1.0 else ()
         if ids is not None and len(hist):
             # penalties index the draft's own (restricted) logits
@@ -621,37 +630,54 @@ class Drafter:
             j = int(ids[j])
         return j, (q_ids, q_pr)
 
-    def _propose(self, history, k, sampler, rng):
+    def _propose(self, history, k, sampler, rng, matcher=None):
         """k draft tokens, their distributions, the seconds per single-token draft
         forward (None for k = 1) and of the first forward (None when its catch-up
-        fed the draft many tokens, e.g. the prompt)."""
+        fed the draft many tokens, e.g. the prompt).  Under a constraint (matcher) the
+        drafts satisfy it, and there are fewer where an EOS or the grammar's end comes
+        first; the matcher ends where it began."""
         t0 = time.perf_counter()
         behind = len(history) - (len(self.dseq) if self.dseq is not None else 0)
         logits = self._draft_logits(history)
         t1 = time.perf_counter()
         toks, qs = [], []
         hist = list(history)
+        n0 = matcher.n_consumed if matcher is not None else 0
         pick = None
-        for i in range(k):
-            t, q = self._draft_pick(logits, sampler, hist, rng) if pick is None else (pick, None)
-            toks.append(t); qs.append(q); hist.append(t)
-            if i + 1 < k:
-                if sampler.p.argmax_only:     # greedy, no penalty: the draft's argmax alone
-                    j = int(self.draft.step([self.dseq], [[t]], argmax=True)[0])
-                    pick = int(self.vocab_ids[j]) if self.vocab_ids is not None else j
-                else:
-                    logits = self.draft.step([self.dseq], [[t]])[0]
+        argmax = sampler.p.argmax_only and matcher is None
+        try:
+            for i in range(k):
+                try:
+                    t, q = self._draft_pick(logits, sampler, hist, rng, matcher) if pick is None else (pick, None)
+                except ConstraintDead:      # the verify step's first row says so
+                    break
+                toks.append(t); qs.append(q); hist.append(t)
+                if matcher is not None and (not matcher.consume(t) or matcher.done
+                                            or t in self.target.tokenizer.stop_ids):
+                    break
+                if i + 1 < k:
+                    if argmax:     # greedy, no penalty: the draft's argmax alone
+                        j = int(self.draft.step([self.dseq], [[t]], argmax=True)[0])
+                        pick = int(self.vocab_ids[j]) if self.vocab_ids is not None else j
+                    else:
+                        logits = self.draft.step([self.dseq], [[t]])[0]
+        finally:
+            if matcher is not None:
+                matcher.rollback(matcher.n_consumed - n0)
         t2 = time.perf_counter()
-        per = (t2 - t1) / (k - 1) if k > 1 else None      # single-token forwards (and picks)
+        n = len(toks)
+        per = (t2 - t1) / (n - 1) if n > 1 else None      # single-token forwards (and picks)
         first = t1 - t0 if behind <= 2 else None            # the usual catch-up: 1-2 tokens
         return toks, qs, per, first
 
     # ---- the decode loop ------------------------------------------------------------------
-    def tokens(self, seq: Sequence, logits: np.ndarray, history: list[int], sampler: Sampler):
+    def tokens(self, seq: Sequence, logits: np.ndarray, history: list[int], sampler: Sampler,
+               matcher=None):
         """Yield the target's tokens after a prefill that gave `logits`.  The caller
         appends each yielded token to `history` before asking for the next, and may
         stop at any time (then call `finish`).  Between rounds the target cache
-        holds every token of history but the last."""
+        holds every token of history but the last.  matcher (constrain.Matcher): the
+        tokens satisfy its constraint; the caller consumes each yielded token into it."""
         eng = self.target
         k_fixed = self.k if not self.adaptive else min(self.k, 3)
         ctl = self.controller
@@ -661,7 +687,7 @@ class Drafter:
             ctl.new_generation(self.k, self.adaptive, k_fixed)
         st = self.stats = SpecStats(controller=ctl)
         rng = np.random.default_rng(sampler.p.seed)
-        tok = sampler.sample(logits, history)
+        tok = sampler.sample(logits if matcher is None else matcher.mask_logits(logits), history)
         yield tok
         pending = tok
         off_until = -1          # speculation is off until history reaches this length
@@ -698,7 +724,7 @@ class Drafter:
             if k == 0:
                 ev = eng.setup_events
                 t0 = time.perf_counter()
-                if sampler.p.argmax_only:     # greedy, no penalty: the argmax alone
+                if sampler.p.argmax_only and matcher is None:     # greedy, no penalty: the argmax alone
                     nxt, logits = int(eng.step([seq], [[pending]], argmax=True)[0]), None
                 else:
                     logits = eng.step([seq], [[pending]])[0]
@@ -706,10 +732,12 @@ class Drafter:
                 if eng.setup_events == ev:    # not a step that recorded a plan or captured a graph
                     ctl.observe_plain(dt)
                 st.plain_forwards += 1; st.plain_seconds += dt; st.emitted += 1
+                if logits is not None and matcher is not None:
+                    matcher.mask_logits(logits)
                 out = [nxt if logits is None else sampler.sample(logits, history)]
             else:
                 try:
-                    out = self._round(seq, pending, history, k, sampler, rng, ctl)
+                    out = self._round(seq, pending, history, k, sampler, rng, ctl, matcher)
                 except ContextOverflow:     # the draft's context is full: the target goes on alone
                     off_until = 1 << 62
                     st.fallbacks += 1
@@ -719,23 +747,36 @@ class Drafter:
                 yield t
             pending = out[-1]
 
-    def _round(self, seq, pending, history, k, sampler, rng, ctl):
+    def _round(self, seq, pending, history, k, sampler, rng, ctl, matcher=None):
         """Draft k tokens, verify them in one target step, roll back; return the
-        tokens to emit (accepted drafts plus the target's own next token)."""
+        tokens to emit (accepted drafts plus the target's own next token).  Under a
+        constraint each verify row is masked by the matcher's state after the drafts
+        before it (which is the emitted prefix wherever that row is reached)."""
         st = self.stats
         eng = self.target
         ev = eng.setup_events + self.draft.setup_events
         t0 = time.perf_counter()
-        drafts, qs, per_draft, first = self._propose(history, k, sampler, rng)
+        drafts, qs, per_draft, first = self._propose(history, k, sampler, rng, matcher)
+        k = len(drafts)         # fewer under a constraint that ends first
         t1 = time.perf_counter()
         base = len(seq)
         # greedy without penalties: the target's argmax per row is all the check needs
-        best = sampler.p.argmax_only
+        best = sampler.p.argmax_only and matcher is None
         logits = eng.step([seq], [[pending] + drafts], all_logits=True, argmax=best)
+        live = None
+        if matcher is not None:
+            masks = np.empty((k + 1, matcher.n_words), np.uint32)
+            matcher.fill_masks(masks, drafts)
+            apply_mask(logits, masks)
+            live = masks.any(axis=1)
+            if not live[0]:
+                raise ConstraintDead(matcher.error or "the grammar allows no further token")
         t2 = time.perf_counter()
         out = []
         hist = list(history)
         for i, d in enumerate(drafts):
+            if live is not None and not live[i]:
+                break           # nothing may follow: the next round's mask says so
             if best:
                 t = int(logits[i])
                 ok = t == d
@@ -749,7 +790,8 @@ class Drafter:
             if not ok:
                 break
         else:
-            out.append(int(logits[k]) if best else sampler.sample(logits[k], hist))
+            if live is None or live[k]:
+                out.append(int(logits[k]) if best else sampler.sample(logits[k], hist))
         n_acc = len(out) - 1
         eng.cache.truncate(seq, base + 1 + n_acc)
         # the draft holds history + drafts[:k-1]; keep what the target accepted
