@@ -61,7 +61,7 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "smollm3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "phi3")
 
 # Metadata keys under "{arch}." that Llamba reads (and honours).  Any other key
 # there may change the math in a way we do not implement (logit soft-capping,
@@ -76,6 +76,7 @@ _GGUF_KEYS = {"context_length", "embedding_length", "block_count", "feed_forward
 _GGUF_ARCH_KEYS = {
     "llama": {"attention.sliding_window"},       # written by our converter for Mistral (HF sliding_window)
     "gemma3": {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa"},
+    "phi3": {"attention.sliding_window"},
 }
 # rope.scaling.type values we implement (linear: positions divided by the factor)
 _ROPE_SCALING_OK = ("none", "linear")
@@ -131,6 +132,10 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
         if cfg.qk_norm:
             layer.update({"attn_q_norm.weight": (cfg.head_dim,), "attn_k_norm.weight": (cfg.head_dim,)})
+        if cfg.arch == "phi3":    # q, k, v in one matrix; gate and up in one (see unfuse)
+            for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight"):
+                del layer[n]
+            layer.update({"attn_qkv.weight": (q + 2 * kv, d), "ffn_up.weight": (2 * ff, d)})
         if cfg.arch == "gemma3":
             layer.update({"post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)})
         out.update({p + k: v for k, v in layer.items()})
@@ -167,6 +172,9 @@ def config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedArchitecture(
             f"model architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+    if "rope_factors_long.weight" in shapes or "rope_factors_short.weight" in shapes:
+        raise UnsupportedModelFile(f"{arch}: LongRoPE scaling (rope_factors_long/short) is not implemented by "
+                                   f"Llamba; refusing rather than running the model with the wrong positions")
     known = _GGUF_KEYS | _GGUF_ARCH_KEYS.get(arch, set())
     for k in meta:
         if k.startswith(arch + ".") and k[len(arch) + 1:] not in known:
@@ -195,7 +203,7 @@ def config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
         vocab_size=int(vocab), context_length=int(get("context_length", 2048)),
         rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_neox=arch in ("qwen2", "qwen3", "gemma3"),
+        rope_neox=arch in ("qwen2", "qwen3", "gemma3", "phi3"),
         rope_dim=int(get("rope.dimension_count", head_dim, required=False) or head_dim),
         qkv_bias="blk.0.attn_q.bias" in shapes,
         qk_norm=arch in ("qwen3", "gemma3"),
@@ -210,7 +218,9 @@ def config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
                                    f"(only {', '.join(_ROPE_SCALING_OK)}); refusing rather than running it wrong")
     if scaling == "linear":
         cfg.rope_scale = float(get("rope.scaling.factor", 1.0, required=False) or 1.0)
-    if arch == "llama":
+    if arch in ("llama", "phi3"):
+        # every layer windowed, as transformers runs Mistral and Phi-3 (llama.cpp ignores
+        # Phi-3's window and never sees Mistral's: its converter drops it)
         cfg.sliding_window = int(get("attention.sliding_window", 0, required=False) or 0)
     if arch == "smollm3":
         # llama.cpp: every 4th layer (1-based) of SmolLM3 has no RoPE; there is no key for it
@@ -227,6 +237,31 @@ def config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
         if cfg.n_layers == 62:   # llama.cpp: Gemma 3 27B scales by 1/sqrt(d_model / n_heads)
             cfg.attn_scale = (d_model / n_heads) ** -0.5
     return cfg
+
+
+def unfuse(cfg: ModelConfig, tensors: dict) -> dict:
+    """Phi-3 stores q, k and v as one matrix (attn_qkv) and gate and up as one (ffn_up,
+    gate rows first); split them by rows into the llama names, so that one model runs
+    every family.  Rows of a GGML tensor are independent, so any type splits, and
+    the pieces are views of the same bytes."""
+    if cfg.arch != "phi3":
+        return tensors
+    from quant import QTensor
+    q, kv, ff = cfg.n_heads * cfg.head_dim, cfg.kv_dim, cfg.d_ff
+    out = {}
+    for n, t in tensors.items():
+        p, _, part = n.rpartition(".")[0].rpartition(".")
+        if part == "attn_qkv":
+            cuts = (("attn_q", 0, q), ("attn_k", q, q + kv), ("attn_v", q + kv, q + 2 * kv))
+        elif part == "ffn_up":
+            cuts = (("ffn_gate", 0, ff), ("ffn_up", ff, 2 * ff))
+        else:
+            out[n] = t
+            continue
+        for name, a, b in cuts:
+            full = f"{p}.{name}.weight"
+            out[full] = QTensor(full, t.qtype, (b - a,) + tuple(t.shape[1:]), t.data[a:b])
+    return out
 
 
 def _one(v, key) -> int:

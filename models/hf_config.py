@@ -25,11 +25,11 @@ from .config import SUPPORTED_ARCHS, ModelConfig, UnsupportedArchitecture, llama
 # HF model_type -> GGUF architecture name
 _ARCH_OF_MODEL_TYPE = {
     "llama": "llama", "mistral": "llama", "smollm": "llama",
-    "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3",
+    "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3", "phi3": "phi3",
     "gemma3": "gemma3", "gemma3_text": "gemma3",
 }
 # the activation of each family's GLU (config.json hidden_act / hidden_activation)
-_ACTIVATION = {"llama": ("silu",), "qwen2": ("silu",), "qwen3": ("silu",), "smollm3": ("silu",),
+_ACTIVATION = {"llama": ("silu",), "qwen2": ("silu",), "qwen3": ("silu",), "smollm3": ("silu",), "phi3": ("silu",),
                "gemma3": ("gelu_pytorch_tanh",)}
 
 _GLOBAL_NAMES = {
@@ -56,6 +56,8 @@ _LAYER_NAMES_BY_ARCH = {
     "qwen2": {"post_attention_layernorm": "ffn_norm"},
     "qwen3": {"post_attention_layernorm": "ffn_norm"},
     "smollm3": {"post_attention_layernorm": "ffn_norm"},
+    "phi3": {"post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
+             "mlp.gate_up_proj": "ffn_up"},
     "gemma3": {"post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"},
@@ -145,7 +147,7 @@ def config_from_hf(hf: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> Model
         vocab_size=vocab, context_length=int(hf.get("max_position_embeddings") or 2048),
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
-        rope_neox=arch in ("qwen2", "qwen3", "gemma3"),
+        rope_neox=arch in ("qwen2", "qwen3", "gemma3", "phi3"),
         rope_dim=int(head_dim * float(prf)),
         qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
         qk_norm=arch in ("qwen3", "gemma3"),
@@ -194,8 +196,8 @@ def _windows(cfg: ModelConfig, hf: dict, arch: str) -> None:
         else:
             cfg.sliding_pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
         return
-    if hf.get("model_type") == "mistral":
-        cfg.sliding_window = window          # 0 (null): full attention everywhere
+    if hf.get("model_type") in ("mistral", "phi3"):
+        cfg.sliding_window = window          # every layer; 0 (null): full attention everywhere
         return
     if isinstance(kinds, list):
         bad = sorted(set(kinds) - {"full_attention", "sliding_attention"})

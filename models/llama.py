@@ -1,5 +1,6 @@
 """Llama-family decoder: llama (SmolLM2, Llama 3.x, Mistral), qwen2 (QKV bias),
-qwen3 (RMS-normed q/k heads) and smollm3 (no RoPE in every 4th layer).
+qwen3 (RMS-normed q/k heads), smollm3 (no RoPE in every 4th layer) and phi3
+(NeoX RoPE on part of each head; its fused qkv and gate_up are split on load).
 
 Written once against the Backend ops; the Backend decides where it runs.
 Weights are named as in GGUF files (`blk.{i}.attn_q.weight`, ...).  Sliding-window

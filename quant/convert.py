@@ -142,6 +142,8 @@ def _write_metadata(w, ck, tok, scheme: str, folder: Path) -> None:
             w.add_rope_freq_base_swa(cfg.rope_theta_local)
     elif cfg.arch == "llama" and cfg.sliding_window:
         w.add_sliding_window(cfg.sliding_window)    # Mistral's window over every layer
+    elif cfg.arch == "phi3":
+        w.add_sliding_window(cfg.sliding_window)    # as llama.cpp's converter: 0 for none
 
     tj = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     model, pre, tokens, types, scores = _vocab(folder, cfg.vocab_size, tj)

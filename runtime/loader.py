@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models import check_tensors, config_from_gguf
+from models import check_tensors, config_from_gguf, unfuse
 from models.catalog import CATALOG, DEFAULT_MODEL
 from quant import QTensor, UnsupportedQuantType
 
@@ -57,6 +57,7 @@ def load_gguf(path: Path) -> LoadedModel:
             cfg.rope_freq_factors = np.frombuffer(g.tensor_bytes(name), np.float32).copy()
             continue
         tensors[name] = QTensor.from_file_bytes(name, info.ggml_type, info.shape, g.tensor_bytes(name))
+    tensors = unfuse(cfg, tensors)
     tok = Tokenizer.from_gguf(g.metadata)
     return LoadedModel(path=path, config=cfg, tensors=tensors, tokenizer=tok, metadata=g.metadata,
                        chat_template=g.metadata.get("tokenizer.chat_template"))

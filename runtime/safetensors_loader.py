@@ -23,7 +23,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from models import tensor_shapes
+from models import tensor_shapes, unfuse
 from models.hf_config import CheckpointError, config_from_hf, fix_layout, gguf_name, hf_arch, layout_changes
 from quant import GGMLType, QTensor, quantize
 from quant.policy import tensor_type
@@ -241,6 +241,7 @@ def load_checkpoint(folder, quant: str | None = None, progress: bool | None = No
     finally:
         if bar is not None:
             bar.close()
+    tensors = unfuse(ck.config, tensors)
     tok = Tokenizer.from_hf_files(folder)
     meta = {"general.architecture": ck.config.arch, "general.name": ck.config.name,
             "llamba.source": "safetensors", "llamba.quant": quant or "none"}

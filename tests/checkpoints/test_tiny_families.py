@@ -228,3 +228,27 @@ def test_smollm3_odd_nope_pattern_loads_but_does_not_convert(tmp_path):
     assert load_model(d).config.nope_layers == (1,)
     with pytest.raises(ConvertError, match="every 4th layer"):
         convert(d, tmp_path / "x.gguf", "f16", progress=False)
+
+
+def test_phi3_longrope_is_refused(tiny, lcpp, tmp_path):
+    """Phi-3 128k / Phi-4-mini scale RoPE with LongRoPE, which we do not implement:
+    refused from config.json and from a GGUF that carries the factor tensors."""
+    d = _edit_config(tiny("phi3")[0], tmp_path / "ck", rope_parameters={
+        "rope_type": "longrope", "long_factor": [1.5] * 4, "short_factor": [1.0] * 4, "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5}, original_max_position_embeddings=1024)
+    with pytest.raises(CheckpointError, match="rope scaling type 'longrope' is not implemented"):
+        load_model(d)
+    g = GGUFFile(lcpp("phi3"))
+    shapes = {n: t.shape for n, t in g.tensors.items()}
+    assert "blk.0.attn_qkv.weight" in shapes and "blk.0.ffn_gate.weight" not in shapes
+    with pytest.raises(UnsupportedModelFile, match="LongRoPE"):
+        config_from_gguf(g.metadata, {**shapes, "rope_factors_long.weight": (4,), "rope_factors_short.weight": (4,)})
+
+
+def test_phi3_fused_weights_split_into_views(tiny):
+    lm = load_model(tiny("phi3")[0])
+    t = lm.tensors
+    assert "blk.0.attn_qkv.weight" not in t and t["blk.0.attn_q.weight"].shape == (64, 64)
+    assert t["blk.0.attn_k.weight"].shape == t["blk.0.attn_v.weight"].shape == (32, 64)
+    assert t["blk.0.ffn_gate.weight"].shape == t["blk.0.ffn_up.weight"].shape == (128, 64)
+    assert lm.config.rope_dim == 8 and lm.config.rope_neox and lm.config.sliding_window == 16

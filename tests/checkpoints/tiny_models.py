@@ -13,6 +13,7 @@ returns None when it cannot be had (no network), and the tests that need it skip
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -42,6 +43,9 @@ FAMILIES = {
     "mistral": ("MistralConfig", dict(sliding_window=16, tie_word_embeddings=False, rope_theta=1000000.0),
                 "llama"),
     "smollm3": ("SmolLM3Config", dict(rope_theta=5000000.0), "smollm3"),
+    # Phi-4-mini shape: fused qkv and gate_up, RoPE on 3/4 of each head... here on half
+    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, sliding_window=16, tie_word_embeddings=False,
+                                rope_theta=10000.0), "phi3"),
 }
 
 
@@ -87,6 +91,10 @@ def make_tiny(family: str, folder: Path, seed: int = 0, **overrides) -> Path:
     for p in tokenizer_dir().iterdir():
         if not p.name.startswith("."):
             shutil.copy(p, folder / p.name)
+    if family == "phi3":      # llama.cpp's Phi-3 converter reads a BPE vocabulary only under this name (Phi-4's)
+        tc = json.loads((folder / "tokenizer_config.json").read_text())
+        tc["tokenizer_class"] = "GPT2Tokenizer"
+        (folder / "tokenizer_config.json").write_text(json.dumps(tc))
     return folder
 
 
