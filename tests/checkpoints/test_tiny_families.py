@@ -157,6 +157,31 @@ def test_layers_without_rope_shift_without_rotation(tiny):
     assert not rope_for_layer(lm.config, 3)[0].any() and rope_for_layer(lm.config, 2)[0].all()
 
 
+@pytest.mark.parametrize("family,overrides", [("llama3", {}), ("smollm3", {"no_rope_layers": [0, 1, 1, 1]})])
+def test_context_shift_rerotates_keys_as_the_forward_rotates_them(tmp_path, family, overrides):
+    """After a context shift, layer 0's keys (which depend only on token and position)
+    equal a fresh prefill's: rope_for_layer knows the llama3 factors and a layer
+    without RoPE (here SmolLM3's layer 0) is moved, not rotated."""
+    from runtime.engine import Engine
+    lm = load_model(make_tiny(family, tmp_path / family, **overrides))
+    eng = Engine(lm, n_ctx=128, overflow="shift")
+    bs, P, keep, n_discard = eng.block_size, prompt_ids()[:60], 5, 21
+    seq = eng.new_sequence()
+    seq.keep = keep
+    eng.prefill(seq, P)
+    eng.shift(seq, n_discard)
+    fresh = Engine(lm, n_ctx=128)
+    s2 = fresh.new_sequence()
+    fresh.step([s2], [seq.tokens])
+
+    def k0(e, s):
+        t = np.asarray(s.blocks)
+        pos = np.arange(len(s))
+        return e.storage.k[0][t[pos // bs] * bs + pos % bs].view(np.float16).astype(np.float32)
+    want = k0(fresh, s2)
+    np.testing.assert_allclose(k0(eng, seq), want, atol=0.01 * np.abs(want).max())
+
+
 def test_mistral_window_reaches_the_engine(tiny):
     from runtime.engine import Engine
     lm = load_model(tiny("mistral")[0])
