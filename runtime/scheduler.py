@@ -91,7 +91,7 @@ class Request:
         self.presence_penalty, self.frequency_penalty = presence_penalty, frequency_penalty
         self.on_event = on_event or (lambda ev: None)
         self.seq = None
-        self.base = 0                     # len(seq) when it was last admitted (after prefix reuse)
+        self.base = 0                     # len(seq) at its first admission (after prefix reuse)
         self.text: TextStream | None = None
         self.finish_reason: str | None = None
         self.cancelled = False
@@ -255,10 +255,15 @@ class Scheduler:
         return decoding, 0
 
     def _chunk_len(self, r: Request) -> int:
-        """Tokens of r's next chunk: up to the next `chunk` boundary counted from where it
-        started catching up (after the prefix cache), so the cut is the one it gets alone."""
-        done = len(r.seq) - r.base
-        return min(self.chunk - done % self.chunk, len(r.known) - len(r.seq))
+        """Tokens of r's next chunk, cut where they were cut when it ran: a prompt in chunks of
+        `chunk` tokens from where the prefix cache left off at its first admission, and, when
+        a preempted request recomputes, its generated tokens in exact groups as they were
+        decoded (so the recomputed K/V are the ones it had)."""
+        pos = len(r.seq)
+        if pos >= len(r.prompt):
+            return min(max(1, self.exact_rows), len(r.known) - pos)
+        end = r.base if pos < r.base else r.base + ((pos - r.base) // self.chunk + 1) * self.chunk
+        return min(end, len(r.prompt)) - pos
 
     def _chunks(self, planned: int) -> list[tuple[Request, int]]:
         """Chunks of catching-up requests, then of newly admitted ones, within the prompt
@@ -281,7 +286,8 @@ class Scheduler:
             r.seq = self.engine.new_sequence()
             if self.prefix_cache:
                 self.cache.reuse_prefix(r.seq, r.known)
-            r.base = len(r.seq)
+            if not r.stats.preemptions:
+                r.base = len(r.seq)
             n = self._chunk_len(r)
             need = self._blocks_needed(r, n)
             # keep a block a running request in hand, so that admitting does not force a preemption

@@ -13,7 +13,9 @@ class TextStream:
         self.stopped = False        # a stop string was found; the text ends before it
 
     def feed(self, token: int) -> str:
-        """Add a token; the text that is now safe to show (maybe "")."""
+        """Add a token; the text that is now safe to show (maybe "", and always after a stop)."""
+        if self.stopped:
+            return ""
         self._pending += self._decoder.feed(token)
         hits = [self._pending.find(s) for s in self.stop if s in self._pending]
         if hits:
