@@ -35,6 +35,7 @@ class Settings:
     n_ctx: int = 4096
     overflow: str = "drop-turns"
     default_system: str = "You are a helpful assistant."
+    json_schema: str = ""             # answers held to this JSON schema (runtime/constrain.py); empty: free text
     theme: str = "system"
     show_engine_panel: bool = True
 

@@ -1,10 +1,12 @@
 """The Settings dialog: model, device, draft model, sampling, context, look."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout,
-                               QGroupBox, QHBoxLayout, QLineEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
+                               QGroupBox, QHBoxLayout, QLineEdit, QMessageBox, QPlainTextEdit, QPushButton, QSpinBox,
+                               QVBoxLayout, QWidget)
 
 from models.catalog import CATALOG
 
@@ -105,6 +107,10 @@ class SettingsDialog(QDialog):
         self.max_tokens.setRange(1, 65536)
         self.max_tokens.setValue(s.max_tokens)
         g.addRow("Max tokens per answer", self.max_tokens)
+        self.json_schema = QPlainTextEdit(s.json_schema)
+        self.json_schema.setPlaceholderText('empty: free text; e.g. {"type": "object", "properties": ...}')
+        self.json_schema.setMaximumHeight(90)
+        g.addRow("Answer JSON schema", self.json_schema)
         lay.addWidget(samp)
 
         look = QGroupBox("Chat and look")
@@ -120,6 +126,17 @@ class SettingsDialog(QDialog):
         buttons.rejected.connect(self.reject)
         lay.addWidget(buttons)
 
+    def accept(self) -> None:
+        text = self.json_schema.toPlainText().strip()
+        if text:
+            try:
+                if not isinstance(json.loads(text), dict):
+                    raise ValueError("a JSON schema is an object: {...}")
+            except ValueError as e:
+                QMessageBox.warning(self, "Answer JSON schema", f"The JSON schema is not valid JSON: {e}")
+                return
+        super().accept()
+
     def result_settings(self) -> Settings:
         return replace(
             self.s, model=self.model.value() or self.s.model, device=self.device.currentData(),
@@ -127,4 +144,5 @@ class SettingsDialog(QDialog):
             overflow=self.overflow.currentData(), temperature=self.temperature.value(), top_p=self.top_p.value(),
             top_k=self.top_k.value(), min_p=self.min_p.value(), repeat_penalty=self.repeat_penalty.value(),
             max_tokens=self.max_tokens.value(), default_system=self.default_system.text(),
+            json_schema=self.json_schema.toPlainText().strip(),
             theme=self.theme.currentData(), recent_models=list(self.s.recent_models))

@@ -516,7 +516,7 @@ class MainWindow(QMainWindow):
         self.request_generate.emit(json.dumps({
             "id": self.req_id, "chat_id": self.chat_id, "kind": kind, "system": self.system_edit.text().strip(), "history": history,
             "params": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
-                       "repeat_penalty": s.repeat_penalty},
+                       "repeat_penalty": s.repeat_penalty, "json_schema": s.json_schema},
             "max_tokens": s.max_tokens, "overflow": s.overflow, **extra}))
         self.flush_timer.start()
 

@@ -205,6 +205,10 @@ class EngineWorker(QObject):
                                   top_p=p.get("top_p", 0.95), min_p=p.get("min_p", 0.05),
                                   repeat_penalty=p.get("repeat_penalty", 1.0), seed=p.get("seed"))
         s.max_tokens = int(req.get("max_tokens", 1024))
+        schema = (p.get("json_schema") or "").strip()
+        if hasattr(s, "constraint"):       # answers held to a JSON schema (a ConstraintError fails the turn)
+            from runtime.constrain import Constraint
+            s.constraint = Constraint.json_schema(schema, s.engine) if schema else None
         s.system = req.get("system") or None
         turns = list(req["history"])
         if req.get("chat_id") != self.chat_id:
