@@ -146,7 +146,8 @@ class Scheduler:
     # ---- from any thread ---------------------------------------------------------------
     def submit(self, req: Request) -> Request:
         with self._cond:
-            if len(self._inbox) + len(self.waiting) >= self.max_waiting:
+            # (requests not yet admitted, less the running slots still free, are the ones that wait)
+            if len(self._inbox) + len(self.waiting) >= self.max_waiting + max(0, self.max_running - len(self.running)):
                 raise QueueFull(f"{self.max_waiting} requests are already waiting")
             self._inbox.append(req)
             self._cond.notify()
