@@ -19,6 +19,15 @@ Pieces, per request/sequence:
 * `apply_mask(logits, bitmask)`: disallowed logits set to -inf in place, [B, V] float32 against [B, ceil(V/32)]
   uint32: a Numba kernel for numpy arrays, a CuPy kernel for device arrays.
 
+A batched decode step (the scheduler):
+
+    bitmask = np.full((B, mask_words(V)), 0xFFFFFFFF, np.uint32)    # rows without a constraint: all ones
+    for i, r in enumerate(rows):
+        if r.matcher is not None and not r.matcher.fill_mask(bitmask[i]):
+            finish(r, "constraint", r.matcher.error)                 # nothing may follow
+    apply_mask(logits, bitmask)                                       # [B, V], numpy or cupy (upload the mask)
+    ...sample...; r.matcher.consume(token); r.matcher.done -> finish(r, "stop")
+
 JSON grammars allow no whitespace besides the separators ", " and ": " (a small model could otherwise emit
 spaces and newlines until max_tokens), and date-time/time strings without a maxLength get one (the fraction
 of a second is unbounded otherwise).
