@@ -78,6 +78,10 @@ _GGUF_ARCH_KEYS = {
     "gemma3": {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa"},
     "phi3": {"attention.sliding_window"},
 }
+# keys that some converters write with a value that changes nothing
+_GGUF_NEUTRAL = {"tensor_data_layout": lambda v: v == "Meta AI original pth",   # GGUF's own q/k layout
+                 "attention.causal": lambda v: bool(v),
+                 "expert_count": lambda v: int(v) == 0, "expert_used_count": lambda v: int(v) == 0}
 # rope.scaling.type values we implement (linear: positions divided by the factor)
 _ROPE_SCALING_OK = ("none", "linear")
 
@@ -177,7 +181,9 @@ def config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
                                    f"Llamba; refusing rather than running the model with the wrong positions")
     known = _GGUF_KEYS | _GGUF_ARCH_KEYS.get(arch, set())
     for k in meta:
-        if k.startswith(arch + ".") and k[len(arch) + 1:] not in known:
+        sub = k[len(arch) + 1:]
+        neutral = sub in _GGUF_NEUTRAL and _GGUF_NEUTRAL[sub](meta[k])
+        if k.startswith(arch + ".") and sub not in known and not neutral:
             raise UnsupportedModelFile(
                 f"GGUF metadata key '{k}' = {_short(meta[k])} asks for something Llamba does not implement "
                 f"for {arch}; refusing rather than running the model wrong")

@@ -225,6 +225,11 @@ def test_unknown_gguf_metadata_is_refused(tiny, lcpp):
                        ("qwen3.rope.scaling.type", "yarn")]:
         with pytest.raises(UnsupportedModelFile, match=key.split(".", 1)[1] if "type" not in key else "yarn"):
             config_from_gguf({**g.metadata, key: value}, shapes)
+    # what older converters write and changes nothing is accepted
+    config_from_gguf({**g.metadata, "qwen3.expert_count": 0, "qwen3.attention.causal": True,
+                      "qwen3.tensor_data_layout": "Meta AI original pth"}, shapes)
+    with pytest.raises(UnsupportedModelFile, match="attention.causal"):
+        config_from_gguf({**g.metadata, "qwen3.attention.causal": False}, shapes)
 
 
 def test_unknown_gguf_tensor_is_refused(tiny, lcpp):

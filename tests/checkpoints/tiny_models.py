@@ -43,6 +43,14 @@ FAMILIES = {
     "mistral": ("MistralConfig", dict(sliding_window=16, tie_word_embeddings=False, rope_theta=1000000.0),
                 "llama"),
     "smollm3": ("SmolLM3Config", dict(rope_theta=5000000.0), "smollm3"),
+    # Gemma 3 (already supported; here to check the HF layer_types / rope_parameters paths): five
+    # sliding-window layers then a global one, linear RoPE scaling on the global layers (4B+)
+    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, head_dim=16, sliding_window=16,
+                                        query_pre_attn_scalar=16, rope_parameters={
+                                            "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                               "rope_theta": 1000000.0},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+               "gemma3"),
     # Phi-4-mini shape: fused qkv and gate_up, RoPE on 3/4 of each head... here on half
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, sliding_window=16, tie_word_embeddings=False,
                                 rope_theta=10000.0), "phi3"),
