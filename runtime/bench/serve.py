@@ -1,0 +1,168 @@
+"""`python -m runtime bench-serve URL`: load any OpenAI-compatible server (ours, llama-server,
+vLLM...) with C concurrent streaming clients and report what its users feel.
+
+Each client sends text completions (`/v1/completions`, streamed) one after another, over a
+fixed, seeded set of prompts of mixed lengths, for --requests each or --duration seconds.
+Reported per concurrency: time to first token and inter-token latency (p50, p99), aggregate
+output tokens/s, requests/s, and how many answers failed.  Tokens are counted as streamed
+chunks that carry text (one token each on both llama-server and Llamba).
+
+--shared-prefix N puts the same N-token-ish text before every prompt (a system prompt that
+clients share: the prefix cache's case).  --abort-fraction F drops that fraction of the
+answers mid-stream (clients that go away).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+
+WORDS = ("the of and to in is was for on that with as by at from his her an which or be are this had not but "
+         "were they it have one all their there been has when who will more no if out so said what up its "
+         "about into than them can only other new some could time these two may then do first any my now "
+         "such like our over man me even most made after also did many before must through back years where "
+         "much your way well down should because each just those people how too little state good very make "
+         "world still own see men work long get here between both life being under never day same another "
+         "know while last might us great old year off come since against go came right used take three").split()
+TOPICS = ("a lighthouse keeper", "the history of bread", "a robot learning to paint", "the rivers of Europe",
+          "a chess tournament", "how volcanoes form", "a letter to a future city", "the life of bees",
+          "a journey across a desert", "the first computer", "a storm at sea", "a small mountain village")
+
+
+def prompts(n: int, seed: int, shared_prefix: int = 0) -> list[str]:
+    """n prompts of mixed lengths (about 20, 150 and 600 words, in a 4:2:1 mix), seeded."""
+    rng = random.Random(seed)
+    prefix = ""
+    if shared_prefix:
+        srng = random.Random(seed + 1)
+        prefix = "System: " + " ".join(srng.choice(WORDS) for _ in range(int(shared_prefix * 0.75))) + "\n\n"
+    out = []
+    for i in range(n):
+        words = rng.choice((20, 20, 20, 20, 150, 150, 600))
+        body = " ".join(rng.choice(WORDS) for _ in range(words))
+        out.append(f"{prefix}{body}\n\nNow write a long, detailed story about {rng.choice(TOPICS)}.\n\n")
+    return out
+
+
+async def _one(client, url, headers, prompt, args, rng, out):
+    body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True}
+    if args.model:
+        body["model"] = args.model
+    t0 = time.perf_counter()
+    stamps = []
+    abort_after = rng.randint(1, max(1, args.max_tokens // 2)) if rng.random() < args.abort_fraction else None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                await r.aread()
+                out.append({"status": r.status_code})
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    out.append({"status": 500})
+                    return
+                if any(c.get("text") for c in ev.get("choices", [])):
+                    stamps.append(time.perf_counter())
+                    if abort_after is not None and len(stamps) >= abort_after:
+                        out.append({"status": "aborted", "tokens": len(stamps), "t0": t0, "stamps": stamps})
+                        return          # leaving the block closes the connection mid-answer
+    except Exception as e:          # a refused or dropped connection is a failed answer
+        out.append({"status": type(e).__name__})
+        return
+    out.append({"status": 200, "tokens": len(stamps), "t0": t0, "stamps": stamps})
+
+
+async def _run_level(url, headers, c, args, texts):
+    import httpx
+    results = []
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
+    deadline = time.perf_counter() + args.duration if args.duration else None
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+        async def worker(w):
+            rng = random.Random(args.seed * 1000 + w)
+            i = w
+            for k in range(10 ** 9):
+                if deadline is None and k >= args.requests:
+                    break
+                if deadline is not None and time.perf_counter() >= deadline:
+                    break
+                await _one(client, url, headers, texts[i % len(texts)], args, rng, results)
+                i += c
+        t0 = time.perf_counter()
+        await asyncio.gather(*[worker(w) for w in range(c)])
+        wall = time.perf_counter() - t0
+    return results, wall
+
+
+def _pct(xs, p):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def summarize(results, wall, c) -> dict:
+    ok = [r for r in results if r["status"] == 200]
+    streamed = [r for r in results if r["status"] in (200, "aborted") and r.get("stamps")]
+    ttft = [r["stamps"][0] - r["t0"] for r in streamed]
+    itl = [b - a for r in streamed for a, b in zip(r["stamps"], r["stamps"][1:])]
+    tokens = sum(r.get("tokens", 0) for r in results)
+    codes = {}
+    for r in results:
+        codes[str(r["status"])] = codes.get(str(r["status"]), 0) + 1
+    return {"concurrency": c, "requests": len(results), "completed": len(ok), "statuses": codes,
+            "wall_s": round(wall, 2), "output_tokens": tokens,
+            "output_tok_s": round(tokens / wall, 2), "requests_s": round(len(ok) / wall, 3),
+            "ttft_p50_ms": round(1e3 * _pct(ttft, 50), 1), "ttft_p99_ms": round(1e3 * _pct(ttft, 99), 1),
+            "itl_p50_ms": round(1e3 * _pct(itl, 50), 1), "itl_p99_ms": round(1e3 * _pct(itl, 99), 1),
+            "itl_mean_ms": round(1e3 * statistics.fmean(itl), 1) if itl else float("nan")}
+
+
+def run(args) -> int:
+    url = args.url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    rows = []
+    for c in levels:
+        n = max(c * (args.requests or 1), 8)
+        texts = prompts(n, args.seed, args.shared_prefix)
+        results, wall = asyncio.run(_run_level(url, headers, c, args, texts))
+        row = summarize(results, wall, c)
+        rows.append(row)
+        if not args.json:
+            print(f"C={c:3d}  {row['output_tok_s']:8.1f} tok/s  {row['requests_s']:6.2f} req/s  "
+                  f"TTFT p50 {row['ttft_p50_ms']:8.1f} p99 {row['ttft_p99_ms']:8.1f} ms  "
+                  f"ITL p50 {row['itl_p50_ms']:6.1f} p99 {row['itl_p99_ms']:7.1f} ms  "
+                  f"{row['completed']}/{row['requests']} ok {row['statuses']}", flush=True)
+    if args.json:
+        print(json.dumps({"url": args.url, "rows": rows}))
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:8080")
+    p.add_argument("-C", "--concurrency", default="1,4,8,16,32", help="client counts to run, one after another")
+    p.add_argument("--requests", type=int, default=4, help="requests a client sends (default 4)")
+    p.add_argument("--duration", type=float, default=0, help="send for this many seconds instead of --requests")
+    p.add_argument("-n", "--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N", help="a shared ~N-token prefix on every prompt")
+    p.add_argument("--abort-fraction", type=float, default=0.0, help="drop this fraction of answers mid-stream")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--json", action="store_true")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="python -m runtime.bench.serve", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    sys.exit(run(ap.parse_args()))
