@@ -441,6 +441,16 @@ def _apply_mask_cpu(logits, bitmask):       # pragma: no cover - compiled
                     row[i] = row[i] if keep else neg
 
 
+# one thread a logit; compiled by CuPy (NVRTC) on first use.  No headers: -inf from its bits.
+MASK_KERNEL_SOURCE = r"""
+extern "C" __global__ void llamba_apply_token_mask(float* __restrict__ logits, const unsigned int* __restrict__ mask,
+                                                   int V, int W, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int b = (int)(i / V), t = (int)(i - (long long)b * V), w = t >> 5;
+    if (w >= W || !((mask[(long long)b * W + w] >> (t & 31)) & 1u)) logits[i] = __int_as_float(0xff800000);
+}
+"""
 _CUDA_KERNEL = None
 
 
@@ -448,15 +458,13 @@ def _apply_mask_cuda(logits, bitmask):      # pragma: no cover - needs a GPU
     global _CUDA_KERNEL
     import cupy as cp
     if _CUDA_KERNEL is None:
-        _CUDA_KERNEL = cp.ElementwiseKernel(
-            "raw uint32 mask, int32 V, int32 W", "raw float32 logits",
-            """
-            const int b = i / V, t = i - b * V, w = t >> 5;
-            if (w >= W || !((mask[b * W + w] >> (t & 31)) & 1u)) logits[i] = -CUDART_INF_F;
-            """, "llamba_apply_token_mask", preamble="#include <math_constants.h>")
+        _CUDA_KERNEL = cp.RawKernel(MASK_KERNEL_SOURCE, "llamba_apply_token_mask")
     B, V = logits.shape
-    _CUDA_KERNEL(cp.ascontiguousarray(bitmask, dtype=cp.uint32), np.int32(V), np.int32(bitmask.shape[1]),
-                 logits, size=B * V)
+    mask = cp.ascontiguousarray(cp.asarray(bitmask, dtype=cp.uint32))
+    n = B * V
+    threads = 256
+    _CUDA_KERNEL(((n + threads - 1) // threads,), (threads,),
+                 (logits, mask, np.int32(V), np.int32(mask.shape[1]), np.int64(n)))
 
 
 def apply_mask(logits, bitmask):

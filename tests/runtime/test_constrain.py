@@ -286,3 +286,27 @@ def test_time_strings_bounded(smol):
     for text, want in ((ok, True), (runaway, False)):
         m = c.matcher()
         assert (all(m.consume(t) for t in smol.tokenizer.encode(text, add_bos=False)) and m.is_accepting()) == want
+
+
+@pytest.mark.parametrize("arch", ["compute_75", "compute_90"])
+def test_cuda_mask_kernel_compiles(arch):
+    """The CuPy kernel's source compiles with NVRTC (no GPU needed; its results: test_apply_mask_cupy)."""
+    import ctypes
+    from runtime.constrain import MASK_KERNEL_SOURCE
+    nvrtc = pytest.importorskip("nvidia.cuda_nvrtc")
+    libs = sorted((Path(list(nvrtc.__path__)[0]) / "lib").glob("libnvrtc.so*"))
+    if not libs:
+        pytest.skip("NVRTC wheel without its library")
+    lib = ctypes.CDLL(str(libs[0]))
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), MASK_KERNEL_SOURCE.encode(), b"mask.cu", 0, None, None) == 0
+    try:
+        opts = (ctypes.c_char_p * 1)(f"-arch={arch}".encode())
+        rc = lib.nvrtcCompileProgram(prog, 1, opts)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        assert rc == 0, log.value.decode(errors="replace")
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
