@@ -319,10 +319,12 @@ class ToolCallParser:
     """Incremental tool-call parser.  `feed(text)` and `finish()` return OpenAI-style deltas:
     {"content": str} and {"tool_calls": [{"index", "id", "type", "function": {"name", "arguments"}}]} (the first
     delta of a call carries id and name; later ones carry argument text).  After finish(): `.content`,
-    `.calls` (complete ToolCall objects)."""
+    `.calls` (complete ToolCall objects).  names: the declared functions; a JSON object naming another one is
+    text, not a call."""
 
-    def __init__(self, fmt: str = "generic"):
+    def __init__(self, fmt: str = "generic", names=None):
         self.fmt = fmt
+        self.names = set(names) if names is not None else None
         self.content = ""
         self.calls: list[ToolCall] = []
         self._buf = ""
@@ -431,7 +433,7 @@ class ToolCallParser:
         index = len(self.calls)
         if not self._named:
             name = obj.name()
-            if name is None:
+            if name is None or (self.names is not None and name not in self.names):
                 return
             self._named = True
             self._id = "call_" + uuid.uuid4().hex[:24]
@@ -453,7 +455,7 @@ class ToolCallParser:
         if isinstance(data, dict) and isinstance(data.get("function"), dict):
             data = data["function"]
         name = data.get("name") if isinstance(data, dict) else None
-        if not isinstance(name, str):
+        if not isinstance(name, str) or (self.names is not None and name not in self.names):
             if self._named:          # announced but not a call after all: nothing sensible to undo
                 return
             self._emit_content(obj.text, out)
@@ -487,17 +489,19 @@ class ToolCallParser:
         return out
 
 
-def parse_tool_calls(text: str, fmt: str = "generic") -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, fmt: str = "generic", tools=None) -> tuple[str, list[ToolCall]]:
     """(content without the calls, calls) of a finished answer.  Also finds a call written as a bare JSON
-    object or in a ```json fence when no tagged call is present."""
-    p = ToolCallParser(fmt)
+    object or in a ```json fence when no tagged call is present.  tools: the request's tools; a call to a
+    function not among them stays text."""
+    names = [t["function"]["name"] for t in normalize_tools(tools)] if tools else None
+    p = ToolCallParser(fmt, names)
     p.feed(text)
     p.finish()
     if p.calls:
         return p.content.strip(), p.calls
     m = re.search(r"```(?:json)?\s*(\{.*?\})\s*```", text, re.S)
     if m:
-        q = ToolCallParser("generic")
+        q = ToolCallParser("generic", names)
         q.feed(m.group(1))
         q.finish()
         if q.calls:

@@ -209,3 +209,14 @@ def test_bad_tool_choice(qwen):
     bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]
     with pytest.raises(ConstraintError, match="objekt"):
         tool_constraint(bad, "required", qwen, "hermes")
+
+
+def test_only_declared_functions_are_calls():
+    text = '{"name": "Cat Joke", "arguments": {"cat": "Meow"}}'
+    assert parse_tool_calls(text, "generic")[1][0].name == "Cat Joke"
+    assert parse_tool_calls(text, "generic", TOOLS) == (text, [])
+    fenced = 'Here:\n```json\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n```'
+    assert parse_tool_calls(fenced, "hermes", TOOLS)[1][0].name == "add"
+    p = ToolCallParser("generic", names=["add"])
+    events = p.feed(text) + p.finish()
+    assert "".join(e.get("content", "") for e in events) == text and not p.calls
