@@ -56,6 +56,7 @@ class Event:
     logprob: dict | None = None       # {"token", "logprob", "top": [(token, logprob), ...]}
     finish: str | None = None
     error: str | None = None
+    stop_reason: str | None = None    # why a "stop" came early (a constraint that allows nothing more)
 
 
 @dataclass
@@ -95,10 +96,18 @@ class Request:
         self.text: TextStream | None = None
         self.finish_reason: str | None = None
         self.cancelled = False
+        self.stop_reason: str | None = None
+        self._mask: np.ndarray | None = None
         self.last_logprob: dict | None = None
         self.hashes: list[bytes] = []     # hash chain of the prompt's full blocks
         self.stats = RequestStats(prompt_tokens=len(self.prompt), arrival=time.monotonic())
         self.done = threading.Event()
+
+    def mask_row(self) -> np.ndarray:
+        """This request's allowed-token bitmask (uint32 words), reused every step."""
+        if self._mask is None:
+            self._mask = np.zeros(self.matcher.n_words, np.uint32)
+        return self._mask
 
     def cancel(self) -> None:
         """Stop this request; safe from any thread (the scheduler drops it at its next iteration)."""
@@ -139,6 +148,7 @@ class Scheduler:
         self._inbox: deque[Request] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._masks = None                # a thread pool for constraint masks, made on first use
         self._stop = False
         self.stats = SchedulerStats()
         self._snapshot()
@@ -336,18 +346,34 @@ class Scheduler:
     # ---- running -----------------------------------------------------------------------
     def _forward(self, reqs: list[Request], tokens: list[list[int]]) -> None:
         argmax = all(r.argmax_only for r in reqs)
+        # the constrained rows' masks are computed by llguidance (which lets go of the GIL) while
+        # the forward runs: they depend on the tokens so far, not on this step's logits
+        masks = {i: self._pool().submit(r.matcher.fill_mask, r.mask_row())
+                 for i, (r, t) in enumerate(zip(reqs, tokens))
+                 if r.matcher is not None and len(r.seq) + len(t) == len(r.known)}
         out = self.engine.step([r.seq for r in reqs], tokens, argmax=argmax)
         self.stats.forwards += 1
-        for r, row in zip(reqs, out):
-            if len(r.seq) == len(r.known):       # caught up: its next token
-                self._accept(r, int(row) if argmax else self._sample(r, row))
+        for i, (r, row) in enumerate(zip(reqs, out)):
+            if len(r.seq) != len(r.known):
+                continue                        # still catching up
+            if i in masks and not masks[i].result():
+                self._finish(r, "stop", stop_reason=f"constraint: {r.matcher.error}")
+                continue
+            self._accept(r, int(row) if argmax else self._sample(r, row, masked=i in masks))
 
-    def _sample(self, r: Request, logits: np.ndarray) -> int:
-        logits = np.asarray(logits, np.float32)
+    def _pool(self):
+        if self._masks is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._masks = ThreadPoolExecutor(2, thread_name_prefix="llamba-mask")
+        return self._masks
+
+    def _sample(self, r: Request, logits: np.ndarray, masked: bool = False) -> int:
+        logits = np.array(logits, np.float32)       # (a copy: the mask writes into it)
         if r.presence_penalty or r.frequency_penalty:
             logits = penalize_presence(logits, r.output, r.presence_penalty, r.frequency_penalty)
-        if r.matcher is not None:
-            logits = r.matcher.mask_logits(logits)
+        if masked:
+            from .constrain import apply_mask
+            apply_mask(logits, r.mask_row())
         tok = r.sampler.sample(logits, r.known)
         if r.logprobs is not None:
             r.last_logprob = token_logprobs(logits, tok, r.logprobs)
@@ -357,8 +383,8 @@ class Scheduler:
         if r.text is None:
             r.text = TextStream(self.tok, r.stop)
             r.stats.first_token = time.monotonic()
-        if r.matcher is not None:
-            r.matcher.consume(tok)
+        if r.matcher is not None and not r.matcher.consume(tok):
+            return self._finish(r, "stop", stop_reason=f"constraint: {r.matcher.error}")
         if tok in self.tok.stop_ids:
             return self._finish(r, "stop")
         r.output.append(tok)
@@ -372,10 +398,11 @@ class Scheduler:
         elif len(r.output) >= r.max_tokens or len(r.known) >= self.engine.n_ctx:
             self._finish(r, "length")
 
-    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+    def _finish(self, r: Request, reason: str, error: str | None = None, stop_reason: str | None = None) -> None:
         if r.finish_reason is not None:
             return
         r.finish_reason = reason
+        r.stop_reason = stop_reason
         if r in self.running:
             self.running.remove(r)
         elif r in self.waiting:
@@ -385,7 +412,7 @@ class Scheduler:
             r.seq = None
         tail = r.text.finish() if r.text is not None and reason != "error" else ""
         r.stats.finished = time.monotonic()
-        r.on_event(Event(text=tail, finish=reason, error=error))
+        r.on_event(Event(text=tail, finish=reason, error=error, stop_reason=stop_reason))
         r.done.set()
 
     def _snapshot(self) -> None:

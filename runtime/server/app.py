@@ -110,16 +110,26 @@ def create_app(host, *, api_key=None, allowed_hosts=None, cors_origins=(), metri
         h = _ready(host)
         eng = h.engine
         from ..chat_template import ChatTemplateError, encode_chat
+        from ..tools import detect_format, encode_with_tools
         msgs = [_message(m) for m in body.messages]
+        tok, template = eng.tokenizer, eng.loaded.chat_template
+        choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
+        tools = ([t.model_dump(exclude_none=True) for t in body.tools]
+                 if body.tools and choice != "none" else None)
+        fmt = detect_format(template or getattr(tok, "chat_template", None)) if tools else None
         try:
-            ids = await run_in_threadpool(lambda: encode_chat(eng.tokenizer, eng.loaded.chat_template, msgs,
-                                                              arch=eng.config.arch))
+            ids = await run_in_threadpool(lambda: encode_with_tools(tok, template, msgs, tools, arch=eng.config.arch)
+                                          if tools else encode_chat(tok, template, msgs, arch=eng.config.arch))
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template failed on these messages: {e}", "messages",
                            "chat_template_error")
+        except ValueError as e:
+            raise APIError(400, str(e), "tools")
+        constraint = await run_in_threadpool(_constraint, body, tok, tools, choice, fmt)
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await _complete(h, http, body, [ids], max_tokens, chat=True,
-                               logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                               logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                               constraint=constraint, tool_fmt=fmt)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
@@ -135,9 +145,11 @@ def create_app(host, *, api_key=None, allowed_hosts=None, cors_origins=(), metri
             if bad is not None:
                 raise APIError(400, f"token id {bad} is out of the vocabulary (0..{tok.vocab_size - 1})", "prompt")
             prompts = [list(p)]
-        return await _complete(h, http, body, prompts, body.max_tokens or 16, chat=False, logprobs=body.logprobs)
+        constraint = await run_in_threadpool(_constraint, body, tok, None, None, None)
+        return await _complete(h, http, body, prompts, body.max_tokens or 16, chat=False, logprobs=body.logprobs,
+                               constraint=constraint)
 
-    async def _complete(h, http, body, prompts, max_tokens, chat: bool, logprobs):
+    async def _complete(h, http, body, prompts, max_tokens, chat: bool, logprobs, constraint=None, tool_fmt=None):
         eng, sch = h.engine, h.scheduler
         n_ctx = eng.n_ctx
         for ids in prompts:
@@ -162,6 +174,7 @@ def create_app(host, *, api_key=None, allowed_hosts=None, cors_origins=(), metri
                 p = SamplingParams(**{**params.__dict__, "seed": seed})
                 reqs.append(Request(ids, p, max_tokens=max_tokens or (n_ctx - len(ids)), stop=stop, logprobs=logprobs,
                                     presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                    matcher=constraint.matcher() if constraint is not None else None,
                                     on_event=_bridge(loop, queue, index)))
         try:
             for r in reqs:
@@ -174,7 +187,7 @@ def create_app(host, *, api_key=None, allowed_hosts=None, cors_origins=(), metri
                            {"Retry-After": RETRY_AFTER})
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        shape = _Shape(rid, created, h.model_id, chat, eng.tokenizer)
+        shape = _Shape(rid, created, h.model_id, chat, eng.tokenizer, tool_fmt)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(shape, reqs, queue, sch, started, include_usage, metrics, len(prompts)),
@@ -196,6 +209,36 @@ def _ready(host):
     if host.error:
         raise APIError(503, f"the model failed to load: {host.error}", None, "model_error")
     return host
+
+
+def _constraint(body, tok, tools, choice, fmt):
+    """The one constraint a request asks for (response_format, grammar, regex or tools), compiled;
+    a 400 naming the field where it does not compile."""
+    from ..constrain import Constraint, ConstraintError
+    from ..tools import tool_constraint
+    rf = body.response_format
+    asked = [k for k, v in (("response_format", rf is not None and rf.type != "text"), ("grammar", body.grammar),
+                            ("regex", body.regex), ("tools", tools)) if v]
+    if len(asked) > 1:
+        raise APIError(400, f"{' and '.join(asked)} cannot both constrain one answer: use one", asked[1])
+    if not asked:
+        return None
+    try:
+        if asked[0] == "response_format":
+            if rf.type == "json_object":
+                return Constraint.json_object(tok)
+            if rf.json_schema is None:
+                raise APIError(400, "response_format of type json_schema needs a json_schema",
+                               "response_format.json_schema")
+            return Constraint.json_schema(rf.json_schema.schema_, tok, lenient=not rf.json_schema.strict)
+        if asked[0] == "grammar":
+            return Constraint.grammar(body.grammar, tok)
+        if asked[0] == "regex":
+            return Constraint.regex(body.regex, tok)
+        return tool_constraint(tools, choice or "auto", tok, fmt, parallel=body.parallel_tool_calls)
+    except (ConstraintError, ValueError) as e:
+        param = {"response_format": "response_format.json_schema"}.get(asked[0], asked[0])
+        raise APIError(400, f"{asked[0]} does not compile: {e}", param, "invalid_constraint")
 
 
 def _message(m) -> dict:
@@ -231,8 +274,9 @@ def _bridge(loop, queue, index):
 class _Shape:
     """OpenAI's response objects for one request."""
 
-    def __init__(self, rid, created, model, chat, tok):
+    def __init__(self, rid, created, model, chat, tok, tool_fmt=None):
         self.rid, self.created, self.model, self.chat, self.tok = rid, created, model, chat, tok
+        self.tool_fmt = tool_fmt        # tools were offered: parse calls out of the text (runtime/tools.py)
 
     def _piece(self, t: int) -> str:
         return self.tok.token_bytes(t).decode("utf-8", "replace")
@@ -247,14 +291,18 @@ class _Shape:
         return {"tokens": [self._piece(x["token"]) for x in items], "token_logprobs": [x["logprob"] for x in items],
                 "top_logprobs": [{self._piece(t): lp for t, lp in x["top"]} for x in items]}
 
-    def chunk(self, index, text=None, finish=None, role=False, logprobs=None) -> str:
+    def chunk(self, index, text=None, finish=None, role=False, logprobs=None, delta=None, stop_reason=None) -> str:
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             obj = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                    "choices": [choice]}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        if stop_reason:
+            choice["stop_reason"] = stop_reason
+        if not self.chat:
             obj = {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
                    "choices": [choice]}
         return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
@@ -264,15 +312,30 @@ class _Shape:
                "created": self.created, "model": self.model, "choices": [], "usage": usage}
         return "data: " + json.dumps(obj) + "\n\n"
 
-    def whole(self, texts, finishes, logprobs, usage) -> dict:
+    def message(self, text: str, finish: str) -> tuple[dict, str]:
+        """The assistant message of an answer, its tool calls parsed out where tools were offered."""
+        if self.tool_fmt is not None:
+            from ..tools import parse_tool_calls
+            content, calls = parse_tool_calls(text, self.tool_fmt)
+            if calls:
+                return ({"role": "assistant", "content": content or None,
+                         "tool_calls": [c.to_openai() for c in calls]}, "tool_calls")
+        return {"role": "assistant", "content": text}, finish
+
+    def whole(self, texts, finishes, logprobs, usage, stop_reasons) -> dict:
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
-                        "finish_reason": f} for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs))]
+            choices = []
+            for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs)):
+                msg, f = self.message(t, f)
+                choices.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": f})
             obj = "chat.completion"
         else:
             choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": f}
                        for i, (t, f, lp) in enumerate(zip(texts, finishes, logprobs))]
             obj = "text_completion"
+        for c, why in zip(choices, stop_reasons):
+            if why:
+                c["stop_reason"] = why
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                 "usage": usage}
 
@@ -309,7 +372,7 @@ def _finish_reason(reason: str) -> str:
 
 async def _whole(shape, reqs, queue, sch, http, started, metrics, n_prompts):
     n = len(reqs)
-    texts, finishes, lps = [""] * n, [None] * n, [[] for _ in range(n)]
+    texts, finishes, lps, why = [""] * n, [None] * n, [[] for _ in range(n)], [None] * n
     timer = _Timer(metrics, started, n)
     left = n
     try:
@@ -329,6 +392,7 @@ async def _whole(shape, reqs, queue, sch, http, started, metrics, n_prompts):
                 if ev.finish == "error":
                     raise APIError(500, f"generation failed: {ev.error}", None, "generation_error")
                 finishes[index] = _finish_reason(ev.finish)
+                why[index] = ev.stop_reason
                 left -= 1
     finally:
         for r in reqs:
@@ -339,13 +403,17 @@ async def _whole(shape, reqs, queue, sch, http, started, metrics, n_prompts):
         metrics.requests.labels("chat" if shape.chat else "completions", "200").inc()
     with_lp = reqs[0].logprobs is not None
     return shape.whole(texts, finishes, [shape.logprobs(x) if with_lp else None for x in lps],
-                       _usage(reqs, n_prompts))
+                       _usage(reqs, n_prompts), why)
 
 
 async def _sse(shape, reqs, queue, sch, started, include_usage, metrics, n_prompts):
     n = len(reqs)
     timer = _Timer(metrics, started, n)
     left = n
+    parsers = None
+    if shape.tool_fmt is not None:
+        from ..tools import ToolCallParser
+        parsers = [ToolCallParser(shape.tool_fmt) for _ in range(n)]
     try:
         if shape.chat:
             for i in range(n):
@@ -355,7 +423,15 @@ async def _sse(shape, reqs, queue, sch, started, include_usage, metrics, n_promp
             if ev.token is not None:
                 timer.token(index)
             lp = shape.logprobs([ev.logprob]) if ev.logprob is not None else None
-            if ev.text or lp:
+            if parsers is not None:
+                deltas = parsers[index].feed(ev.text) if ev.text else []
+                if ev.finish is not None:
+                    deltas += parsers[index].finish()
+                for k, d in enumerate(deltas):
+                    yield shape.chunk(index, delta=d, logprobs=lp if k == 0 else None)
+                if lp and not deltas:
+                    yield shape.chunk(index, delta={}, logprobs=lp)
+            elif ev.text or lp:
                 yield shape.chunk(index, text=ev.text, logprobs=lp)
             if ev.finish is not None:
                 left -= 1
@@ -363,7 +439,10 @@ async def _sse(shape, reqs, queue, sch, started, include_usage, metrics, n_promp
                     yield "data: " + json.dumps(errors.body(500, f"generation failed: {ev.error}", None,
                                                             "generation_error")) + "\n\n"
                     return
-                yield shape.chunk(index, finish=_finish_reason(ev.finish))
+                finish = _finish_reason(ev.finish)
+                if parsers is not None and parsers[index].calls:
+                    finish = "tool_calls"
+                yield shape.chunk(index, finish=finish, stop_reason=ev.stop_reason)
         if include_usage:
             yield shape.usage_chunk(_usage(reqs, n_prompts))
         yield "data: [DONE]\n\n"

@@ -56,6 +56,47 @@ class Sampling(Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+class JSONSchemaSpec(Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+    name: str = Field("response", max_length=64)
+    description: str | None = Field(None, max_length=4096)
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+
+class Constrained(Strict):
+    """Output constraints: OpenAI's response_format, and llama.cpp-style extensions."""
+    response_format: ResponseFormat | None = None
+    grammar: Text | None = None          # a Lark grammar (llguidance dialect) or a GBNF grammar
+    regex: Annotated[str, StringConstraints(max_length=1 << 16)] | None = None
+
+
+class FunctionDef(Strict):
+    name: str = Field(max_length=64)
+    description: str | None = Field(None, max_length=1 << 16)
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class TextPart(Strict):
     type: Literal["text"]
     text: Text
@@ -85,14 +126,17 @@ class Message(Strict):
         return self.content or ""
 
 
-class ChatRequest(Sampling):
+class ChatRequest(Sampling, Constrained):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = Field(None, ge=1, le=1 << 20)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
-class CompletionRequest(Sampling):
+class CompletionRequest(Sampling, Constrained):
     prompt: Union[Text, list[Text], list[Annotated[int, Field(ge=0, lt=MAX_TOKEN_ID)]]] = Field(...)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: Literal[False] = False             # echoing the prompt back is not supported
