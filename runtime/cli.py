@@ -1,4 +1,4 @@
-"""`python -m runtime`: generate, chat, tokenize, perplexity, bench, info."""
+"""`python -m runtime`: generate, chat, serve, tokenize, perplexity, bench, info."""
 from __future__ import annotations
 
 import argparse
@@ -24,8 +24,8 @@ def _add_engine(p):
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (default min(4096, model's))")
     p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
                    help="checkpoint folders: quantize on load (int8: Q8_0; int4: Q4_K_M-style mix)")
-    p.add_argument("--cache-type", default="f16", choices=["f16", "q8_0"],
-                   help="KV cache precision: f16, or q8_0 (about half the memory)")
+    p.add_argument("--cache-type", default="f16", choices=["f16", "q8_0", "k16v8"],
+                   help="KV cache precision: f16, q8_0 (about half the memory), or k16v8 (K f16, V q8_0: 77%%)")
     p.add_argument("--overflow", default="stop", choices=["stop", "drop-turns", "shift"],
                    help="when the context is full: stop with a message (default); drop the oldest chat turns "
                         "(keeps the system prompt); or shift out the oldest tokens, re-rotating cached keys")
@@ -107,6 +107,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --draft-model: fixed draft lengths to compare besides adaptive k")
     b.add_argument("--spec-prompt", action="append", default=None, metavar="TEXT",
                    help="with --draft-model: a prompt to decode from (repeatable; default: code prompts)")
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server that many clients share")
+    _add_model(s)
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    s.add_argument("-ngl", "--gpu-layers", type=int, default=None)
+    s.add_argument("-t", "--threads", type=int, default=None)
+    s.add_argument("-c", "--ctx-size", type=int, default=4096, help="a request's context: prompt + answer (default 4096)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    s.add_argument("--port", type=int, default=8080, help="port (0: any free one; the URL is printed)")
+    s.add_argument("-np", "--parallel", type=int, default=8, help="requests computed at once (default 8)")
+    s.add_argument("--queue", type=int, default=64, help="requests that may wait beyond those (default 64; 503 past it)")
+    s.add_argument("--kv-tokens", type=int, default=0,
+                   help="KV-cache pool in tokens, shared by all requests (default: parallel x ctx, at most 2 GiB)")
+    s.add_argument("--cache-type", default="f16", choices=["f16", "q8_0", "k16v8"])
+    s.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV blocks across requests")
+    key = s.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    key.add_argument("--api-key-file", default=None, help="read the API key from this file")
+    s.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser pages from ORIGIN (repeatable; default: none)")
+    s.add_argument("--metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    s.add_argument("--max-body", type=int, default=8 << 20, help="largest request body in bytes (default 8 MiB)")
+
+    bs = sub.add_parser("bench-serve", help="load an OpenAI-compatible server with concurrent streaming clients")
+    from .bench.serve import add_arguments
+    add_arguments(bs)
 
     i = sub.add_parser("info", help="architecture, parameters, tensor types, KV bytes per token")
     _add_model(i, positional=True)
@@ -275,6 +301,29 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def cmd_serve(args) -> int:
+    from .server import ServeConfig, serve
+    key = args.api_key
+    if args.api_key_file:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            key = f.read().strip()
+        if not key:
+            raise ValueError(f"{args.api_key_file} holds no API key")
+    for name in ("ctx_size", "parallel", "queue", "port", "max_body"):
+        if getattr(args, name) < (0 if name in ("port", "queue") else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    cfg = ServeConfig(model=args.model, device=args.device, threads=args.threads, n_ctx=args.ctx_size,
+                      parallel=args.parallel, queue=args.queue, kv_tokens=args.kv_tokens, cache_type=args.cache_type,
+                      prefix_cache=not args.no_prefix_cache, gpu_layers=args.gpu_layers)
+    return serve(cfg, host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin,
+                 metrics=args.metrics, max_body=args.max_body, say=_say)
+
+
+def cmd_bench_serve(args) -> int:
+    from .bench.serve import run
+    return run(args)
+
+
 def cmd_info(args) -> int:
     from .loader import load_model
     from quant import type_name
@@ -301,7 +350,7 @@ def cmd_info(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    handler = globals()["cmd_" + args.cmd]
+    handler = globals()["cmd_" + args.cmd.replace("-", "_")]
     try:
         return handler(args) or 0
     except KeyboardInterrupt:

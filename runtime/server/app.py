@@ -129,7 +129,7 @@ def create_app(host, *, api_key=None, allowed_hosts=None, cors_origins=(), metri
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await _complete(h, http, body, [ids], max_tokens, chat=True,
                                logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                               constraint=constraint, tool_fmt=fmt)
+                               constraint=constraint, tool_fmt=fmt, tools=tools)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
@@ -149,7 +149,8 @@ def create_app(host, *, api_key=None, allowed_hosts=None, cors_origins=(), metri
         return await _complete(h, http, body, prompts, body.max_tokens or 16, chat=False, logprobs=body.logprobs,
                                constraint=constraint)
 
-    async def _complete(h, http, body, prompts, max_tokens, chat: bool, logprobs, constraint=None, tool_fmt=None):
+    async def _complete(h, http, body, prompts, max_tokens, chat: bool, logprobs, constraint=None, tool_fmt=None,
+                        tools=None):
         eng, sch = h.engine, h.scheduler
         n_ctx = eng.n_ctx
         for ids in prompts:
@@ -187,7 +188,7 @@ def create_app(host, *, api_key=None, allowed_hosts=None, cors_origins=(), metri
                            {"Retry-After": RETRY_AFTER})
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        shape = _Shape(rid, created, h.model_id, chat, eng.tokenizer, tool_fmt)
+        shape = _Shape(rid, created, h.model_id, chat, eng.tokenizer, tool_fmt, tools)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(shape, reqs, queue, sch, started, include_usage, metrics, len(prompts)),
@@ -274,9 +275,10 @@ def _bridge(loop, queue, index):
 class _Shape:
     """OpenAI's response objects for one request."""
 
-    def __init__(self, rid, created, model, chat, tok, tool_fmt=None):
+    def __init__(self, rid, created, model, chat, tok, tool_fmt=None, tools=None):
         self.rid, self.created, self.model, self.chat, self.tok = rid, created, model, chat, tok
         self.tool_fmt = tool_fmt        # tools were offered: parse calls out of the text (runtime/tools.py)
+        self.tools = tools              # (a call of a function not offered stays text)
 
     def _piece(self, t: int) -> str:
         return self.tok.token_bytes(t).decode("utf-8", "replace")
@@ -316,7 +318,7 @@ class _Shape:
         """The assistant message of an answer, its tool calls parsed out where tools were offered."""
         if self.tool_fmt is not None:
             from ..tools import parse_tool_calls
-            content, calls = parse_tool_calls(text, self.tool_fmt)
+            content, calls = parse_tool_calls(text, self.tool_fmt, tools=self.tools)
             if calls:
                 return ({"role": "assistant", "content": content or None,
                          "tool_calls": [c.to_openai() for c in calls]}, "tool_calls")
@@ -413,7 +415,8 @@ async def _sse(shape, reqs, queue, sch, started, include_usage, metrics, n_promp
     parsers = None
     if shape.tool_fmt is not None:
         from ..tools import ToolCallParser
-        parsers = [ToolCallParser(shape.tool_fmt) for _ in range(n)]
+        names = [t["function"]["name"] for t in shape.tools or []]
+        parsers = [ToolCallParser(shape.tool_fmt, names=names) for _ in range(n)]
     try:
         if shape.chat:
             for i in range(n):
