@@ -1,5 +1,7 @@
 """The model a server holds: loaded in a thread while the server already answers /health
-(503 until it is ready), then driven by one Scheduler in its own thread."""
+(503 until it is ready), then driven by one Scheduler in its own thread.  `ModelHost.from_engine`
+serves an engine that is loaded already (the desktop app's local server): the scheduler's
+thread drives it until `shutdown`, which hands it back."""
 from __future__ import annotations
 
 import threading
@@ -48,7 +50,6 @@ class ModelHost:
     def _load(self) -> None:
         from ..engine import Engine
         from ..loader import load_model
-        from ..scheduler import Scheduler
         from ..warmup import warm_up
         from ..backend.cpu import kv_bytes_per_token_layer
         cfg = self.cfg
@@ -62,13 +63,35 @@ class ModelHost:
         eng = Engine(lm, device=cfg.device, n_ctx=n_ctx, threads=cfg.threads, cache_blocks=blocks,
                      cache_type=cfg.cache_type, gpu_layers=cfg.gpu_layers, announce=self.announce)
         warm_up(eng, notice=self.announce)
-        self.engine = eng
         self.model_id = lm.path.stem if lm.path.is_file() else lm.path.name
         self.announce(f"model {self.model_id}: context {n_ctx} tokens a request, KV pool {blocks * block} tokens "
                       f"({blocks * block * per_token / 2**20:.0f} MiB), {cfg.parallel} requests at once")
-        self.scheduler = Scheduler(eng, max_running=cfg.parallel, max_waiting=cfg.queue, chunk=cfg.chunk,
-                                   prefix_cache=cfg.prefix_cache).start()
+        self.attach(eng)
+
+    def attach(self, engine, on_step=None) -> None:
+        """Serve `engine` (loaded and warm): a Scheduler started on it drives it from now on."""
+        from ..scheduler import Scheduler
+        cfg = self.cfg
+        self.engine = engine
+        if not self.model_id:
+            path = engine.loaded.path
+            self.model_id = path.stem if path.is_file() else path.name
+        self.scheduler = Scheduler(engine, max_running=cfg.parallel, max_waiting=cfg.queue, chunk=cfg.chunk,
+                                   prefix_cache=cfg.prefix_cache, on_step=on_step).start()
+
+    @classmethod
+    def from_engine(cls, engine, cfg: ServeConfig | None = None, model_id: str = "", on_step=None,
+                    announce=print) -> "ModelHost":
+        """A host, ready, around an engine loaded elsewhere; `on_step(scheduler)` runs in the
+        engine thread after each scheduler iteration."""
+        mh = cls(cfg or ServeConfig(n_ctx=engine.n_ctx), announce=announce)
+        mh.model_id = model_id
+        mh.attach(engine, on_step=on_step)
+        mh.ready.set()
+        return mh
 
     def shutdown(self) -> None:
+        """Stop the scheduler: what was in flight ends "cancelled" and its blocks go back; once
+        this returns no thread of the host touches the engine."""
         if self.scheduler is not None:
             self.scheduler.shutdown()
