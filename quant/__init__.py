@@ -36,7 +36,7 @@ n < 32 rows: integer kernels.  x is rounded to int8 codes in blocks (32 elements
 each W row is decoded once into int16 codes and dotted with every row of x (vpmaddwd /
 vpdpwssd).  Error vs. float64: at most sum over blocks of (step_x/2 * sum|W|), step_x =
 amax/127 of the block (tests/quant/test_matmul.py checks this bound).  Measured 2-10x faster
-per core than the float-FMA alternative (python -m quant.bench --fma).  F32/F16/BF16
+per core than the float-FMA alternative (python -m runtime.bench.kernels --fma).  F32/F16/BF16
 weights keep x in float32.
 n >= 32 rows (prompt processing): W is dequantized a tile of 256 rows at a time and
 multiplied with BLAS sgemm (x stays float32).

@@ -1,4 +1,4 @@
-"""Micro-benchmark of the quantized CPU matmul: python -m quant.bench
+"""Micro-benchmark of the quantized CPU matmul: python -m runtime.bench.kernels
 
 For each weight type and real model weight shape it times y = x @ W.T with 1
 and 8 activation rows and reports GB/s of weight bytes read, next to a plain
@@ -19,8 +19,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from . import TYPE_INFO, GGMLType, QTensor, Scratch, matmul_into, quantize
-from .matmul_cpu import kernel_name, matmul_float_fma
+from quant import TYPE_INFO, GGMLType, QTensor, Scratch, matmul_into, quantize
+from quant.matmul_cpu import kernel_name, matmul_float_fma
 
 # (M, K) in numpy order = (out_features, in_features)
 SHAPES = {
@@ -170,7 +170,7 @@ def call_overhead(qtype: GGMLType = GGMLType.Q4_1, M: int = 576, K: int = 576, r
     out = np.empty((1, M), np.float32)
     s = Scratch()
     t_into = _time(lambda: matmul_into(x, W, out, s), reps)
-    from . import matmul
+    from quant import matmul
     t_mm = _time(lambda: matmul(x, W, out), reps)
     Wt = QTensor("t", GGMLType.Q8_0, (32, 32), _weights(GGMLType.Q8_0, 32, 32, rng))
     xt = x[:, :32].copy()
@@ -191,8 +191,8 @@ def asm_report() -> dict:
     compiled afresh (same flags, no cache) on a small input."""
     import re
 
-    from . import kernels_float as KF, kernels_k as KK, kernels_legacy as KL
-    from .act_quant import quantize_q8_32, quantize_q8_256
+    from quant import kernels_float as KF, kernels_k as KK, kernels_legacy as KL
+    from quant.act_quant import quantize_q8_32, quantize_q8_256
     rng = np.random.default_rng(0)
     K, M = 512, 4
     x = rng.standard_normal((2, K)).astype(np.float32)
@@ -227,7 +227,7 @@ def asm_report() -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m quant.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m runtime.bench.kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--types", default=",".join(t.name for t in TYPE_INFO),
                     help="comma-separated GGML types (default: all 11; 'real' = types in the test models)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated MxK (numpy order)")
@@ -253,12 +253,12 @@ def main(argv=None) -> int:
     global CLOCK
     CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
     if a.int16:
-        from . import matmul_cpu
+        from quant import matmul_cpu
         matmul_cpu.USE_VNNI = False
     if a.threads:
         numba.set_num_threads(a.threads)
     types = REAL_MODEL_TYPES if a.types == "real" else [t.strip() for t in a.types.split(",") if t.strip()]
-    from .types import SUPPORTED
+    from quant.types import SUPPORTED
     by_name = {GGMLType(t).name.upper(): GGMLType(t) for t in SUPPORTED}
     unknown = [t for t in types if t.upper() not in by_name]
     if unknown:
