@@ -38,6 +38,7 @@ class Settings:
     json_schema: str = ""             # answers held to this JSON schema (runtime/constrain.py); empty: free text
     theme: str = "system"
     show_engine_panel: bool = True
+    server_port: int = 8080           # the local server's port on 127.0.0.1 (0: any free port)
 
     def add_recent(self, model: str) -> None:
         self.recent_models = [model] + [m for m in self.recent_models if m != model]

@@ -1,4 +1,4 @@
-"""The Settings dialog: model, device, draft model, sampling, context, look."""
+"""The Settings dialog: model, device, draft model, sampling, context, look, the local server's port."""
 from __future__ import annotations
 
 import json
@@ -121,6 +121,17 @@ class SettingsDialog(QDialog):
         h.addRow("Theme", self.theme)
         lay.addWidget(look)
 
+        server = QGroupBox("Local server")
+        k = QFormLayout(server)
+        self.server_port = QSpinBox()
+        self.server_port.setRange(0, 65535)
+        self.server_port.setSpecialValueText("any free port")
+        self.server_port.setValue(s.server_port)
+        self.server_port.setToolTip("Server ▸ Local server serves the loaded model to other programs "
+                                    "on 127.0.0.1 at this port (OpenAI-compatible, with an API key)")
+        k.addRow("Port on 127.0.0.1", self.server_port)
+        lay.addWidget(server)
+
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
@@ -145,4 +156,5 @@ class SettingsDialog(QDialog):
             top_k=self.top_k.value(), min_p=self.min_p.value(), repeat_penalty=self.repeat_penalty.value(),
             max_tokens=self.max_tokens.value(), default_system=self.default_system.text(),
             json_schema=self.json_schema.toPlainText().strip(),
-            theme=self.theme.currentData(), recent_models=list(self.s.recent_models))
+            theme=self.theme.currentData(), recent_models=list(self.s.recent_models),
+            server_port=self.server_port.value())

@@ -3,6 +3,13 @@
 widget.  The UI asks for work with signals (queued into this thread) and stops a
 running answer through a threading.Event, which the token loop checks after
 every decoded token — a queued signal could not get in while the loop runs.
+
+The local server: while it is on, the engine belongs to the server's Scheduler
+(runtime/scheduler.py) and is driven from its thread only.  The window's own turns
+then become scheduler Requests beside the server's (their prompt rendered by the
+ChatSession as before), whose events come back as the same signals; this thread
+only submits them.  Turning the server off shuts the scheduler down and the engine
+is this thread's again.
 """
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import gc
 import inspect
 import json
 import os
+import secrets
 import threading
 import time
 import traceback
@@ -46,6 +54,8 @@ class EngineWorker(QObject):
     stats = Signal(int, str)                  # request id, live numbers as JSON (see _live_stats)
     finished = Signal(int, str)               # request id, final numbers with stop_reason (JSON)
     failed = Signal(int, str)                 # request id, message
+    server_started = Signal(str)              # JSON: url, api_key, model
+    server_stopped = Signal(str)              # "" or why it could not start
     # Only ints and strings cross threads: PySide6 6.8+ has crashed on Python-object
     # payloads in queued cross-thread signals (PYSIDE-3124).
 
@@ -56,6 +66,15 @@ class EngineWorker(QObject):
         self.info: dict = {}
         self._stop = threading.Event()
         self.chat_id = None
+        self.server = None                    # runtime.server.BackgroundServer while the local server is on
+        self.server_info: dict = {}
+        # the scheduler's requests in flight, published from its thread after each iteration
+        # (a dict replaced whole, never changed: the window reads it on a timer)
+        self.server_snapshot: dict | None = None
+        self._app_requests: dict = {}         # scheduler request id -> the window's request id
+        self._served = 0
+        self._in_flight: set = set()
+        self._sreq = None                     # the window's own request on the scheduler
 
     @Slot()
     def lower_priority(self) -> None:
@@ -72,6 +91,7 @@ class EngineWorker(QObject):
         """The window is closing: give the conversation's KV blocks back (the engine
         outlives the window) and end this thread's event loop."""
         try:
+            self._stop_server()
             if self.session is not None:
                 self.session.clear()
         finally:
@@ -81,11 +101,17 @@ class EngineWorker(QObject):
     # ---- called from the UI thread --------------------------------------------
     def request_stop(self) -> None:
         self._stop.set()
+        r, srv = self._sreq, self.server
+        if r is not None:
+            r.cancel()
+            if srv is not None:
+                srv.host.scheduler.wake()
 
     # ---- loading ---------------------------------------------------------------
     @Slot(str)
     def load(self, cfg_json: str) -> None:
         cfg = json.loads(cfg_json)
+        self._stop_server()                # the engine is this thread's again before it goes
         try:
             self._load(cfg)
         except BaseException as e:           # a bad model must never take the window down
@@ -183,6 +209,8 @@ class EngineWorker(QObject):
             self.failed.emit(rid, "No model is loaded.")
             return
         self._stop.clear()
+        if self.server is not None:
+            return self._submit(req)
         try:
             final = self._answer(req)
         except BaseException as e:
@@ -196,10 +224,10 @@ class EngineWorker(QObject):
             return
         self.finished.emit(rid, json.dumps(final))
 
-    def _answer(self, req: dict) -> dict:
+    def _prepare(self, req: dict):
+        """The session set for this turn: sampling, max tokens, constraint, system prompt, chat."""
         from runtime.sampling import SamplingParams
         s = self.session
-        rid = req["id"]
         p = req.get("params", {})
         s.params = SamplingParams(temperature=p.get("temperature", 0.7), top_k=p.get("top_k", 40),
                                   top_p=p.get("top_p", 0.95), min_p=p.get("min_p", 0.05),
@@ -216,6 +244,11 @@ class EngineWorker(QObject):
             self.chat_id = req.get("chat_id")
         if getattr(s, "first_shown", 0) >= len(turns):
             s.first_shown = 0         # an edit went back before the turns it had dropped
+        return s, turns
+
+    def _answer(self, req: dict) -> dict:
+        s, turns = self._prepare(req)
+        rid = req["id"]
         dropped_before = getattr(s, "dropped_turns", 0)
         kind = req.get("kind", "send")
         # Hand ChatSession the conversation as the UI shows it, then ask for the turn
@@ -241,6 +274,161 @@ class EngineWorker(QObject):
         out["stop_reason"] = gen.stats.stop_reason
         out["dropped"] = getattr(s, "dropped_turns", 0) - dropped_before
         return out
+
+    # ---- the local server ------------------------------------------------------
+    @Slot(str)
+    def start_server(self, cfg_json: str) -> None:
+        """cfg (JSON): port, api_key (generated when empty), parallel."""
+        cfg = json.loads(cfg_json)
+        if self.server is not None:
+            self.server_started.emit(json.dumps(self.server_info))
+            return
+        if self.engine is None or self.session is None:
+            self.server_stopped.emit("No model is loaded.")
+            return
+        from runtime.server import BackgroundServer
+        from runtime.server.host import ModelHost, ServeConfig
+        key = cfg.get("api_key") or "sk-llamba-" + secrets.token_urlsafe(24)
+        # the conversation's blocks go back to the pool (cached: the next turn reuses its prefix)
+        self.session.clear()
+        self.chat_id = None
+        self._app_requests.clear()
+        self._served, self._in_flight = 0, set()
+        self.server_snapshot = {"running": 0, "waiting": 0, "served": 0, "requests": []}
+        try:
+            sc = ServeConfig(n_ctx=self.engine.n_ctx, parallel=int(cfg.get("parallel", 4)),
+                             queue=int(cfg.get("queue", 16)))
+            host = ModelHost.from_engine(self.engine, sc, model_id=self.info.get("name", ""),
+                                         on_step=self._on_scheduler_step, announce=self.status.emit)
+            srv = BackgroundServer(host, "127.0.0.1", int(cfg.get("port", 8080)), api_key=key)
+            url = srv.start()     # (on failure it has stopped the scheduler: the engine is ours again)
+        except BaseException as e:
+            traceback.print_exc()
+            self.server_snapshot = None
+            self.server_stopped.emit(f"The local server could not start: {friendly_error(e)}")
+            return
+        self.server = srv
+        self.server_info = {"url": url, "api_key": key, "model": host.model_id}
+        self.status.emit(f"Serving {host.model_id} at {url}")
+        self.server_started.emit(json.dumps(self.server_info))
+
+    @Slot()
+    def stop_server(self) -> None:
+        if self._stop_server():
+            self.status.emit("The local server is off")
+
+    def _stop_server(self) -> bool:
+        srv, self.server = self.server, None
+        if srv is None:
+            return False
+        try:
+            srv.stop()            # requests in flight (the window's too) end "cancelled"
+        finally:
+            self._sreq = None
+            self.server_snapshot = None
+            self.server_info = {}
+            self.chat_id = None   # the next turn renders its chat afresh on this thread
+            if self.session is not None:
+                self.session.clear()
+            self.server_stopped.emit("")
+        return True
+
+    def _submit(self, req: dict) -> None:
+        """A turn of the window's while the server is on: a Request on the server's scheduler."""
+        from runtime.scheduler import QueueFull, Request
+        rid = req["id"]
+        try:
+            s, turns = self._prepare(req)
+            s.messages = list(turns)          # the conversation up to the user's last message
+            dropped_before = getattr(s, "dropped_turns", 0)
+            ids = s.prompt_ids()
+            n_ctx = self.engine.n_ctx
+            if len(ids) >= n_ctx:
+                raise ValueError(f"the prompt is {len(ids)} tokens, the context is {n_ctx}: start a new chat "
+                                 f"or raise the context length in Settings")
+            matcher = s.constraint.matcher() if getattr(s, "constraint", None) is not None else None
+            live = {"rid": rid, "rates": [], "last": None, "emitted": 0.0,
+                    "dropped": getattr(s, "dropped_turns", 0) - dropped_before}
+            r = Request(ids, s.params, max_tokens=max(1, min(s.max_tokens, n_ctx - len(ids))), matcher=matcher)
+            r.on_event = lambda ev: self._on_app_event(r, live, ev)
+        except BaseException as e:
+            traceback.print_exc()
+            self.failed.emit(rid, friendly_error(e, self.info.get("device", "")))
+            return
+        self._app_requests[r.id] = rid
+        self._sreq = r
+        try:
+            self.server.host.scheduler.submit(r)
+        except QueueFull:
+            self._app_requests.pop(r.id, None)
+            self._sreq = None
+            self.failed.emit(rid, "The local server is busy: too many requests are waiting. Try again shortly.")
+
+    def _on_app_event(self, r, live: dict, ev) -> None:
+        """The scheduler's thread: one of the window's requests moved (this must not block)."""
+        rid = live["rid"]
+        try:
+            if ev.text:
+                self.piece.emit(rid, ev.text)
+            now = time.perf_counter()
+            if ev.token is not None:
+                if live["last"] is not None and now > live["last"]:
+                    live["rates"].append(1.0 / (now - live["last"]))
+                live["last"] = now
+                if now - live["emitted"] >= 0.03:       # the window shows the newest every 40 ms
+                    live["emitted"] = now
+                    self.stats.emit(rid, json.dumps(self._request_stats(r, live)))
+            if ev.finish is None:
+                return
+            self._app_requests.pop(r.id, None)
+            if self._sreq is r:
+                self._sreq = None
+            if ev.finish == "error":
+                self.failed.emit(rid, f"The answer failed: {ev.error}")
+                return
+            out = self._request_stats(r, live)
+            reason = ev.finish
+            if reason == "stop":
+                reason = "constraint" if ev.stop_reason else "eos"
+            elif reason == "length" and len(r.known) >= self.engine.n_ctx:
+                reason = "context"
+            out["stop_reason"] = reason
+            out["dropped"] = live["dropped"]
+            self.finished.emit(rid, json.dumps(out))
+        except Exception:
+            traceback.print_exc()
+
+    def _request_stats(self, r, live: dict) -> dict:
+        st = r.stats
+        now = time.monotonic()
+        first = st.first_token
+        prompt_s = (first - st.arrival) if first else 0.0
+        gen_s = ((st.finished or now) - first) if first else 0.0
+        n = st.completion_tokens
+        return {
+            "prompt_tokens": st.prompt_tokens, "reused_tokens": st.cached_tokens,
+            "prompt_tokens_per_s": (st.prompt_tokens - st.cached_tokens) / prompt_s if prompt_s > 0 else 0.0,
+            "generated_tokens": n, "tokens_per_s": (n - 1) / gen_s if n > 1 and gen_s > 0 else 0.0,
+            "rate_history": list(live["rates"][-200:]),
+            "context_tokens": len(r.seq) if r.seq is not None else len(r.known), "n_ctx": self.engine.n_ctx,
+            "speculative": {}, "kv": self.engine.stats(),
+        }
+
+    def _on_scheduler_step(self, sch) -> None:
+        """The scheduler's thread, after each iteration: what is in flight, for the window."""
+        rows = []
+        now = time.monotonic()
+        for state, reqs in (("running", list(sch.running)), ("waiting", list(sch.waiting))):
+            for r in reqs:
+                rows.append({"id": r.id, "state": state, "source": "chat" if r.id in self._app_requests else "API",
+                             "prompt_tokens": r.stats.prompt_tokens, "cached_tokens": r.stats.cached_tokens,
+                             "generated_tokens": r.stats.completion_tokens, "max_tokens": r.max_tokens,
+                             "seconds": now - r.stats.arrival})
+        ids = {row["id"] for row in rows}
+        self._served += len(self._in_flight - ids)
+        self._in_flight = ids
+        self.server_snapshot = {"running": sch.stats.running, "waiting": sch.stats.waiting,
+                                "served": self._served, "requests": rows, "kv": dict(sch.stats.kv)}
 
     def _on_step(self, gen) -> None:
         now = time.perf_counter()
