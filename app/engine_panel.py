@@ -5,13 +5,19 @@ model's acceptance rate, and a sparkline of tokens/s over the answer.
 
 It only formats numbers the worker sends (engine.stats() and the Generation's
 stats); it never asks the engine anything itself.
+
+Below them, the local server: a switch, its URL, its API key (copyable) and the
+requests in flight on its scheduler (running and waiting), which the window hands
+over a few times a second while the server is on.
 """
 from __future__ import annotations
 
-from PySide6.QtCore import QPointF, QRectF, Qt
-from PySide6.QtGui import QColor, QPainter, QPainterPath, QPen
-from PySide6.QtWidgets import (QFormLayout, QFrame, QLabel, QProgressBar, QSizePolicy, QVBoxLayout,
-                               QWidget)
+from PySide6.QtCore import QPointF, QRectF, Qt, Signal
+from PySide6.QtGui import QColor, QGuiApplication, QPainter, QPainterPath, QPen
+from PySide6.QtWidgets import (QCheckBox, QFormLayout, QFrame, QHBoxLayout, QLabel, QLineEdit, QProgressBar,
+                               QPushButton, QSizePolicy, QVBoxLayout, QWidget)
+
+MAX_REQUEST_ROWS = 8
 
 
 def human_bytes(n: float) -> str:
@@ -76,6 +82,8 @@ class EngineBar(QProgressBar):
 
 
 class EnginePanel(QFrame):
+    server_toggled = Signal(bool)     # the user flipped the local server's switch
+
     def __init__(self, parent=None):
         super().__init__(parent)
         self.setObjectName("enginePanel")
@@ -115,8 +123,88 @@ class EnginePanel(QFrame):
         lay.addWidget(QLabel("tokens/s over this answer"))
         self.sparkline = Sparkline()
         lay.addWidget(self.sparkline)
+        lay.addSpacing(10)
+        lay.addWidget(self._build_server())
         lay.addStretch(1)
         self.shown: dict = {}        # the last numbers shown, for tests and the About box
+        self.set_server_state("off")
+
+    def _build_server(self) -> QWidget:
+        box = QWidget()
+        v = QVBoxLayout(box)
+        v.setContentsMargins(0, 0, 0, 0)
+        v.setSpacing(5)
+        self.server_switch = QCheckBox("Local server")
+        self.server_switch.setToolTip("Serve the loaded model to other programs on 127.0.0.1: an "
+                                      "OpenAI-compatible API with an API key; this chat keeps working beside it")
+        font = self.server_switch.font()
+        font.setBold(True)
+        self.server_switch.setFont(font)
+        self.server_switch.clicked.connect(lambda *_: self.server_toggled.emit(self.server_switch.isChecked()))
+        v.addWidget(self.server_switch)
+        form = QFormLayout()
+        form.setHorizontalSpacing(10)
+        form.setVerticalSpacing(5)
+        self.server_url = QLabel("—")
+        self.server_url.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.server_url.setToolTip("the base URL for OpenAI clients (base_url)")
+        form.addRow("URL", self.server_url)
+        row = QHBoxLayout()
+        row.setContentsMargins(0, 0, 0, 0)
+        self.server_key = QLineEdit()
+        self.server_key.setReadOnly(True)
+        self.server_key.setPlaceholderText("—")
+        self.server_key.setToolTip("the API key clients send (Authorization: Bearer …); a new one each time")
+        self.copy_key_button = QPushButton("Copy")
+        self.copy_key_button.setToolTip("copy the API key to the clipboard")
+        self.copy_key_button.clicked.connect(self.copy_key)
+        row.addWidget(self.server_key, 1)
+        row.addWidget(self.copy_key_button)
+        form.addRow("API key", row)
+        self.server_load = QLabel("—")
+        self.server_load.setToolTip("requests on the engine now: computed at once (running) and queued (waiting)")
+        form.addRow("Requests", self.server_load)
+        v.addLayout(form)
+        self.server_requests = QLabel("")
+        self.server_requests.setWordWrap(True)
+        self.server_requests.setTextFormat(Qt.TextFormat.PlainText)
+        self.server_requests.setToolTip("each request in flight: who sent it, its state, prompt + generated tokens")
+        v.addWidget(self.server_requests)
+        return box
+
+    # ---- the local server ----------------------------------------------------
+    def set_server_state(self, state: str, info: dict | None = None) -> None:
+        """state: off | starting | on | stopping; info (on): url, api_key."""
+        self.server_switch.blockSignals(True)
+        self.server_switch.setChecked(state in ("starting", "on"))
+        self.server_switch.blockSignals(False)
+        self.server_switch.setEnabled(state in ("off", "on"))
+        on = state == "on" and info is not None
+        self.server_url.setText(info["url"] if on else {"starting": "starting…", "stopping": "stopping…"}.get(state, "off"))
+        self.server_key.setText(info["api_key"] if on else "")
+        self.copy_key_button.setEnabled(on)
+        self.server_load.setText("0 running · 0 waiting" if on else "—")
+        self.server_requests.setText("")
+        self.shown["server"] = {"state": state, **(info or {})}
+
+    def copy_key(self) -> None:
+        if self.server_key.text():
+            QGuiApplication.clipboard().setText(self.server_key.text())
+
+    def set_server_requests(self, snap: dict) -> None:
+        """The scheduler's requests in flight (the worker's snapshot)."""
+        self.server_load.setText(f"{snap['running']} running · {snap['waiting']} waiting · {snap['served']} done")
+        lines = []
+        for r in snap["requests"][:MAX_REQUEST_ROWS]:
+            who = "this chat" if r["source"] == "chat" else "API"
+            cached = f" ({r['cached_tokens']} cached)" if r.get("cached_tokens") else ""
+            lines.append(f"#{r['id']} {who} · {r['state']} · {r['prompt_tokens']} prompt{cached} + "
+                         f"{r['generated_tokens']}/{r['max_tokens']} tokens · {r['seconds']:.1f} s")
+        more = len(snap["requests"]) - MAX_REQUEST_ROWS
+        if more > 0:
+            lines.append(f"… and {more} more")
+        self.server_requests.setText("\n".join(lines))
+        self.shown["server_requests"] = snap
 
     def set_colour(self, colour: str) -> None:
         self.sparkline.colour = QColor(colour)

@@ -6,6 +6,10 @@ and are merely appended to a buffer; a 40 ms timer then (1) commits the answer
 so far to SQLite and (2) re-renders the one streaming bubble and the engine
 panel.  Saving before showing is what makes a kill mid-answer lose nothing that
 was on screen.
+
+Server ▸ Local server (or the switch in the engine panel) serves the loaded model
+on 127.0.0.1 (see worker.py: the engine then belongs to the server's scheduler and
+this window's turns go through it too); a 250 ms timer shows its requests in flight.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from .store import ChatStore, Message
 from .worker import EngineWorker
 
 FLUSH_MS = 40
+SERVER_REFRESH_MS = 250
 _THREADS: list = []          # worker threads still finishing a step when their window closed
 
 
@@ -56,6 +61,8 @@ class MainWindow(QMainWindow):
     request_load = Signal(str)          # JSON for the worker thread (see worker.py on why)
     request_generate = Signal(str)
     request_shutdown = Signal()
+    request_server_start = Signal(str)
+    request_server_stop = Signal()
 
     def __init__(self, model: str | None = None, store: ChatStore | None = None, settings: Settings | None = None,
                  autoload: bool = True):
@@ -82,6 +89,9 @@ class MainWindow(QMainWindow):
         self.stop_requested_at: float | None = None
         self.last_final: dict = {}
         self._download: QProgressDialog | None = None
+        self.server_state = "off"               # off | starting | on | stopping
+        self.server_info: dict = {}             # url, api_key, model while on
+        self._server_shown = None
 
         self.setWindowTitle("Llamba")
         self.resize(1180, 760)
@@ -92,6 +102,9 @@ class MainWindow(QMainWindow):
         self.flush_timer = QTimer(self)
         self.flush_timer.setInterval(FLUSH_MS)
         self.flush_timer.timeout.connect(self.flush)
+        self.server_timer = QTimer(self)
+        self.server_timer.setInterval(SERVER_REFRESH_MS)
+        self.server_timer.timeout.connect(self.refresh_server)
         hints = QGuiApplication.styleHints()
         if hasattr(hints, "colorSchemeChanged"):
             hints.colorSchemeChanged.connect(lambda *_: self.settings.theme == "system" and self.apply_look())
@@ -177,6 +190,7 @@ class MainWindow(QMainWindow):
         split.addWidget(mid)
 
         self.panel = EnginePanel()
+        self.panel.server_toggled.connect(self.set_server)
         split.addWidget(self.panel)
         split.setStretchFactor(0, 0)
         split.setStretchFactor(1, 1)
@@ -221,6 +235,13 @@ class MainWindow(QMainWindow):
         self._act(c, "&Find chat", lambda: self.search.setFocus(), "Ctrl+F")
         self.chat_list.addAction(rename)
         self.chat_list.addAction(delete)
+        sv = mb.addMenu("Se&rver")
+        self.server_action = self._act(sv, "&Local server", self.set_server, "Ctrl+Shift+L",
+                                       "Serve the loaded model to other programs on 127.0.0.1 (OpenAI-compatible)")
+        self.server_action.setCheckable(True)
+        self.copy_url_action = self._act(sv, "Copy server &URL", lambda: self._copy(self.server_info.get("url")))
+        self.copy_key_action = self._act(sv, "Copy API &key", lambda: self._copy(self.server_info.get("api_key")))
+        self._sync_server_ui()
         v = mb.addMenu("&View")
         self._act(v, "Engine &panel", self.toggle_panel, "Ctrl+E")
         h = mb.addMenu("&Help")
@@ -256,6 +277,10 @@ class MainWindow(QMainWindow):
         w.stats.connect(self._on_stats)
         w.finished.connect(self._on_finished)
         w.failed.connect(self._on_failed)
+        self.request_server_start.connect(self.worker.start_server)
+        self.request_server_stop.connect(self.worker.stop_server)
+        w.server_started.connect(self._on_server_started)
+        w.server_stopped.connect(self._on_server_stopped)
         self.thread.started.connect(self.worker.lower_priority)
         self.thread.start()
 
@@ -631,11 +656,15 @@ class MainWindow(QMainWindow):
 
     def apply_settings(self, new: Settings) -> None:
         reload = new.engine_key() != self.settings.engine_key()
+        new_port = new.server_port != self.settings.server_port
         self.settings = new
         save_settings(new)
         self.apply_look()
         if reload:
-            self.load_model()
+            self.load_model()           # (the worker turns the server off first)
+        elif new_port and self.server_state == "on":
+            self.set_server(False)
+            self.set_server(True)       # queued after the stop in the worker's thread
 
     def toggle_panel(self) -> None:
         self.settings.show_engine_panel = not self.panel.isVisible()
@@ -657,8 +686,67 @@ class MainWindow(QMainWindow):
     def about(self) -> None:
         QMessageBox.about(self, "About Llamba", self.about_text())
 
+    # ---- the local server --------------------------------------------------------
+    def set_server(self, on: bool) -> None:
+        """Turn the local server on or off (the menu's action and the panel's switch)."""
+        on = bool(on)
+        if on and self.server_state in ("off", "stopping"):
+            if self.model_info is None or self.loading:
+                self.status_label.setText("Load a model first: the local server serves the loaded model")
+                self._sync_server_ui()
+                return
+            self.server_state = "starting"
+            self.request_server_start.emit(json.dumps({"port": self.settings.server_port}))
+        elif not on and self.server_state in ("on", "starting"):
+            self.server_state = "stopping"
+            self.request_server_stop.emit()
+        self._sync_server_ui()
+
+    def _sync_server_ui(self) -> None:
+        st = self.server_state
+        self.server_action.blockSignals(True)
+        self.server_action.setChecked(st in ("starting", "on"))
+        self.server_action.blockSignals(False)
+        self.copy_url_action.setEnabled(st == "on")
+        self.copy_key_action.setEnabled(st == "on")
+        self.panel.set_server_state(st, self.server_info if st == "on" else None)
+
+    @Slot(str)
+    def _on_server_started(self, info_json: str) -> None:
+        self.server_info = json.loads(info_json)
+        if self.server_state == "stopping":
+            return                      # turned off again before it came up: the stop is queued
+        self.server_state = "on"
+        self._server_shown = None
+        self._sync_server_ui()
+        self.status_label.setText(f"Serving {self.server_info['model']} at {self.server_info['url']}")
+        self.server_timer.start()
+
+    @Slot(str)
+    def _on_server_stopped(self, why: str) -> None:
+        self.server_timer.stop()
+        self.server_info = {}
+        if self.server_state == "starting" and not why:
+            return                      # a stop from before this start's request (a restart)
+        self.server_state = "off"
+        self._sync_server_ui()
+        if why:
+            self.show_error("The local server is off", why)
+
+    def refresh_server(self) -> None:
+        """The worker's newest snapshot of the requests in flight, if it changed."""
+        snap = self.worker.server_snapshot
+        if snap is not None and snap is not self._server_shown and self.server_state == "on":
+            self._server_shown = snap
+            self.panel.set_server_requests(snap)
+
+    def _copy(self, text: str | None) -> None:
+        if text:
+            QGuiApplication.clipboard().setText(text)
+
     # ---- shutdown ----------------------------------------------------------------
     def closeEvent(self, e):
+        self.server_timer.stop()
         self.worker.request_stop()
         self.flush()
         save_settings(self.settings)
