@@ -19,6 +19,7 @@ from quant.dequant import check_rows, deq_rows_kernel
 from quant.matmul_cpu import matmul_into, matmul_multi_into, pool_sgemm
 from quant.types import GGMLType
 
+from ..kv_cache import CACHE_KV_QUANT, CACHE_TYPES, QK8, kv_bytes_per_token_layer  # noqa: F401
 from . import cpu_kernels as K
 from . import cpu_plan, hugepages
 
@@ -64,52 +65,42 @@ class _Arena:
         return sum(b.nbytes for b in self.flat)
 
 
-CACHE_TYPES = ("f16", "q8_0")
-
-
-def kv_bytes_per_token_layer(n_kv_heads: int, head_dim: int, cache_type: str = "f16") -> int:
-    """Bytes one token's K and V take in one layer."""
-    if cache_type == "f16":
-        return 2 * n_kv_heads * head_dim * 2
-    if cache_type == "q8_0":
-        if head_dim % K.QK8:
-            raise ValueError(f"q8_0 KV cache needs head_dim divisible by {K.QK8} (got {head_dim})")
-        return 2 * n_kv_heads * (head_dim + 2 * head_dim // K.QK8)
-    raise ValueError(f"unknown KV cache type '{cache_type}' (choose from {', '.join(CACHE_TYPES)})")
+# (the cache types and their sizes live in kv_cache.py; imported from here too)
+assert K.QK8 == QK8
 
 
 class CPUKVStorage:
     """K and V pools per layer: [n_slots, kv_heads, head_dim] as f16 bits (uint16), or
-    for q8_0 as int8 plus one f16 scale per 32 values ([n_slots, kv_heads, head_dim/32])."""
+    for q8_0 as int8 plus one f16 scale per 32 values ([n_slots, kv_heads, head_dim/32]).
+    q8_0 quantizes both, k16v8 only V (k_quant, v_quant)."""
 
     def __init__(self, n_layers, n_slots, n_kv_heads, head_dim, cache_type="f16"):
         self.cache_type = cache_type
         self.bytes_per_token_layer = kv_bytes_per_token_layer(n_kv_heads, head_dim, cache_type)
         self.bytes_per_token = n_layers * self.bytes_per_token_layer
-        self.quantized = cache_type == "q8_0"
+        self.k_quant, self.v_quant = CACHE_KV_QUANT[cache_type]
+        self.quantized = self.k_quant or self.v_quant
         shape = (n_slots, n_kv_heads, head_dim)
-        dtype = np.int8 if self.quantized else np.uint16
+        sshape = (n_slots, n_kv_heads, head_dim // K.QK8)
+        none = np.zeros((1, 1, 1), np.uint16)
         # np.zeros maps pages lazily: blocks never handed out cost no memory
-        self.k = [np.zeros(shape, dtype) for _ in range(n_layers)]
-        self.v = [np.zeros(shape, dtype) for _ in range(n_layers)]
-        if self.quantized:
-            sshape = (n_slots, n_kv_heads, head_dim // K.QK8)
-            self.k_scale = [np.zeros(sshape, np.uint16) for _ in range(n_layers)]
-            self.v_scale = [np.zeros(sshape, np.uint16) for _ in range(n_layers)]
-        else:
-            none = np.zeros((1, 1, 1), np.uint16)
-            self.k_scale = self.v_scale = [none] * n_layers
+        self.k = [np.zeros(shape, np.int8 if self.k_quant else np.uint16) for _ in range(n_layers)]
+        self.v = [np.zeros(shape, np.int8 if self.v_quant else np.uint16) for _ in range(n_layers)]
+        self.k_scale = [np.zeros(sshape, np.uint16) for _ in range(n_layers)] if self.k_quant else [none] * n_layers
+        self.v_scale = [np.zeros(sshape, np.uint16) for _ in range(n_layers)] if self.v_quant else [none] * n_layers
 
     def copy_block(self, src: int, dst: int, block_size: int, layers=None) -> None:
         s, d = slice(src * block_size, (src + 1) * block_size), slice(dst * block_size, (dst + 1) * block_size)
         for i in (range(len(self.k)) if layers is None else layers):
-            for pool in (self.k[i], self.v[i]) + ((self.k_scale[i], self.v_scale[i]) if self.quantized else ()):
+            pools = (self.k[i], self.v[i]) + ((self.k_scale[i],) if self.k_quant else ()) + \
+                ((self.v_scale[i],) if self.v_quant else ())
+            for pool in pools:
                 pool[d] = pool[s]
 
     def shift(self, layer: int, src, dst, delta: int, inv_freq, neox: bool, pos_scale: float = 1.0) -> None:
         """Context shift: move one layer's K/V from slots src to dst, keys re-rotated by delta positions."""
-        K.kv_shift(self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer], self.quantized,
-                   np.asarray(src, np.int32), np.asarray(dst, np.int32), int(delta),
+        K.kv_shift(self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer], self.k_quant,
+                   self.v_quant, np.asarray(src, np.int32), np.asarray(dst, np.int32), int(delta),
                    np.asarray(inv_freq, np.float32), bool(neox), np.float32(pos_scale))
 
 
@@ -283,7 +274,8 @@ class CPUBackend:
         kv = self.kv
         slots, tables = step.slots_for(layer), step.tables_for(layer)
         call = self.scratch.call
-        call(K.kv_write, k, v, kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.quantized, slots)
+        call(K.kv_write, k, v, kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.k_quant,
+             kv.v_quant, slots)
         kvh = k.shape[1]
         g = h // kvh
         splits = step.attn_splits
@@ -300,8 +292,8 @@ class CPUBackend:
         part_l = self.arena.get(pshape)
         part_acc = self.arena.get(pshape + ((d,) if splits > 1 else (1,)))
         out = self.arena.get((n, h, d))
-        call(K.paged_attention, q, kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.quantized,
-             step.block_size, tables, step.seq_of_token, step.positions, window,
+        call(K.paged_attention, q, kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.k_quant,
+             kv.v_quant, step.block_size, tables, step.seq_of_token, step.positions, window,
              np.float32(step.attn_scale), splits, tile_t0, tile_n, n_tiles,
              part_m, part_l, part_acc, out)
         return out.reshape(n, h * d)

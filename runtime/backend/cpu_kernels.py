@@ -124,8 +124,10 @@ def add_bias3(x0, b0, x1, b1, x2, b2):
 # K/V pools are [n_slots, KVH, D] per layer, slot = block * block_size + offset.
 # f16 cache: uint16 f16 bits.  q8_0 cache: int8 values plus one f16 scale per 32
 # values ([n_slots, KVH, D // 32] uint16), the GGML Q8_0 layout split in two arrays
-# so the int8 rows stay contiguous.  Kernels take a `quantized` flag and both pool
-# kinds compile from the same source (the branch is per block, not per value).
+# so the int8 rows stay contiguous.  k16v8 cache: K as f16, V as q8_0 (K's outlier
+# channels make a q8_0 K cost Qwen2.5 +5.9% perplexity; V quantizes well).  Kernels
+# take a flag for each of K (kq) and V (vq) and every pool kind compiles from the
+# same source (the branch is per block, not per value).
 
 QK8 = 32
 # fastmath without nnan/ninf: attention masks with -inf and must compare against it
@@ -182,19 +184,22 @@ def _load_row(pool, scales, quantized, s, h, out, r):
 
 
 @nb.njit(**_JIT)
-def kv_write(k, v, k_pool, v_pool, k_scale, v_scale, quantized, slots):
+def kv_write(k, v, k_pool, v_pool, k_scale, v_scale, kq, vq, slots):
     """Store the new tokens' K and V (f32 [N, KVH, D]) at their cache slots
-    (f16 bits, or q8_0 values + scales when quantized)."""
+    (f16 bits, or q8_0 values + scales where kq / vq)."""
     n, kvh, d = k.shape
     for t in range(n):
         s = slots[t]
         for h in range(kvh):
-            if quantized:
+            if kq:
                 _q8_store(k[t, h], k_pool, k_scale, s, h)
-                _q8_store(v[t, h], v_pool, v_scale, s, h)
             else:
                 for j in range(d):
                     k_pool[s, h, j] = f32_to_f16(k[t, h, j])
+            if vq:
+                _q8_store(v[t, h], v_pool, v_scale, s, h)
+            else:
+                for j in range(d):
                     v_pool[s, h, j] = f32_to_f16(v[t, h, j])
 
 
@@ -694,7 +699,7 @@ def _pv_f16_r(sc, v_pool, voff, acc, r0, cu0, cu1, R):
 
 
 @nb.njit(parallel=True, **_JIT)
-def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, block_tables,
+def paged_attention(q, k_pool, v_pool, k_scale, v_scale, kq, vq, block_size, block_tables,
                     seq_of_token, positions, window, scale, n_splits, tile_t0, tile_n, tile_count,
                     part_m, part_l, part_acc, out):
     """Causal-tiled attention with an online softmax over a paged KV cache.
@@ -732,8 +737,8 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
     g = h // kvh
     per_tile = kvh * n_splits
     dp = (d + 63) // 64 * 64
-    fast_k = not quantized and d % 16 == 0
-    fast_v = not quantized and d % 64 == 0      # V read in place, 64 dims per step
+    fast_k = not kq and d % 16 == 0
+    fast_v = not vq and d % 64 == 0      # V read in place, 64 dims per step (else gathered, dequantized)
     for it in nb.prange(n_tiles * per_tile):
         # zig-zag over tiles so that contiguous chunks of items (one per thread)
         # mix short early tiles with long late ones under causal masking
@@ -780,11 +785,11 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
             for x in range(d):
                 qs[r, x] = q[t0 + r // g, kh * g + r % g, x] * scale
         j = j0
-        if not quantized:
+        if not kq:      # (a q8_0 V pool's rows are half as long: its lines get prefetched twice)
             _prefetch_keys(k_pool, v_pool, table, block_size, kvh, kh, d, j0, min(j1, j0 + ATTN_PREFETCH * ATTN_BK))
         while j < j1:
             nk = min(ATTN_BK, j1 - j)
-            if not quantized:
+            if not kq:
                 pj = j + ATTN_PREFETCH * ATTN_BK
                 _prefetch_keys(k_pool, v_pool, table, block_size, kvh, kh, d, pj, min(j1, pj + ATTN_BK))
             c = 0
@@ -798,9 +803,9 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, quantized, block_size, 
                     if fast_k:
                         koff[c + e] = ((base + e) * kvh + kh) * d
                     else:
-                        _load_col(k_pool, k_scale, quantized, base + e, kh, d, kt, c + e)
+                        _load_col(k_pool, k_scale, kq, base + e, kh, d, kt, c + e)
                     if not fast_v:
-                        _load_row_d(v_pool, v_scale, quantized, base + e, kh, d, vf, c + e)
+                        _load_row_d(v_pool, v_scale, vq, base + e, kh, d, vf, c + e)
                 c += run
             if fast_k:
                 # K: 16 keys x 16 dims at a time, converted and transposed in
@@ -942,19 +947,26 @@ def _merge_splits(it, kvh, g, d, n_splits, part_m, part_l, part_acc, out):
 
 
 @nb.njit(**_JIT)
-def kv_shift(k_pool, v_pool, k_scale, v_scale, quantized, src, dst, delta, inv_freq, neox, pos_scale):
+def kv_shift(k_pool, v_pool, k_scale, v_scale, kq, vq, src, dst, delta, inv_freq, neox, pos_scale):
     """Move cached K/V from slots src to slots dst (context shift) and re-rotate the
     keys by `delta` positions: RoPE rotations compose, so R(p + delta) = R(delta) R(p).
-    All sources are read before any destination is written, so src and dst may overlap."""
+    A q8_0 K is dequantized, rotated and quantized again; V (not rotated) moves as
+    stored, bit for bit.  All sources are read before any destination is written, so
+    src and dst may overlap."""
     n = src.shape[0]
     kvh = k_pool.shape[1]
     d = k_pool.shape[2]
     kt = np.empty((n, kvh, d), np.float32)
-    vt = np.empty((n, kvh, d), np.float32)
+    vt = np.empty((n, kvh, d), v_pool.dtype)
+    vs = np.empty((n,) + v_scale.shape[1:], v_scale.dtype)
     for t in range(n):
         for hh in range(kvh):
-            _load_row(k_pool, k_scale, quantized, src[t], hh, kt[t], hh)
-            _load_row(v_pool, v_scale, quantized, src[t], hh, vt[t], hh)
+            _load_row(k_pool, k_scale, kq, src[t], hh, kt[t], hh)
+            for j in range(d):
+                vt[t, hh, j] = v_pool[src[t], hh, j]
+            if vq:
+                for b in range(vs.shape[2]):
+                    vs[t, hh, b] = v_scale[src[t], hh, b]
     half = inv_freq.shape[0]
     ang0 = np.float64(delta) / pos_scale
     for i in range(half):
@@ -973,4 +985,16 @@ def kv_shift(k_pool, v_pool, k_scale, v_scale, quantized, src, dst, delta, inv_f
                     b = kt[t, hh, 2 * i + 1]
                     kt[t, hh, 2 * i] = a * c - b * s
                     kt[t, hh, 2 * i + 1] = a * s + b * c
-    kv_write(kt, vt, k_pool, v_pool, k_scale, v_scale, quantized, dst)
+    for t in range(n):
+        s = dst[t]
+        for hh in range(kvh):
+            if kq:
+                _q8_store(kt[t, hh], k_pool, k_scale, s, hh)
+            else:
+                for j in range(d):
+                    k_pool[s, hh, j] = f32_to_f16(kt[t, hh, j])
+            for j in range(d):
+                v_pool[s, hh, j] = vt[t, hh, j]
+            if vq:
+                for b in range(vs.shape[2]):
+                    v_scale[s, hh, b] = vs[t, hh, b]
