@@ -133,8 +133,9 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, engine, max_running: int = 8, max_waiting: int = 64, chunk: int = 512,
-                 prompt_budget: int | None = None, prefix_cache: bool = True, on_step=None):
+                 prompt_budget: int | None = None, prefix_cache: bool = True, on_step=None, drafter=None):
         self.engine = engine
+        self.drafter = drafter            # speculative.Drafter: rounds for a request decoding alone
         self.cache = engine.cache
         self.tok = engine.tokenizer
         self.max_running, self.max_waiting = max_running, max_waiting
@@ -213,14 +214,47 @@ class Scheduler:
         for r in [r for r in list(self.waiting) + self.running if r.cancelled]:
             self._finish(r, "cancelled")
         decoding, planned = self._room_for_decoding([r for r in self.running if len(r.seq) == len(r.known) - 1])
+        if self._speculate(decoding):
+            self._end_step()
+            return
         chunks = self._chunks(planned)
         self.stats.prompt_tokens += sum(n for _, n in chunks)
+        solo = self.drafter is not None and len(decoding) == 1 and not chunks
+        t0 = time.perf_counter()
         for group in self._forwards([(r, 1) for r in decoding] + chunks):
             self._forward([r for r, _ in group], [r.known[len(r.seq):len(r.seq) + n] for r, n in group])
+        if solo:
+            self.drafter.observe_plain(time.perf_counter() - t0)
+        self._end_step()
+
+    def _end_step(self) -> None:
         self.stats.steps += 1
         self._snapshot()
         if self.on_step:
             self.on_step(self)
+
+    def _speculate(self, decoding: list[Request]) -> bool:
+        """Speculative decoding is a way a request advances: when one request decodes and
+        nothing else is running or waiting, the draft proposes tokens and the target checks
+        them in one forward of k + 1 rows (within exact_rows, so greedy output stays the
+        target's own).  Returns whether a round ran."""
+        if (self.drafter is None or len(decoding) != 1 or len(self.running) != 1 or self.waiting or self._inbox):
+            return False
+        r = decoding[0]
+        if r.matcher is not None or r.logprobs is not None or r.presence_penalty or r.frequency_penalty:
+            return False
+        need = self._blocks_needed(r, self.drafter.k + 1)
+        if need > self.cache.free_blocks():
+            return False
+        out = self.drafter.round(r.seq, r.known, r.sampler)
+        if out is None:
+            return False
+        self.stats.forwards += 1
+        for t in out:
+            self._accept(r, t)
+            if r.finish_reason is not None:
+                break
+        return True
 
     # ---- planning ----------------------------------------------------------------------
     def _forwards(self, work: list[tuple[Request, int]]) -> list[list[tuple[Request, int]]]:

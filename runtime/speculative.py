@@ -220,7 +220,7 @@ class KController:
     at each draft position (expected_tokens).  k = 0 is plain decoding.
 
     Replayed on the Qwen pair's agreement data (3 prompts x 128 tokens, six
-    generations through one controller; runtime.bench_kcontroller) with the step
+    generations through one controller; tests/lab/kcontroller.py) with the step
     costs of a bench run in target steps, 6% noise a step and a random-walk drift,
     the adaptive choice came to 1.63-1.65x where fixed k = 3 gives 1.67x (1.61x
     before those two estimators and the hysteresis in choose).
@@ -425,7 +425,7 @@ class KController:
         best = max(self.candidates(), key=self.rate)
         # the last best k stays unless the new one is HYSTERESIS faster: two k a few per
         # cent apart (2 and 3 on the Qwen pair) otherwise trade places with noisy rounds
-        # (replayed over two cost sets and four noise settings, runtime.bench_kcontroller:
+        # (replayed over two cost sets and four noise settings, tests/lab/kcontroller.py:
         # 1.02 came to -0.4..+0.9% against none; 1.04 to -2.3..+1.0%, locking in a k
         # 2% short of the best where costs are steady)
         cur = self.k_best
@@ -746,6 +746,37 @@ class Drafter:
             for t in out:
                 yield t
             pending = out[-1]
+
+    def round(self, seq: Sequence, history: list[int], sampler: Sampler) -> list[int] | None:
+        """One speculative round for a caller with a loop of its own (the scheduler, while a
+        request decodes alone): the tokens to emit, or None when a plain target step is due
+        (the controller times one now and then, or drafting does not pay now; report its
+        time with observe_plain).  Before and after, the target cache holds every token of
+        history but the last, as between the rounds of `tokens`."""
+        ctl = self.controller
+        if ctl is None:
+            k_fixed = self.k if not self.adaptive else min(self.k, 3)
+            ctl = self.controller = KController(k_max=self.k, adaptive=self.adaptive, k_fixed=k_fixed)
+            self.stats = SpecStats(controller=ctl)
+            self._rounds = 0
+        self._rounds += 1
+        if self.probe_due(ctl, self._rounds, self.adaptive):
+            return None
+        k = max(0, min(ctl.choose(), self.target.n_ctx - len(seq) - 1))
+        if k == 0:
+            return None
+        try:
+            return self._round(seq, history[-1], history, k, sampler, sampler.rng, ctl)
+        except ContextOverflow:         # the draft's context is full: a plain step
+            return None
+
+    def observe_plain(self, seconds: float) -> None:
+        """A plain target step of one token took `seconds` (for the controller's cost model)."""
+        if self.controller is not None:
+            self.controller.observe_plain(seconds)
+            self.stats.plain_forwards += 1
+            self.stats.plain_seconds += seconds
+            self.stats.emitted += 1
 
     def _round(self, seq, pending, history, k, sampler, rng, ctl, matcher=None):
         """Draft k tokens, verify them in one target step, roll back; return the

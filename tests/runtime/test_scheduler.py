@@ -121,3 +121,18 @@ def test_text_stream_holds_back_a_possible_stop(engine):
     assert out == "hello " and not ts.stopped       # "EN" might begin "END"
     out += "".join(ts.feed(t) for t in tok.encode("D more", add_bos=False)) + ts.finish()
     assert out == "hello " and ts.stopped
+
+
+def test_a_request_alone_decodes_speculatively_with_its_own_tokens(engine, solo):
+    from runtime.speculative import Drafter
+    draft = Engine(engine.loaded, n_ctx=512)          # SmolLM2 drafting for itself: every draft accepted
+    sch = Scheduler(engine, drafter=Drafter(draft, engine, k=4, adaptive=False))
+    reqs = []
+    for p in PROMPTS[:3]:           # one at a time: a request alone speculates
+        reqs.append(sch.submit(Request(engine.tokenizer.encode(p), GREEDY, max_tokens=12)))
+        sch.run_until_idle()
+    assert [r.output for r in reqs] == solo[:3]
+    st = sch.drafter.stats
+    assert st.verify_forwards > 0 and st.accepted > 0
+    assert sch.stats.forwards < sum(len(r.output) for r in reqs)
+    assert engine.stats()["blocks_used"] == 0
