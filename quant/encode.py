@@ -19,8 +19,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .dequant import scale_q3_k
-from .half import f16_to_f32, f32_to_f16
+from .dequant import _h, scale_min_k4, scale_q3_k
+from .half import f32_to_f16
 from .types import QK, QK_K, GGMLType, row_nbytes, type_name
 
 F32 = np.float32
@@ -78,6 +78,15 @@ def _signed_absmax(src, o, n=QK):
     return vmax
 
 
+@njit(inline="always")
+def _block_scale(src, xo, dst, o, qmin):
+    """Q4_0 / Q5_0's block head: d = (signed absmax) / qmin (-8 or -16) stored as f16 at
+    dst[o]; returns 1 / d (0 where d is 0)."""
+    d = _signed_absmax(src, xo) / qmin
+    _put_f16(dst, o, d)
+    return F32(1.0) / d if d != F32(0.0) else F32(0.0)
+
+
 @njit(parallel=True, cache=True)
 def encode_q4_0(x, out):
     M, K = x.shape
@@ -85,11 +94,8 @@ def encode_q4_0(x, out):
         src = x[r]
         dst = out[r]
         for b in range(K // QK):
-            vmax = _signed_absmax(src, b * QK)
-            d = vmax / F32(-8.0)
-            idv = F32(1.0) / d if d != F32(0.0) else F32(0.0)
             o = b * 18
-            _put_f16(dst, o, d)
+            idv = _block_scale(src, b * QK, dst, o, F32(-8.0))
             for j in range(16):
                 x0 = src[b * QK + j] * idv
                 x1 = src[b * QK + 16 + j] * idv
@@ -213,15 +219,10 @@ def _qk_k_row(src, dst, nmax, rmin, nstep, bsize):
                 dst[o + 4 + j] |= (lm >> 4) << 6
         _put_f16(dst, o, max_scale / F32(63.0))
         _put_f16(dst, o + 2, max_min / F32(63.0))
-        dd = f16_to_f32(np.uint16(dst[o]) | (np.uint16(dst[o + 1]) << np.uint16(8)))
-        dmin = f16_to_f32(np.uint16(dst[o + 2]) | (np.uint16(dst[o + 3]) << np.uint16(8)))
+        dd = _h(dst, o)
+        dmin = _h(dst, o + 2)
         for j in range(8):
-            if j < 4:
-                sc = dst[o + 4 + j] & 63
-                m = dst[o + 4 + j + 4] & 63
-            else:
-                sc = (dst[o + 4 + j + 4] & 0xF) | ((dst[o + 4 + j - 4] >> 6) << 4)
-                m = (dst[o + 4 + j + 4] >> 4) | ((dst[o + 4 + j] >> 6) << 4)
+            sc, m = scale_min_k4(j, dst, o + 4)
             d = dd * F32(sc)
             if d == F32(0.0):
                 continue   # keeps make_qkx2_quants' L, as the reference does
@@ -266,11 +267,8 @@ def encode_q5_0(x, out):
         src = x[r]
         dst = out[r]
         for b in range(K // QK):
-            vmax = _signed_absmax(src, b * QK)
-            d = vmax / F32(-16.0)
-            idv = F32(1.0) / d if d != F32(0.0) else F32(0.0)
             o = b * 22
-            _put_f16(dst, o, d)
+            idv = _block_scale(src, b * QK, dst, o, F32(-16.0))
             qh = np.uint32(0)
             for j in range(16):
                 x0 = src[b * QK + j] * idv
@@ -287,6 +285,25 @@ def encode_q5_0(x, out):
 _GROUP_MAX_EPS = F32(1e-15)
 
 
+@njit(inline="always")
+def _qx_sums(x, xo, n, nmax, iscale, L, lo, lofs, store):
+    """One candidate grid of make_qx_quants / make_q3_quants (weights x^2): codes
+    l = clamp(nearest(iscale * x), -nmax, nmax - 1), stored as l + lofs in L[lo:lo+n]
+    where store; returns (sum w x l, sum w l^2) in the reference's order."""
+    sumlx = F32(0.0)
+    suml2 = F32(0.0)
+    for i in range(n):
+        v = x[xo + i]
+        l = _nearest_int(iscale * v)
+        l = max(-nmax, min(nmax - 1, l))
+        if store:
+            L[lo + i] = l + lofs
+        w = v * v
+        sumlx += w * v * F32(l)
+        suml2 += w * F32(l) * F32(l)
+    return sumlx, suml2
+
+
 @njit(cache=True)
 def _make_qx_quants_16_32(x, xo, L, lo):
     """make_qx_quants(16, 32, x+xo, L+lo, rmse_type=1, qw=NULL): weights x^2,
@@ -299,31 +316,14 @@ def _make_qx_quants_16_32(x, xo, L, lo):
             L[lo + i] = 0
         return F32(0.0)
     iscale = F32(-nmax) / vmax
-    sumlx = F32(0.0)
-    suml2 = F32(0.0)
-    for i in range(n):
-        v = x[xo + i]
-        l = _nearest_int(iscale * v)
-        l = max(-nmax, min(nmax - 1, l))
-        L[lo + i] = l + nmax
-        w = v * v
-        sumlx += w * v * F32(l)
-        suml2 += w * F32(l) * F32(l)
+    sumlx, suml2 = _qx_sums(x, xo, n, nmax, iscale, L, lo, nmax, True)
     scale = sumlx / suml2 if suml2 != F32(0.0) else F32(0.0)
     best = scale * sumlx
     for s in range(-9, 10):
         if s == 0:
             continue
         iscale = -(F32(nmax) + F32(0.1) * F32(s)) / vmax
-        sumlx = F32(0.0)
-        suml2 = F32(0.0)
-        for i in range(n):
-            v = x[xo + i]
-            l = _nearest_int(iscale * v)
-            l = max(-nmax, min(nmax - 1, l))
-            w = v * v
-            sumlx += w * v * F32(l)
-            suml2 += w * F32(l) * F32(l)
+        sumlx, suml2 = _qx_sums(x, xo, n, nmax, iscale, L, lo, nmax, False)
         if suml2 > F32(0.0) and sumlx * sumlx > best * suml2:
             for i in range(n):
                 l = _nearest_int(iscale * x[xo + i])
@@ -359,7 +359,7 @@ def encode_q6_k(x, out):
                 continue
             iscale = F32(-128.0) / max_scale
             _put_f16(dst, o + 208, F32(1.0) / iscale)
-            dd = f16_to_f32(np.uint16(dst[o + 208]) | (np.uint16(dst[o + 209]) << np.uint16(8)))
+            dd = _h(dst, o + 208)
             for ib in range(16):
                 q = min(127, _nearest_int(iscale * scales[ib]))
                 dst[o + 192 + ib] = np.uint8(q & 0xFF)   # int8_t
@@ -395,15 +395,7 @@ def _make_q3_quants_16(x, xo, L, lo):
             L[lo + i] = 0
         return F32(0.0)
     iscale = F32(-nmax) / vmax
-    sumlx = F32(0.0)
-    suml2 = F32(0.0)
-    for i in range(n):
-        v = x[xo + i]
-        l = max(-nmax, min(nmax - 1, _nearest_int(iscale * v)))
-        L[lo + i] = l
-        w = v * v
-        sumlx += w * v * F32(l)
-        suml2 += w * F32(l) * F32(l)
+    sumlx, suml2 = _qx_sums(x, xo, n, nmax, iscale, L, lo, 0, True)
     for _ in range(5):
         n_changed = 0
         for i in range(n):
@@ -466,7 +458,7 @@ def encode_q3_k(x, out):
                 _put_f16(dst, o + 108, F32(1.0) / iscale)
             else:
                 _put_f16(dst, o + 108, F32(0.0))
-            dd = f16_to_f32(np.uint16(dst[o + 108]) | (np.uint16(dst[o + 109]) << np.uint16(8)))
+            dd = _h(dst, o + 108)
             for j in range(16):
                 d = dd * F32(scale_q3_k(j, dst, o + 96))
                 if d == F32(0.0):
