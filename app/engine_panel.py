@@ -168,7 +168,8 @@ class EnginePanel(QFrame):
         self.server_requests = QLabel("")
         self.server_requests.setWordWrap(True)
         self.server_requests.setTextFormat(Qt.TextFormat.PlainText)
-        self.server_requests.setToolTip("each request in flight: who sent it, its state, prompt + generated tokens")
+        self.server_requests.setToolTip("each request in flight: who sent it, its state, prompt tokens (those from "
+                                        "the prefix cache) + generated / at most, time since it arrived")
         v.addWidget(self.server_requests)
         return box
 
@@ -182,6 +183,7 @@ class EnginePanel(QFrame):
         on = state == "on" and info is not None
         self.server_url.setText(info["url"] if on else {"starting": "starting…", "stopping": "stopping…"}.get(state, "off"))
         self.server_key.setText(info["api_key"] if on else "")
+        self.server_key.setCursorPosition(0)
         self.copy_key_button.setEnabled(on)
         self.server_load.setText("0 running · 0 waiting" if on else "—")
         self.server_requests.setText("")
@@ -197,8 +199,8 @@ class EnginePanel(QFrame):
         lines = []
         for r in snap["requests"][:MAX_REQUEST_ROWS]:
             who = "this chat" if r["source"] == "chat" else "API"
-            cached = f" ({r['cached_tokens']} cached)" if r.get("cached_tokens") else ""
-            lines.append(f"#{r['id']} {who} · {r['state']} · {r['prompt_tokens']} prompt{cached} + "
+            cached = f" ({r['cached_tokens']} cached)" if r.get("cached_tokens") else ""   # prompt tokens
+            lines.append(f"#{r['id']} {who} · {r['state']} · {r['prompt_tokens']}{cached} + "
                          f"{r['generated_tokens']}/{r['max_tokens']} tokens · {r['seconds']:.1f} s")
         more = len(snap["requests"]) - MAX_REQUEST_ROWS
         if more > 0:

@@ -94,7 +94,8 @@ def test_server_switch_openai_client_in_flight_chat_beside_and_off(make_window, 
     t.start()
     qtbot.waitUntil(first.is_set, timeout=ANSWER_MS)
     assert "error" not in stream_state, stream_state.get("error")
-    qtbot.waitUntil(lambda: re.search(r"#\d+ API · running · \d+ prompt", _panel_rows(w)) is not None, timeout=5_000)
+    api_row = r"#\d+ API · running · \d+( \(\d+ cached\))? \+ \d+/400 tokens"
+    qtbot.waitUntil(lambda: re.search(api_row, _panel_rows(w)) is not None, timeout=5_000)
     assert re.match(r"[12] running", w.panel.server_load.text()), w.panel.server_load.text()
 
     # the worker's snapshots, polled faster than the panel shows them
