@@ -67,6 +67,91 @@ struct MvkPf {
     for (int k = 0; k < S - 1; k++) padvance();       /* the steps loaded before the loop */       \
     for (int k = 0; k < LLAMBA_WPF; k++) { prefetch(); padvance(); }
 
+// The scaffolding mvk4k and mvkt share, as macros (like MVK_PF_DEFS) so that each kernel
+// expands to the same code it had: the PTX is unchanged.  In the kernel's scope they need
+// R, NR, S, IL, BPS, XP, Stage, lane, warp, nb, nst, the kernel's arguments, and then
+// load_w / load_x / load / compute.  What stays in each kernel is its type's part - the
+// lanes a block, the weight and x registers a stage holds, the dot - which sets the
+// kernel's register use and so stays written out per kernel.
+//
+// MVK_TASK_DEFS: the launch's tasks (R rows of W0, W1 or W2) over the grid's warps, the
+// warp's range [t_beg, t_end) step t_step, task(t, sel, m0); the load cursor: task lt,
+// its step lit, its first row's bytes lp, rows in it lrows; lset(), ladvance().
+#define MVK_TASK_DEFS                                                                              \
+    const int T0 = (M0 + R - 1) / R, T1 = (M1 + R - 1) / R, T2 = (M2 + R - 1) / R;                 \
+    const int T = T0 + T1 + T2;                                                                    \
+    const int nw = gridDim.x * MVK_WARPS, w = blockIdx.x * MVK_WARPS + warp;                       \
+    const int t_beg = IL ? w : (int)((long long)w * T / nw),                                       \
+              t_end = IL ? T : (int)((long long)(w + 1) * T / nw);                                 \
+    const int t_step = IL ? nw : 1;                                                                \
+    if (t_beg >= t_end) return;                                                                    \
+    auto task = [&](int t, int& sel, int& m0) {                                                    \
+        if (t < T0) { sel = 0; m0 = t * R; }                                                       \
+        else if (t < T0 + T1) { sel = 1; m0 = (t - T0) * R; }                                      \
+        else { sel = 2; m0 = (t - T0 - T1) * R; }                                                  \
+    };                                                                                             \
+    int lt = t_beg, lit = 0, lrows = 0;                                                            \
+    const u8* lp = nullptr;                                                                        \
+    auto lset = [&]() {                                                                            \
+        int sel, m0;                                                                               \
+        task(lt, sel, m0);                                                                         \
+        const u8* W = sel == 0 ? W0 : (sel == 1 ? W1 : W2);                                        \
+        const int M = sel == 0 ? M0 : (sel == 1 ? M1 : M2);                                        \
+        lp = W + (long long)m0 * row_bytes;                                                        \
+        lrows = min(R, M - m0);                                                                    \
+    };                                                                                             \
+    auto ladvance = [&]() {                                                                        \
+        if (++lit == nst) {                                                                        \
+            lit = 0;                                                                               \
+            lt += t_step;                                                                          \
+            if (lt < t_end) lset();                                                                \
+        }                                                                                          \
+    };
+
+// MVK_STORE_TASK(t, it), in compute: after task t's last step, its sums acc out (with the
+// bias and mode, mvs_store) and acc zeroed for the next task.
+#define MVK_STORE_TASK(ST_T, ST_IT)                                                                \
+    if ((ST_IT) == nst - 1) {                                                                      \
+        int sel, m0;                                                                               \
+        task(ST_T, sel, m0);                                                                       \
+        float* y = sel == 0 ? y0 : (sel == 1 ? y1 : y2);                                           \
+        const float* bias = sel == 0 ? b0 : (sel == 1 ? b1 : b2);                                  \
+        const int M = sel == 0 ? M0 : (sel == 1 ? M1 : M2);                                        \
+        const int ldy = sel == 0 ? ldy0 : (sel == 1 ? ldy1 : ldy2);                                \
+        mvs_store<NR, R>(acc, y, bias, ldy, m0, min(R, M - m0), lane, mode);                       \
+        _Pragma("unroll")                                                                          \
+        for (int r = 0; r < R; r++)                                                                \
+            _Pragma("unroll")                                                                      \
+            for (int n = 0; n < NR; n++) acc[r][n] = 0.f;                                          \
+    }
+
+// MVK_PIPELINE(UB): S stages, S - 1 steps' loads in flight while a step is computed
+// (UB: bytes a block of the row, for the L2 prefetch of LLAMBA_WPF).
+#if LLAMBA_WPF > 0
+#define MVK_PF_SETUP(PF_UB) MVK_PF_DEFS(R, PF_UB, BPS)
+#define MVK_PF_STEP if (lt < t_end) { prefetch(); padvance(); }
+#else
+#define MVK_PF_SETUP(PF_UB)
+#define MVK_PF_STEP
+#endif
+#define MVK_PIPELINE(PL_UB)                                                                        \
+    Stage buf[S];                                                                                  \
+    int ct = t_beg, cit = 0;                                                                       \
+    lset();                                                                                        \
+    MVK_PF_SETUP(PL_UB)                                                                            \
+    mvk_first_steps<S, NR, XP>(buf, lt, lit, t_end, load_w, ladvance, load_x);                     \
+    while (ct < t_end) {                                                                           \
+        _Pragma("unroll")                                                                          \
+        for (int k = 0; k < S; k++) {                                                              \
+            if (ct < t_end) {                                                                      \
+                MVK_PF_STEP                                                                        \
+                if (lt < t_end) { load(buf[(k + S - 1) % S]); ladvance(); }                        \
+                compute(buf[k], ct, cit);                                                          \
+                if (++cit == nst) { cit = 0; ct += t_step; }                                       \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
 // per lane and row: a block's header and its 8 / LPB qs words j + LPB i
 template <int LPB>
 struct MvkW {
@@ -194,37 +279,7 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int q = lane / LPB, j = lane % LPB, sh = 16 * (j >> 1);
     const int nb = K / 256, nst = (nb + BPS - 1) / BPS;
-    const int T0 = (M0 + R - 1) / R, T1 = (M1 + R - 1) / R, T2 = (M2 + R - 1) / R;
-    const int T = T0 + T1 + T2;
-    const int nw = gridDim.x * MVK_WARPS, w = blockIdx.x * MVK_WARPS + warp;
-    const int t_beg = IL ? w : (int)((long long)w * T / nw), t_end = IL ? T : (int)((long long)(w + 1) * T / nw);
-    const int t_step = IL ? nw : 1;
-    if (t_beg >= t_end) return;
-
-    // task t: weight, its output, rows [m0, m0 + R) of M
-    auto task = [&](int t, int& sel, int& m0) {
-        if (t < T0) { sel = 0; m0 = t * R; }
-        else if (t < T0 + T1) { sel = 1; m0 = (t - T0) * R; }
-        else { sel = 2; m0 = (t - T0 - T1) * R; }
-    };
-    // the load cursor: task lt, its step lit, its first row's bytes lp, rows in it lrows
-    int lt = t_beg, lit = 0, lrows = 0;
-    const u8* lp = nullptr;
-    auto lset = [&]() {
-        int sel, m0;
-        task(lt, sel, m0);
-        const u8* W = sel == 0 ? W0 : (sel == 1 ? W1 : W2);
-        const int M = sel == 0 ? M0 : (sel == 1 ? M1 : M2);
-        lp = W + (long long)m0 * row_bytes;
-        lrows = min(R, M - m0);
-    };
-    auto ladvance = [&]() {
-        if (++lit == nst) {
-            lit = 0;
-            lt += t_step;
-            if (lt < t_end) lset();
-        }
-    };
+    MVK_TASK_DEFS
     // loads past the matrix read its last block / row again (finite, never summed / stored)
     auto load_x = [&](MvkX<LPB>& X, int n, int it) {
         const int blk = it * BPS + q;
@@ -282,42 +337,10 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvk4k(
                 for (int r = 0; r < R; r++) mvk_dot<LPB>(st.w[r], X, sh, acc[r][n]);
             }
         }
-        if (it == nst - 1) {                         // the task's last step: its sums out
-            int sel, m0;
-            task(t, sel, m0);
-            float* y = sel == 0 ? y0 : (sel == 1 ? y1 : y2);
-            const float* bias = sel == 0 ? b0 : (sel == 1 ? b1 : b2);
-            const int M = sel == 0 ? M0 : (sel == 1 ? M1 : M2);
-            const int ldy = sel == 0 ? ldy0 : (sel == 1 ? ldy1 : ldy2);
-            mvs_store<NR, R>(acc, y, bias, ldy, m0, min(R, M - m0), lane, mode);
-#pragma unroll
-            for (int r = 0; r < R; r++)
-#pragma unroll
-                for (int n = 0; n < NR; n++) acc[r][n] = 0.f;
-        }
+        MVK_STORE_TASK(t, it)
     };
 
-    // S stages: S - 1 steps' loads in flight while a step is computed
-    Stage buf[S];
-    int ct = t_beg, cit = 0;                          // step to compute
-    lset();
-#if LLAMBA_WPF > 0
-    MVK_PF_DEFS(R, 144, BPS)
-#endif
-    mvk_first_steps<S, NR, XP>(buf, lt, lit, t_end, load_w, ladvance, load_x);
-    while (ct < t_end) {
-#pragma unroll
-        for (int k = 0; k < S; k++) {
-            if (ct < t_end) {
-#if LLAMBA_WPF > 0
-                if (lt < t_end) { prefetch(); padvance(); }
-#endif
-                if (lt < t_end) { load(buf[(k + S - 1) % S]); ladvance(); }
-                compute(buf[k], ct, cit);
-                if (++cit == nst) { cit = 0; ct += t_step; }
-            }
-        }
-    }
+    MVK_PIPELINE(144)
 }
 
 // ---------------------------------------------------------------- mvkt: other types
@@ -492,35 +515,7 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvkt(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int q = lane >> 2, j = lane & 3;
     const int nb = K / 256, nst = (nb + BPS - 1) / BPS;
-    const int T0 = (M0 + R - 1) / R, T1 = (M1 + R - 1) / R, T2 = (M2 + R - 1) / R;
-    const int T = T0 + T1 + T2;
-    const int nw = gridDim.x * MVK_WARPS, w = blockIdx.x * MVK_WARPS + warp;
-    const int t_beg = IL ? w : (int)((long long)w * T / nw), t_end = IL ? T : (int)((long long)(w + 1) * T / nw);
-    const int t_step = IL ? nw : 1;
-    if (t_beg >= t_end) return;
-
-    auto task = [&](int t, int& sel, int& m0) {
-        if (t < T0) { sel = 0; m0 = t * R; }
-        else if (t < T0 + T1) { sel = 1; m0 = (t - T0) * R; }
-        else { sel = 2; m0 = (t - T0 - T1) * R; }
-    };
-    int lt = t_beg, lit = 0, lrows = 0;
-    const u8* lp = nullptr;
-    auto lset = [&]() {
-        int sel, m0;
-        task(lt, sel, m0);
-        const u8* W = sel == 0 ? W0 : (sel == 1 ? W1 : W2);
-        const int M = sel == 0 ? M0 : (sel == 1 ? M1 : M2);
-        lp = W + (long long)m0 * row_bytes;
-        lrows = min(R, M - m0);
-    };
-    auto ladvance = [&]() {
-        if (++lit == nst) {
-            lit = 0;
-            lt += t_step;
-            if (lt < t_end) lset();
-        }
-    };
+    MVK_TASK_DEFS
     auto load_x = [&](X& X_, int n, int it) {
         const int blk = it * BPS + q;
         Ty::load_x(X_, xq + (long long)n * K, xd + (long long)n * (K / 256) * Ty::XDR, xi + (long long)n * (K / 32),
@@ -560,39 +555,8 @@ __global__ void __launch_bounds__(32 * MVK_WARPS) mvkt(
                 for (int r = 0; r < R; r++) Ty::dot(st.w[r], X_, j, acc[r][n]);
             }
         }
-        if (it == nst - 1) {
-            int sel, m0;
-            task(t, sel, m0);
-            float* y = sel == 0 ? y0 : (sel == 1 ? y1 : y2);
-            const float* bias = sel == 0 ? b0 : (sel == 1 ? b1 : b2);
-            const int M = sel == 0 ? M0 : (sel == 1 ? M1 : M2);
-            const int ldy = sel == 0 ? ldy0 : (sel == 1 ? ldy1 : ldy2);
-            mvs_store<NR, R>(acc, y, bias, ldy, m0, min(R, M - m0), lane, mode);
-#pragma unroll
-            for (int r = 0; r < R; r++)
-#pragma unroll
-                for (int n = 0; n < NR; n++) acc[r][n] = 0.f;
-        }
+        MVK_STORE_TASK(t, it)
     };
 
-    Stage buf[S];
-    int ct = t_beg, cit = 0;
-    lset();
-#if LLAMBA_WPF > 0
-    MVK_PF_DEFS(R, Ty::UB, BPS)
-#endif
-    mvk_first_steps<S, NR, XP>(buf, lt, lit, t_end, load_w, ladvance, load_x);
-    while (ct < t_end) {
-#pragma unroll
-        for (int k = 0; k < S; k++) {
-            if (ct < t_end) {
-#if LLAMBA_WPF > 0
-                if (lt < t_end) { prefetch(); padvance(); }
-#endif
-                if (lt < t_end) { load(buf[(k + S - 1) % S]); ladvance(); }
-                compute(buf[k], ct, cit);
-                if (++cit == nst) { cit = 0; ct += t_step; }
-            }
-        }
-    }
+    MVK_PIPELINE(Ty::UB)
 }
