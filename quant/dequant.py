@@ -40,6 +40,24 @@ def scale_min_k4(j, src, o):
     return sc, mn
 
 
+@njit(inline="always")
+def _bit5(qh, j):
+    """Bit j of Q5_0 / Q5_1's 32-bit qh, as the code's fifth bit (0 or 16)."""
+    return np.int32((qh >> np.uint32(j)) & np.uint32(1)) << 4
+
+
+@njit(inline="always")
+def _k4_scales(g, src, o, d, dmin):
+    """Q4_K / Q5_K: the float scale and min of sub-blocks 2g and 2g+1 of the super-block
+    at src[o] (d, dmin: its f16 header): (d0, dm0, d1, dm1)."""
+    sc0, m0 = scale_min_k4(2 * g, src, o + 4)
+    sc1, m1 = scale_min_k4(2 * g + 1, src, o + 4)
+    return d * F32(sc0), dmin * F32(m0), d * F32(sc1), dmin * F32(m1)
+
+
+# One row decoder a type: the per-element arithmetic differs (Q4_0 subtracts 8 from the
+# code, Q4_1 adds a float min, ...) and must stay gguf-py's to the bit, and each short loop
+# is vectorized on its own (deq_row's note on trip counts); they share the helpers above.
 @njit(cache=True)
 def deq_row_q4_0(src, dst, L):
     for b in range(dst.size // QK):
@@ -71,8 +89,8 @@ def deq_row_q5_0(src, dst, L):
         qh = _u32(src, o + 2)
         for j in range(L // 2):
             q = src[o + 6 + j]
-            h0 = np.int32((qh >> np.uint32(j)) & np.uint32(1)) << 4
-            h1 = np.int32((qh >> np.uint32(j + 16)) & np.uint32(1)) << 4
+            h0 = _bit5(qh, j)
+            h1 = _bit5(qh, j + 16)
             dst[b * QK + j] = d * F32((np.int32(q & 15) | h0) - 16)
             dst[b * QK + j + 16] = d * F32((np.int32(q >> 4) | h1) - 16)
 
@@ -86,8 +104,8 @@ def deq_row_q5_1(src, dst, L):
         qh = _u32(src, o + 4)
         for j in range(L // 2):
             q = src[o + 8 + j]
-            h0 = np.int32((qh >> np.uint32(j)) & np.uint32(1)) << 4
-            h1 = np.int32((qh >> np.uint32(j + 16)) & np.uint32(1)) << 4
+            h0 = _bit5(qh, j)
+            h1 = _bit5(qh, j + 16)
             dst[b * QK + j] = d * F32(np.int32(q & 15) | h0) + m
             dst[b * QK + j + 16] = d * F32(np.int32(q >> 4) | h1) + m
 
@@ -108,12 +126,7 @@ def deq_row_q4_k(src, dst, L):
         d = _h(src, o)
         dmin = _h(src, o + 2)
         for g in range(4):
-            sc0, m0 = scale_min_k4(2 * g, src, o + 4)
-            sc1, m1 = scale_min_k4(2 * g + 1, src, o + 4)
-            d0 = d * F32(sc0)
-            dm0 = dmin * F32(m0)
-            d1 = d * F32(sc1)
-            dm1 = dmin * F32(m1)
+            d0, dm0, d1, dm1 = _k4_scales(g, src, o, d, dmin)
             base = b * QK_K + g * 64
             for l in range(L):
                 q = src[o + 16 + g * 32 + l]
@@ -128,12 +141,7 @@ def deq_row_q5_k(src, dst, L):
         d = _h(src, o)
         dmin = _h(src, o + 2)
         for g in range(4):
-            sc0, m0 = scale_min_k4(2 * g, src, o + 4)
-            sc1, m1 = scale_min_k4(2 * g + 1, src, o + 4)
-            d0 = d * F32(sc0)
-            dm0 = dmin * F32(m0)
-            d1 = d * F32(sc1)
-            dm1 = dmin * F32(m1)
+            d0, dm0, d1, dm1 = _k4_scales(g, src, o, d, dmin)
             base = b * QK_K + g * 64
             for l in range(L):
                 q = src[o + 48 + g * 32 + l]
