@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV-cache pool in tokens, shared by all requests (default: parallel x ctx, at most 2 GiB)")
     s.add_argument("--cache-type", default="f16", choices=["f16", "q8_0", "k16v8"])
     s.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV blocks across requests")
+    s.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="speculative decoding while a request decodes alone (a small model of the same vocabulary)")
     key = s.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     key.add_argument("--api-key-file", default=None, help="read the API key from this file")
@@ -314,7 +316,7 @@ def cmd_serve(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     cfg = ServeConfig(model=args.model, device=args.device, threads=args.threads, n_ctx=args.ctx_size,
                       parallel=args.parallel, queue=args.queue, kv_tokens=args.kv_tokens, cache_type=args.cache_type,
-                      prefix_cache=not args.no_prefix_cache, gpu_layers=args.gpu_layers)
+                      prefix_cache=not args.no_prefix_cache, gpu_layers=args.gpu_layers, draft_model=args.draft_model)
     return serve(cfg, host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin,
                  metrics=args.metrics, max_body=args.max_body, say=_say)
 

@@ -66,9 +66,14 @@ class ModelHost:
         self.model_id = lm.path.stem if lm.path.is_file() else lm.path.name
         self.announce(f"model {self.model_id}: context {n_ctx} tokens a request, KV pool {blocks * block} tokens "
                       f"({blocks * block * per_token / 2**20:.0f} MiB), {cfg.parallel} requests at once")
-        self.attach(eng)
+        drafter = None
+        if cfg.draft_model:
+            from ..speculative import Drafter
+            drafter = Drafter.load(cfg.draft_model, eng, announce=self.announce)
+            warm_up(drafter.draft, notice=self.announce)
+        self.attach(eng, drafter=drafter)
 
-    def attach(self, engine, on_step=None) -> None:
+    def attach(self, engine, on_step=None, drafter=None) -> None:
         """Serve `engine` (loaded and warm): a Scheduler started on it drives it from now on."""
         from ..scheduler import Scheduler
         cfg = self.cfg
@@ -77,7 +82,7 @@ class ModelHost:
             path = engine.loaded.path
             self.model_id = path.stem if path.is_file() else path.name
         self.scheduler = Scheduler(engine, max_running=cfg.parallel, max_waiting=cfg.queue, chunk=cfg.chunk,
-                                   prefix_cache=cfg.prefix_cache, on_step=on_step).start()
+                                   prefix_cache=cfg.prefix_cache, on_step=on_step, drafter=drafter).start()
 
     @classmethod
     def from_engine(cls, engine, cfg: ServeConfig | None = None, model_id: str = "", on_step=None,
