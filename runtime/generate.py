@@ -10,6 +10,7 @@ from .constrain import ConstraintDead
 from .engine import ContextOverflow, Engine
 from .kv_cache import Sequence
 from .sampling import Sampler, SamplingParams
+from .text_stream import TextStream
 
 
 @dataclass
@@ -69,9 +70,7 @@ class Generation:
         st.reused_tokens = seq.reused_tokens
         st.prompt_seconds = time.perf_counter() - t0
         history = list(self.prompt_ids)
-        stream = tok.stream()
-        pending = ""            # text held back while it could still begin a stop string
-        hit = None
+        text = TextStream(tok, self.stop)    # holds back what could still begin a stop string
         c = self.constraint
         matcher = self.matcher = c.matcher() if hasattr(c, "matcher") else c
         t1 = time.perf_counter()
@@ -95,16 +94,12 @@ class Generation:
             self.ids.append(nxt)
             history.append(nxt)
             st.generated_tokens = len(self.ids)
-            pending += stream.feed(nxt)
-            hit = self._find_stop(pending)
-            if hit is not None:
-                pending = pending[:hit]
-                st.stop_reason = "stop"
-            emit, pending = self._split_safe(pending) if hit is None else (pending, "")
+            emit = text.feed(nxt)
             if emit:
                 self.text += emit
                 yield emit
-            if hit is not None:
+            if text.stopped:
+                st.stop_reason = "stop"
                 break
             if matcher is not None and matcher.done:     # the grammar is complete: nothing may follow
                 st.stop_reason = "stop"
@@ -124,24 +119,10 @@ class Generation:
             # last (all after EOS); accepted drafts past the stop must not stay
             self.drafter.finish(seq, len(self.prompt_ids) + len(self.ids) - (st.stop_reason != "eos"))
             st.speculative = self.drafter.stats.as_dict()
-        tail = pending + (stream.flush() if hit is None else "")
+        tail = text.finish()
         if tail:
             self.text += tail
             yield tail
-
-    def _find_stop(self, text: str):
-        hits = [text.find(s) for s in self.stop if s in text]
-        return min(hits) if hits else None
-
-    def _split_safe(self, text: str) -> tuple[str, str]:
-        """Emit all but a tail that is a prefix of some stop string."""
-        keep = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    keep = max(keep, k)
-                    break
-        return (text[:len(text) - keep], text[len(text) - keep:]) if keep else (text, "")
 
     def run(self) -> "Generation":
         for _ in self:
