@@ -348,16 +348,10 @@ def _small_batch(x, W, out, scratch, acts):
             nch = min(M, 8 * nthr)
     fam = _FAMILY[qt]
     bufs = _buffers(scratch, fam, n, K, nch)
-    if fam == 0:
-        xq, xd, xb = _q8_activations(scratch, x, 256, bufs, acts)
-        rows, par = _K[qt]
-        if nch > 1:
-            _run_parallel(scratch, par, w, xq, xd, xb, out, bufs[3], bufs[4], bufs[5], nch)
-        else:
-            scratch.call(rows, w, xq, xd, xb, out, bufs[3][0], bufs[4][0], bufs[5][0], 0, M)
-    elif fam == 1:
-        xq, xd, xs = _q8_activations(scratch, x, 32, bufs, acts)
-        rows, par = _LEGACY[qt]
+    if fam <= 1:
+        # K-quants (x as q8/256) or the 32-element formats (x as q8/32): the same call shape
+        xq, xd, xs = _q8_activations(scratch, x, 256 if fam == 0 else 32, bufs, acts)
+        rows, par = (_K if fam == 0 else _LEGACY)[qt]
         if nch > 1:
             _run_parallel(scratch, par, w, xq, xd, xs, out, bufs[3], bufs[4], bufs[5], nch)
         else:
