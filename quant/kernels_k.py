@@ -50,6 +50,10 @@ def _rows_q4k_like(n, xq, xd, xb, a, wb, mb, sb, d, dmin):
         a[r] += (d * dx) * F32(isum) - (dmin * dx) * F32(msum)
 
 
+# rows_q4_k and rows_q5_k share all but their decode loop (the header, scales, mins and
+# the per-row dot: _rows_q4k_like), yet stay two kernels: that loop is the hot one, one
+# body a bit layout with literal trip counts for LLVM's SLP vectorizer (the module note),
+# and a merged body is a change to measure on a quiet machine, not to make blind.
 @njit(cache=True, fastmath=True)
 def rows_q4_k(w, xq, xd, xb, out, a, wb, mb, m0, m1):
     """W rows [m0, m1) of out = x @ W.T (a, wb, mb: this worker's scratch)."""
@@ -154,6 +158,12 @@ def rows_q6_k(w, xq, xd, xb, out, a, wb, mb, m0, m1):
             out[r, m] = a[r]
 
 
+# One par_ and one multi_ wrapper a type, written out (kernels_k and kernels_legacy alike):
+# each must be its own cached Numba function that calls its rows_ kernel by name, so LLVM
+# sees one callee in the parallel region.  A factory closing over rows_* is not cached
+# across runs (Numba hashes a closure's pickled cells, and a Dispatcher pickles with a
+# uuid4 of its process), and a type switch inside the prange, or the kernel passed as an
+# argument, changes what LLVM inlines where (rows_q6_k's note: results moved by 1e-6).
 @njit(parallel=True, cache=True)
 def par_q4_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
     M = w.shape[0]

@@ -132,6 +132,12 @@ def rows_q8_0(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
         _rows(n, nb, xq, xd, out, m, wq, ws, acc)
 
 
+# One par_ and one multi_ wrapper a type, written out (kernels_k and kernels_legacy alike):
+# each must be its own cached Numba function that calls its rows_ kernel by name, so LLVM
+# sees one callee in the parallel region.  A factory closing over rows_* is not cached
+# across runs (Numba hashes a closure's pickled cells, and a Dispatcher pickles with a
+# uuid4 of its process), and a type switch inside the prange, or the kernel passed as an
+# argument, changes what LLVM inlines where (rows_q6_k's note: results moved by 1e-6).
 @njit(parallel=True, cache=True)
 def par_q4_0(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
     M = w.shape[0]
