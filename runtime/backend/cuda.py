@@ -27,6 +27,7 @@ import numpy as np
 import quant
 from quant import QTensor
 
+from ..kv_cache import QK8, kv_bytes_per_token_layer
 from . import DeviceUnavailable
 from .cuda_memory import MIN_COMPUTE_CAPABILITY, estimate_bytes, format_bytes
 
@@ -152,25 +153,36 @@ class _Arena:
 
 
 class CUDAKVStorage:
-    """K and V pools per layer, fp16 [n_slots, kv_heads, head_dim] on the device."""
+    """K and V pools per layer, fp16 [n_slots, kv_heads, head_dim] on the device; for the
+    k16v8 cache V as q8_0, the CPU backend's layout: int8 [n_slots, kv_heads, head_dim]
+    and an fp16 scale per 32 values (v_scale [n_slots, kv_heads, head_dim / 32])."""
 
     def __init__(self, cp, n_layers, n_slots, n_kv_heads, head_dim, cache_type="f16"):
-        if cache_type != "f16":
-            raise ValueError(f"the CUDA backend keeps the KV cache in f16 (asked for '{cache_type}')")
+        if cache_type not in ("f16", "k16v8"):
+            raise ValueError(f"the CUDA backend keeps the KV cache in f16 or k16v8 (asked for '{cache_type}')")
         self.cp = cp
         self.cache_type = cache_type
+        self.v_quant = cache_type == "k16v8"
         shape = (n_slots, n_kv_heads, head_dim)
         self.k = [cp.zeros(shape, cp.float16) for _ in range(n_layers)]
-        self.v = [cp.zeros(shape, cp.float16) for _ in range(n_layers)]
-        self.bytes_per_token_layer = 2 * n_kv_heads * head_dim * 2
+        self.v = [cp.zeros(shape, cp.int8 if self.v_quant else cp.float16) for _ in range(n_layers)]
+        self.v_scale = ([cp.zeros((n_slots, n_kv_heads, head_dim // QK8), cp.float16) for _ in range(n_layers)]
+                        if self.v_quant else [])
+        self.bytes_per_token_layer = kv_bytes_per_token_layer(n_kv_heads, head_dim, cache_type)
         self.bytes_per_token = n_layers * self.bytes_per_token_layer
-        self.nbytes = sum(int(a.nbytes) for a in self.k + self.v)
+        self.nbytes = sum(int(a.nbytes) for a in self.k + self.v + self.v_scale)
+
+    def v_args(self, layer: int) -> tuple:
+        """The V pool as the attention kernels take it: (values,) or (values, scales)."""
+        return (self.v[layer], self.v_scale[layer]) if self.v_quant else (self.v[layer],)
 
     def copy_block(self, src: int, dst: int, block_size: int, layers=None) -> None:
         s, d = slice(src * block_size, (src + 1) * block_size), slice(dst * block_size, (dst + 1) * block_size)
         for i in (range(len(self.k)) if layers is None else layers):
             self.k[i][d] = self.k[i][s]
             self.v[i][d] = self.v[i][s]
+            if self.v_quant:
+                self.v_scale[i][d] = self.v_scale[i][s]
 
     def shift(self, layer: int, src, dst, delta: int, inv_freq, neox: bool, pos_scale: float = 1.0) -> None:
         """Context shift (rare): move K/V from slots src to dst, keys re-rotated by delta.
@@ -193,6 +205,8 @@ class CUDAKVStorage:
             k[..., 0:2 * half:2], k[..., 1:2 * half:2] = a * c - b * s, a * s + b * c
         self.k[layer][dst] = cp.asarray(k.astype(np.float16))
         self.v[layer][dst] = v
+        if self.v_quant:                        # V moves as stored (not rotated)
+            self.v_scale[layer][dst] = self.v_scale[layer][src]
 
 
 class _DevStep:
@@ -372,7 +386,7 @@ class CUDABackend:
     # ---- memory ------------------------------------------------------------------
     def check_fits(self, lm, n_ctx: int, block_size: int = 16, cache_blocks: int = 0, cache_type="f16"):
         """Refuse, before anything is uploaded, a model that will not fit in free GPU memory."""
-        est = estimate_bytes(lm.config, lm.tensors, n_ctx, block_size, cache_blocks)
+        est = estimate_bytes(lm.config, lm.tensors, n_ctx, block_size, cache_blocks, cache_type=cache_type)
         free = self.cp.cuda.runtime.memGetInfo()[0]
         self.estimate = est
         if est["total"] > free:
@@ -681,13 +695,15 @@ class CUDABackend:
             self._mod = self.cp.RawModule(code=self._src(), options=self._options())
         return self._pdl.Kernel(self._mod.get_function(name))
 
-    def _attn_fn(self, hd, g, name):
+    def _attn_fn(self, hd, g, name, v8=False):
+        """Kernel `name` compiled for head dim hd and GQA group g (v8: V pools in q8_0)."""
         pq = _prefill_pq(hd, g)
-        key = (hd, g, pq)
+        key = (hd, g, pq, v8)
         mod = self._attn_mods.get(key)
         if mod is None:
             mod = self._attn_mods[key] = self.cp.RawModule(
-                code=self._src(), options=self._options() + (f"-DATT_HD={hd}", f"-DATT_G={g}", f"-DPRE_PQ={pq}"))
+                code=self._src(), options=self._options() + (f"-DATT_HD={hd}", f"-DATT_G={g}", f"-DPRE_PQ={pq}")
+                + (("-DATT_V8=1",) if v8 else ()))
         return self._pdl.Kernel(mod.get_function(name))
 
     def _options(self):
@@ -841,7 +857,8 @@ class CUDABackend:
         slots, tables = step.slots_for(layer), step.tables_for(layer)
         r = self._propes
         fused = (len(r) == 2 and r[0][0] is q and r[1][0] is k and r[0][2] is r[1][2] and r[0][3] == r[1][3]
-                 and r[0][4] == r[1][4] and 2 * r[0][2].shape[0] == d and self._pnorm is None and self._pglu is None)
+                 and r[0][4] == r[1][4] and 2 * r[0][2].shape[0] == d and self._pnorm is None and self._pglu is None
+                 and not kv.v_quant)     # (a q8_0 V needs a block's max: kv_write_v8 below)
         if fused:
             self._propes = []
             _, pos, inv_freq, neox, pos_scale = r[0]
@@ -851,30 +868,30 @@ class CUDABackend:
         else:
             self._flush()
             self._check(q, k, v)
-            self._launch("kv_write", n * kvh * d, (k, v, kv.k[layer], kv.v[layer], slots, np.int32(n),
-                                                   np.int32(kvh * d)))
+            self._launch("kv_write_v8" if kv.v_quant else "kv_write", n * kvh * d,
+                         (k, v, kv.k[layer]) + kv.v_args(layer) + (slots, np.int32(n), np.int32(kvh * d)))
         splits = step.attn_splits
         out = self._buf((n, h, d))
         if getattr(step, "prompt_tiles", False) and splits == 1:
             mma = PREFILL_MMA and d in MMA_HEAD_DIMS and g <= MMA_ROWS
             pq = MMA_ROWS // g if mma else _prefill_pq(d, g)
             qtiles = (n + pq - 1) // pq
-            args = (q, kv.k[layer], kv.v[layer], tables, np.int32(tables.shape[1]), step.seq_of_token,
+            args = (q, kv.k[layer]) + kv.v_args(layer) + (tables, np.int32(tables.shape[1]), step.seq_of_token,
                     step.positions, np.int32(n), np.int32(step.block_size), np.int32(step.window(layer)),
                     np.float32(step.attn_scale), np.int32(kvh), out)
             if not mma:
-                self._attn_fn(d, g, "attn_prefill")((qtiles, kvh), (128,), args)
+                self._attn_fn(d, g, "attn_prefill", kv.v_quant)((qtiles, kvh), (128,), args)
                 return out.reshape(n, h * d)
             ns = self._prefill_splits(qtiles * kvh, self._graph_width(tables.shape[1]) * step.block_size)
             parts = self._attn_parts(n, kvh, ns, g, d) if ns > 1 else (np.uint64(0),) * 3   # (null: writes out)
-            self._attn_fn(d, g, "attn_prefill_mma")((qtiles, kvh, ns), (128,), args + parts)
+            self._attn_fn(d, g, "attn_prefill_mma", kv.v_quant)((qtiles, kvh, ns), (128,), args + parts)
             if ns > 1:
                 self._attn_merge(parts, ns, n, h, kvh, g, d, out)
             return out.reshape(n, h * d)
         parts = self._attn_parts(n, kvh, splits, g, d) if splits > 1 else (out,) * 3
-        self._attn_fn(d, g, "attn_tiles" if getattr(step, "attn_tiles", False) else "attention")(
+        self._attn_fn(d, g, "attn_tiles" if getattr(step, "attn_tiles", False) else "attention", kv.v_quant)(
             (splits, kvh, n), (128,),
-            (q, kv.k[layer], kv.v[layer], tables, np.int32(tables.shape[1]), step.seq_of_token, step.positions,
+            (q, kv.k[layer]) + kv.v_args(layer) + (tables, np.int32(tables.shape[1]), step.seq_of_token, step.positions,
              np.int32(step.block_size), np.int32(step.window(layer)), np.float32(step.attn_scale),
              np.int32(splits), np.int32(kvh)) + parts + (out,))
         if splits > 1:

@@ -49,6 +49,44 @@ ADEV void load_h(const __half* p, float* f) {
     }
 }
 
+// A q8_0 V pool (the k16v8 cache): int8 values [slot][kvh][HD] and one fp16 scale per 32
+// of them [slot][kvh][HD/32], the CPU backend's layout.  The kernels take V as a
+// `const __half*` (f16 pool) or a V8 and read it through the overloads below; a value
+// dequantizes as (float)q * scale, as on the CPU.
+struct V8 {
+    const signed char* q;
+    const __half* s;
+};
+
+// dims off .. off+DPL-1 of the V pool (element offset; DPL divides 32: one scale)
+template <int DPL>
+ADEV void load_v(const __half* vp, long long off, float* f) { load_h<DPL>(vp + off, f); }
+template <int DPL>
+ADEV void load_v(const V8& vp, long long off, float* f) {
+    const float d = __half2float(vp.s[off / 32]);
+    if constexpr (DPL % 4 == 0) {
+#pragma unroll
+        for (int c = 0; c < DPL; c += 4) {
+            const char4 u = *(const char4*)(vp.q + off + c);
+            f[c] = (float)u.x * d; f[c + 1] = (float)u.y * d; f[c + 2] = (float)u.z * d; f[c + 3] = (float)u.w * d;
+        }
+    } else {
+#pragma unroll
+        for (int c = 0; c < DPL; c++) f[c] = (float)vp.q[off + c] * d;
+    }
+}
+// dims off .. off+7 of the V pool as 8 fp16 values (the tile kernels' shared-memory form;
+// a q8_0 value rounds to fp16 there, as an f16 cache's value is)
+ADEV uint4 load_v8h(const __half* vp, long long off) { return *(const uint4*)(vp + off); }
+ADEV uint4 load_v8h(const V8& vp, long long off) {
+    const float d = __half2float(vp.s[off / 32]);
+    const uint2 u = *(const uint2*)(vp.q + off);
+    const char4 a = *(const char4*)&u.x, b = *(const char4*)&u.y;
+    __half2 h[4] = {__floats2half2_rn((float)a.x * d, (float)a.y * d), __floats2half2_rn((float)a.z * d, (float)a.w * d),
+                    __floats2half2_rn((float)b.x * d, (float)b.y * d), __floats2half2_rn((float)b.z * d, (float)b.w * d)};
+    return *(const uint4*)h;
+}
+
 template <bool CG>
 ADEV float ldf(const float* p) {
     if constexpr (CG) return __ldcg(p);
@@ -132,27 +170,27 @@ ADEV bool tile_row(const float* q, const __half2 (*skt)[BK + 1], const __half2 (
 // Dims c .. c+7 of key j's K and V rows (kv head kh; a table entry, then 16 bytes of each),
 // zeros for keys from `end` on: the piece a thread gathers of a key tile (attn_tiles,
 // attn_prefill, attn_prefill_mma), each kernel then storing it in its own layout.
-template <int HD>
-ADEV void kv_piece(const __half* kp, const __half* vp, const int* table, int j, int end, int block_size, int kvh,
+template <int HD, class VP>
+ADEV void kv_piece(const __half* kp, VP vp, const int* table, int j, int end, int block_size, int kvh,
                    int kh, int c, uint4& k, uint4& v) {
     k = make_uint4(0, 0, 0, 0);
     v = make_uint4(0, 0, 0, 0);
     if (j < end) {
         const long long off = ((long long)table[j / block_size] * block_size + j % block_size) * kvh * HD + kh * HD + c;
         k = *(const uint4*)(kp + off);
-        v = *(const uint4*)(vp + off);
+        v = load_v8h(vp, off);
     }
 }
 
 // Key j's K and V rows, lane's HD/32 dims of kv head kh (a table entry, then the rows).
-template <int HD>
-ADEV void attn_key(const __half* kp, const __half* vp, const int* table, int j, int block_size, int kvh, int kh,
+template <int HD, class VP>
+ADEV void attn_key(const __half* kp, VP vp, const int* table, int j, int block_size, int kvh, int kh,
                    int lane, float* kn, float* vn) {
     constexpr int DPL = HD / 32;
     const long long rowstride = (long long)kvh * HD;
     const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
     load_h<DPL>(kp + slot * rowstride + kh * HD + lane * DPL, kn);
-    load_h<DPL>(vp + slot * rowstride + kh * HD + lane * DPL, vn);
+    load_v<DPL>(vp, slot * rowstride + kh * HD + lane * DPL, vn);
 }
 
 // One (context split, kv head, token) of paged attention with an online softmax,
@@ -162,14 +200,15 @@ ADEV void attn_key(const __half* kp, const __half* vp, const int* table, int j, 
 // in shared memory (sm_m, sm_l [NW][G], sm_acc [NW][G][HD]); with one split the
 // result goes to out, else (max, sum, weighted V) to part_* for attn_merge_head.
 // qf(g, d): query head kh*G+g, dim d (rotated); sync(): barrier of the NW warps.
+// vp: the V pool, f16 (`const __half*`) or q8_0 (V8).
 // attn_split_from takes the warp's first key (j0 + warp, when < j1) already in kn / vn:
 // a caller may load it early (the decode kernel does, before its wait on the kernel
 // ahead); attn_split below loads it itself.  PF: the warp's keys in flight (loaded
 // ahead of the one it computes): a warp's keys are a chain of dependent loads (table
 // entry, then the rows), so at long contexts the walk is latency; PF changes when a
 // key is loaded, never a sum.
-template <int HD, int G, int NW, int PF = 1, class QF, class SYNC>
-ADEV void attn_split_from(const QF& qf, const SYNC& sync, const __half* kp, const __half* vp, const int* table,
+template <int HD, int G, int NW, int PF = 1, class QF, class SYNC, class VP>
+ADEV void attn_split_from(const QF& qf, const SYNC& sync, const __half* kp, VP vp, const int* table,
                           int j0, int j1, int block_size, int kvh, int kh, int t, int sp, int n_splits, float scale,
                           float* sm_m, float* sm_l, float* sm_acc, int tid, float* part_m, float* part_l,
                           float* part_acc, float* out, float (&kn)[HD / 32], float (&vn)[HD / 32]) {
@@ -249,8 +288,8 @@ ADEV void attn_split_from(const QF& qf, const SYNC& sync, const __half* kp, cons
 }
 
 // One (context split, kv head, token): attn_split_from with the first key loaded here.
-template <int HD, int G, int NW, class QF, class SYNC>
-ADEV void attn_split(const QF& qf, const SYNC& sync, const __half* kp, const __half* vp, const int* table,
+template <int HD, int G, int NW, class QF, class SYNC, class VP>
+ADEV void attn_split(const QF& qf, const SYNC& sync, const __half* kp, VP vp, const int* table,
                      int j0, int j1, int block_size, int kvh, int kh, int t, int sp, int n_splits, float scale,
                      float* sm_m, float* sm_l, float* sm_acc, int tid, float* part_m, float* part_l,
                      float* part_acc, float* out) {

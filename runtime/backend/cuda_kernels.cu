@@ -87,8 +87,41 @@ extern "C" __global__ void kv_write(const float* __restrict__ k, const float* __
     vp[dst] = __float2half_rn(v[i]);
 }
 
+// the new tokens' K (fp16) and V (q8_0: int8 values, an fp16 scale per 32) at their
+// slots, for the k16v8 cache: one thread per value, a warp per block of 32 (row % 32 == 0,
+// so a warp is all live or all past the end).  The CPU's rounding (kv_write): scale
+// amax / 127, value x * (1 / scale) rounded half away from zero.
+extern "C" __global__ void kv_write_v8(const float* __restrict__ k, const float* __restrict__ v,
+                                       __half* kp, signed char* vq, __half* vs, const int* __restrict__ slots,
+                                       int N, int row) {
+    PDL_ENTER();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)N * row) return;
+    const int t = (int)(i / row), j = (int)(i % row);
+    const long long dst = (long long)slots[t] * row + j;
+    kp[dst] = __float2half_rn(k[i]);
+    const float x = v[i];
+    float amax = fabsf(x);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = __fdiv_rn(amax, 127.f);
+    const float inv = d > 0.f ? __fdiv_rn(1.f, d) : 0.f;
+    const float y = __fmul_rn(x, inv);
+    vq[dst] = (signed char)(y >= 0.f ? (int)__fadd_rn(y, 0.5f) : -(int)__fsub_rn(0.5f, y));
+    if ((threadIdx.x & 31) == 0) vs[dst / 32] = __float2half_rn(d);
+}
+
 #ifndef ATT_HD
 #define ATT_HD 128
+#endif
+// ATT_V8: the V pool is q8_0 (the k16v8 cache; cuda_attn.cuh's V8): the attention kernels
+// take its values and scales as two arguments where an f16 pool is one
+#ifdef ATT_V8
+#define V_PARAMS const signed char* __restrict__ vq, const __half* __restrict__ vs
+#define V_POOL (V8{vq, vs})
+#else
+#define V_PARAMS const __half* __restrict__ vp
+#define V_POOL vp
 #endif
 #ifndef ATT_G
 #define ATT_G 4
@@ -110,7 +143,7 @@ struct QMem {                                 // q as stored (already rotated)
 };
 
 extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
-        const float* __restrict__ q, const __half* __restrict__ kp, const __half* __restrict__ vp,
+        const float* __restrict__ q, const __half* __restrict__ kp, V_PARAMS,
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,
         const int* __restrict__ positions, int block_size, int window, float scale, int n_splits, int kvh,
         float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc,
@@ -129,11 +162,12 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
     const int jf = j0 + (threadIdx.x >> 5);
     float kn[ATT_HD / 32], vn[ATT_HD / 32];
     const bool early = jf < j1 && jf <= pos - (int)gridDim.z;
-    if (early) attn_key<ATT_HD>(kp, vp, table, jf, block_size, kvh, kh, threadIdx.x & 31, kn, vn);
+    const auto vpool = V_POOL;
+    if (early) attn_key<ATT_HD>(kp, vpool, table, jf, block_size, kvh, kh, threadIdx.x & 31, kn, vn);
     PDL_ENTER();
-    if (!early && jf < j1) attn_key<ATT_HD>(kp, vp, table, jf, block_size, kvh, kh, threadIdx.x & 31, kn, vn);
+    if (!early && jf < j1) attn_key<ATT_HD>(kp, vpool, table, jf, block_size, kvh, kh, threadIdx.x & 31, kn, vn);
     const QMem qf{q + ((long long)t * kvh * ATT_G + kh * ATT_G) * ATT_HD};
-    attn_split_from<ATT_HD, ATT_G, ATT_WARPS, ATT_PF>(qf, BlockSync{}, kp, vp, table, j0, j1, block_size, kvh, kh, t, sp,
+    attn_split_from<ATT_HD, ATT_G, ATT_WARPS, ATT_PF>(qf, BlockSync{}, kp, vpool, table, j0, j1, block_size, kvh, kh, t, sp,
                                               n_splits, scale, sm_m, sm_l, sm_acc, threadIdx.x, part_m, part_l,
                                               part_acc, out, kn, vn);
 }
@@ -151,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
 // still equals its one-token step.
 #define DEC_BK 32
 extern "C" __global__ void __launch_bounds__(128) attn_tiles(
-        const float* __restrict__ q, const __half* __restrict__ kp, const __half* __restrict__ vp,
+        const float* __restrict__ q, const __half* __restrict__ kp, V_PARAMS,
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,
         const int* __restrict__ positions, int block_size, int window, float scale, int n_splits, int kvh,
         float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc,
@@ -176,11 +210,12 @@ extern "C" __global__ void __launch_bounds__(128) attn_tiles(
     constexpr int NCH = BK * (HD / 8) / 128;
     static_assert(BK * (HD / 8) % 128 == 0, "whole pieces a thread");
     uint4 kr[NCH], vr[NCH];
+    const auto vpool = V_POOL;
     auto fetch = [&](int jt) {
 #pragma unroll
         for (int c = 0; c < NCH; c++) {
             const int e = threadIdx.x + 128 * c, jj = e / (HD / 8), cc = (e % (HD / 8)) * 8;
-            kv_piece<HD>(kp, vp, table, jt + jj, j1, block_size, kvh, kh, cc, kr[c], vr[c]);
+            kv_piece<HD>(kp, vpool, table, jt + jj, j1, block_size, kvh, kh, cc, kr[c], vr[c]);
         }
     };
     // the first tile's keys before the wait when an earlier step wrote them all (pdl.cuh;
@@ -250,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_tiles(
 #define PRE_PQ 8                              // tokens a block: the backend compiles in _prefill_pq(HD, G)
 #endif
 extern "C" __global__ void __launch_bounds__(128) attn_prefill(
-        const float* __restrict__ q, const __half* __restrict__ kp, const __half* __restrict__ vp,
+        const float* __restrict__ q, const __half* __restrict__ kp, V_PARAMS,
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,
         const int* __restrict__ positions, int n, int block_size, int window, float scale, int kvh,
         float* __restrict__ out) {
@@ -280,7 +315,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
         for (int e = threadIdx.x; e < BK * (HD / 8); e += 128) {
             const int jj = e / (HD / 8), c = (e % (HD / 8)) * 8;
             uint4 kv4, vv4;
-            kv_piece<HD>(kp, vp, table, j0 + jj, plast + 1, block_size, kvh, kh, c, kv4, vv4);
+            kv_piece<HD>(kp, V_POOL, table, j0 + jj, plast + 1, block_size, kvh, kh, c, kv4, vv4);
             *(uint4*)&sv[jj][c / 2] = vv4;
             const __half2* k2 = (const __half2*)&kv4;
 #pragma unroll
@@ -334,9 +369,9 @@ __device__ __forceinline__ void mma_m16n8k8(float (&c)[4], const unsigned (&a)[2
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(b));
 }
 
-template <int HD, int G>
+template <int HD, int G, class VPool>
 ADEV void attn_prefill_mma_body(const float* __restrict__ q, const __half* __restrict__ kp,
-                                const __half* __restrict__ vp, const int* __restrict__ tables, int max_blocks,
+                                VPool vp, const int* __restrict__ tables, int max_blocks,
                                 const int* __restrict__ seq_of_token, const int* __restrict__ positions, int n,
                                 int block_size, int window, float scale, int kvh, float* __restrict__ out,
                                 float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc) {
@@ -480,12 +515,12 @@ ADEV void attn_prefill_mma_body(const float* __restrict__ q, const __half* __res
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
-        const float* __restrict__ q, const __half* __restrict__ kp, const __half* __restrict__ vp,
+        const float* __restrict__ q, const __half* __restrict__ kp, V_PARAMS,
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,
         const int* __restrict__ positions, int n, int block_size, int window, float scale, int kvh,
         float* __restrict__ out, float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc) {
 #if ATT_HD <= 256 && ATT_HD % 64 == 0 && ATT_G <= 64     // (the backend launches it for these only)
-    attn_prefill_mma_body<ATT_HD, ATT_G>(q, kp, vp, tables, max_blocks, seq_of_token, positions, n, block_size,
+    attn_prefill_mma_body<ATT_HD, ATT_G>(q, kp, V_POOL, tables, max_blocks, seq_of_token, positions, n, block_size,
                                          window, scale, kvh, out, part_m, part_l, part_acc);
 #endif
 }

@@ -26,10 +26,12 @@ def tensor_device_bytes(t) -> int:
     return int(t.nbytes)
 
 
-def kv_cache_bytes(cfg, n_ctx: int, block_size: int = 16, cache_blocks: int = 0, n_layers=None) -> int:
+def kv_cache_bytes(cfg, n_ctx: int, block_size: int = 16, cache_blocks: int = 0, n_layers=None,
+                   cache_type: str = "f16") -> int:
+    from ..kv_cache import kv_bytes_per_token_layer
     n_blocks = cache_blocks or 2 * math.ceil(n_ctx / block_size)
     layers = cfg.n_layers if n_layers is None else n_layers
-    return n_blocks * block_size * layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
+    return n_blocks * block_size * layers * kv_bytes_per_token_layer(cfg.n_kv_heads, cfg.head_dim, cache_type)
 
 
 def work_bytes(cfg, max_weight_elems: int) -> int:
@@ -43,7 +45,7 @@ def work_bytes(cfg, max_weight_elems: int) -> int:
 
 
 def estimate_bytes(cfg, tensors: dict, n_ctx: int, block_size: int = 16, cache_blocks: int = 0,
-                   gpu_layers: int | None = None) -> dict:
+                   gpu_layers: int | None = None, cache_type: str = "f16") -> dict:
     """{'weights', 'kv_cache', 'work', 'total'} in bytes for `n_ctx` tokens of context.
     With gpu_layers, only those layers' tensors (and the output head when all layers are
     on the GPU) count."""
@@ -56,6 +58,6 @@ def estimate_bytes(cfg, tensors: dict, n_ctx: int, block_size: int = 16, cache_b
     weights = sum(tensor_device_bytes(t) for n, t in tensors.items() if on_gpu(n))
     biggest = max((math.prod(t.shape) for t in tensors.values() if len(t.shape) == 2), default=0)
     layers = cfg.n_layers if gpu_layers is None else min(gpu_layers, cfg.n_layers)
-    kv = kv_cache_bytes(cfg, n_ctx, block_size, cache_blocks, layers)
+    kv = kv_cache_bytes(cfg, n_ctx, block_size, cache_blocks, layers, cache_type)
     work = work_bytes(cfg, biggest)
     return {"weights": weights, "kv_cache": kv, "work": work, "total": weights + kv + work}

@@ -85,7 +85,8 @@ class SplitBackend:
         self.n_gpu = min(self.n_gpu, cfg.n_layers)
         self.device_name = (f"{self.gpu.device_info['name']} for layers 0-{self.n_gpu - 1} of {cfg.n_layers}, "
                             f"{self.cpu.device_name} for the rest" if self.n_gpu else self.cpu.device_name)
-        est = estimate_bytes(cfg, lm.tensors, n_ctx, block_size, cache_blocks, gpu_layers=self.n_gpu)
+        est = estimate_bytes(cfg, lm.tensors, n_ctx, block_size, cache_blocks, gpu_layers=self.n_gpu,
+                             cache_type=cache_type)
         free = self.cp.cuda.runtime.memGetInfo()[0]
         self.estimate = est
         if est["total"] > free:

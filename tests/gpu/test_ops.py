@@ -194,3 +194,77 @@ def test_paged_attention(backends, hd, heads, kvh, case, monkeypatch):
         k_gpu = gpu.kv.k[0].get().astype(np.float32)
         k_cpu = cpu.kv.k[0].view(np.float16).astype(np.float32)
         assert np.allclose(k_gpu, k_cpu, rtol=2e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("hd,heads,kvh", [(64, 9, 3), (128, 12, 2), (256, 4, 1)])
+@pytest.mark.parametrize("case", ["prefill", "decode", "decode-split", "prompt", "prompt-long", "tiles-split"])
+def test_paged_attention_k16v8(backends, hd, heads, kvh, case, monkeypatch):
+    """The k16v8 cache (K f16, V q8_0) on the GPU against the CPU's, from the same stored
+    pools: every attention kernel's V8 variant, kv_write_v8 and RoPE before the write (not
+    fused for a q8_0 V).  The tile kernels stage V in fp16 (q x scale rounded once) and
+    the prompt's tensor-core kernel rounds q and P to fp16: 4e-3; the decode kernel reads
+    V in float32 as the CPU does: 1e-5.  The new tokens' V: the CPU's int8 values and
+    scales, bar a rare value one step off (its division may round differently)."""
+    import cupy as cp
+    import runtime.backend.cuda as CB
+    from runtime.backend.cuda import _DevStep, _pack_step, _views
+    cpu, gpu = backends
+    rng = np.random.default_rng(hd + heads + 1)
+    bs, n_blocks = 16, 64
+    lens, new = {"prefill": ([0, 37], [20, 5]), "prompt": ([37], [40]), "prompt-long": ([0], [203])}.get(
+        case, ([450], [1]))
+    step = _paged_step(rng, lens, new, bs, 0, n_blocks)
+    splits = 5 if case.endswith("split") else 1
+    tiles = case.startswith("tiles")
+    n_slots = n_blocks * bs
+    kpool = (rng.standard_normal((n_slots, kvh, hd)) * 2).astype(np.float16)
+    vq = rng.integers(-127, 128, (n_slots, kvh, hd)).astype(np.int8)
+    vs = (rng.random((n_slots, kvh, hd // 32)) * 0.02 + 0.001).astype(np.float16)
+    n = len(step.tokens)
+    q = rng.standard_normal((n, heads, hd)).astype(np.float32)
+    k = rng.standard_normal((n, kvh, hd)).astype(np.float32)
+    v = rng.standard_normal((n, kvh, hd)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+
+    cpu.alloc_kv(1, n_slots, kvh, hd, cache_type="k16v8")
+    cpu.kv.k[0][:] = kpool.view(np.uint16)
+    cpu.kv.v[0][:] = vq
+    cpu.kv.v_scale[0][:] = vs.view(np.uint16)
+    step.attn_splits = 1
+    qr, kr = q.copy(), k.copy()
+    cpu.rope(qr, step, inv_freq, True)
+    cpu.rope(kr, step, inv_freq, True)
+    cpu.arena.reset()
+    ref = cpu.attention(qr, kr, v, 0, step).copy()
+
+    gpu.alloc_kv(1, n_slots, kvh, hd, cache_type="k16v8")
+    assert gpu.kv.nbytes == n_slots * gpu.kv.bytes_per_token == n_slots * cpu.kv.bytes_per_token
+    gpu.kv.k[0][:] = cp.asarray(kpool)
+    gpu.kv.v[0][:] = cp.asarray(vq)
+    gpu.kv.v_scale[0][:] = cp.asarray(vs)
+    flat, layout = _pack_step(step)
+    dstep = _DevStep(step, _views(cp.asarray(flat), layout), splits, tiles)
+    monkeypatch.setattr(CB, "PREFILL_SPLIT_MIN_KEYS", 0)
+    qd, kd = cp.asarray(q), cp.asarray(k)
+    gpu.arena.reset()
+    gpu.rope(qd, dstep, inv_freq, True)
+    gpu.rope(kd, dstep, inv_freq, True)
+    got = gpu.attention(qd, kd, cp.asarray(v), 0, dstep).get()
+    staged = dstep.prompt_tiles or tiles
+    assert _rel(got, ref) < (4e-3 if staged else 1e-5), (case, _rel(got, ref))
+    # the new tokens' V in q8_0 as the CPU stored it; K in fp16 (one rounding step apart)
+    gv, cv = gpu.kv.v[0].get().astype(np.int32), cpu.kv.v[0].astype(np.int32)
+    assert np.abs(gv - cv).max() <= 1 and (gv != cv).mean() < 1e-3
+    assert np.array_equal(gpu.kv.v_scale[0].get().view(np.uint16), cpu.kv.v_scale[0])
+    k_gpu = gpu.kv.k[0].get().astype(np.float32)
+    k_cpu = cpu.kv.k[0].view(np.float16).astype(np.float32)
+    assert np.allclose(k_gpu, k_cpu, rtol=2e-3, atol=1e-6)
+    # copy_block and a context shift move V's values and scales as stored
+    src = int(step.slots[0]) // bs
+    gpu.kv.copy_block(src, n_blocks - 1, bs)
+    assert np.array_equal(gpu.kv.v[0][(n_blocks - 1) * bs:].get(), gpu.kv.v[0][src * bs:(src + 1) * bs].get())
+    assert np.array_equal(gpu.kv.v_scale[0][(n_blocks - 1) * bs:].get(),
+                          gpu.kv.v_scale[0][src * bs:(src + 1) * bs].get())
+    v_src, s_src = gpu.kv.v[0][16:32].get(), gpu.kv.v_scale[0][16:32].get()
+    gpu.kv.shift(0, np.arange(16, 32), np.arange(0, 16), -16, inv_freq, True)
+    assert np.array_equal(gpu.kv.v[0][:16].get(), v_src) and np.array_equal(gpu.kv.v_scale[0][:16].get(), s_src)

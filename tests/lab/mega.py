@@ -87,6 +87,8 @@ def why_not(be, model) -> str | None:
         return f"compute capability {be.device_info['cc']} < {MIN_CC}"
     if type(model) is not Llama:
         return f"{type(model).__name__} is not the llama-family model"
+    if getattr(be.kv, "v_quant", False):
+        return "a q8_0 V cache (k16v8): the megakernel reads f16 pools"
     if not qc.INT8_MATVEC:
         return "integer decode path off"
     if qc._int8_kernel() != "mvs":

@@ -82,6 +82,15 @@ def test_step_kernels_compile(arch, hd, g):
              options=(f"-DATT_HD={hd}", f"-DATT_G={g}", f"-DPRE_PQ={_prefill_pq(hd, g)}"))
 
 
+# the k16v8 cache's attention kernels (V in q8_0: ATT_V8) at head dims 64, 128 and 256
+@pytest.mark.parametrize("hd,g", [(64, 3), (128, 6), (256, 4)])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_step_kernels_compile_v8(arch, hd, g):
+    from runtime.backend.cuda import _prefill_pq
+    _compile(BACKEND / "cuda_kernels.cu", arch,
+             options=(f"-DATT_HD={hd}", f"-DATT_G={g}", f"-DPRE_PQ={_prefill_pq(hd, g)}", "-DATT_V8=1"))
+
+
 @pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
 def test_stream_probe_compiles(tmp_path, arch):
     """tests/lab/gpu_stream.py keeps its kernels in a Python string: checked here, for
