@@ -162,9 +162,10 @@ def test_k16v8_keeps_keys_with_an_outlier_channel(name):
     assert err["k16v8"].mean() * 4 < err["q8_0"].mean()
 
 
-def _decode_rows(cache_type, lengths, rows, h=14, kvh=2, d=64, bs=16, splits=3, seed=5):
-    """Sequences of lengths[i] cached tokens (written once), then one decode step of the
-    sequences `rows` (a token each at its next position); their outputs [len(rows), h, d]."""
+def _decode_rows(cache_type, lengths, h=14, kvh=2, d=64, bs=16, splits=3, seed=5):
+    """Sequences of lengths[i] cached tokens (written once); returns decode(rows): one
+    decode step of the sequences `rows` (a token each at its next position, the same
+    token's K/V every time), their outputs [len(rows), h, d]."""
     rng = np.random.default_rng(seed)
     be = CPUBackend()
     nblk = [(L + 1 + bs - 1) // bs for L in lengths]
@@ -191,8 +192,11 @@ def _decode_rows(cache_type, lengths, rows, h=14, kvh=2, d=64, bs=16, splits=3, 
 
     seqs = list(range(len(lengths)))
     step(seqs, [0] * len(lengths), lengths, rng.standard_normal((sum(lengths), h, d)).astype(np.float32))
-    rows = list(rows)
-    return step(rows, [lengths[i] for i in rows], [lengths[i] + 1 for i in rows], Q[rows]).reshape(len(rows), h, d)
+
+    def decode(rows):
+        rows = list(rows)
+        return step(rows, [lengths[i] for i in rows], [lengths[i] + 1 for i in rows], Q[rows]).reshape(len(rows), h, d)
+    return decode
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "q8_0", "k16v8"])
@@ -201,9 +205,10 @@ def test_decode_row_bit_identical_alone_or_in_batches_up_to_16(cache_type):
     alone as in a step with 1..15 other sequences' rows (context lengths on both sides
     of block and split boundaries)."""
     lengths = [5, 16, 17, 31, 47, 64, 65, 100, 127, 128, 129, 200, 255, 256, 300, 333]
-    batches = {b: _decode_rows(cache_type, lengths, range(b)) for b in range(2, 17)}
+    decode = _decode_rows(cache_type, lengths)
+    batches = {b: decode(range(b)) for b in range(2, 17)}
     for i in range(16):
-        alone = _decode_rows(cache_type, lengths, [i])[0]
+        alone = decode([i])[0]
         for b in range(i + 1, 17):
             if b >= 2:
                 assert np.array_equal(batches[b][i], alone), (cache_type, i, b)
