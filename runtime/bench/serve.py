@@ -34,7 +34,8 @@ TOPICS = ("a lighthouse keeper", "the history of bread", "a robot learning to pa
 
 
 def prompts(n: int, seed: int, shared_prefix: int = 0) -> list[str]:
-    """n prompts of mixed lengths (about 20, 150 and 600 words, in a 4:2:1 mix), seeded."""
+    """n prompts of mixed lengths (about 20, 150 and 600 words, in a 4:2:1 mix), seeded; behind a
+    shared prefix, short ones (a system prompt, then a user's question)."""
     rng = random.Random(seed)
     prefix = ""
     if shared_prefix:
@@ -42,7 +43,7 @@ def prompts(n: int, seed: int, shared_prefix: int = 0) -> list[str]:
         prefix = "System: " + " ".join(srng.choice(WORDS) for _ in range(int(shared_prefix * 0.75))) + "\n\n"
     out = []
     for i in range(n):
-        words = rng.choice((20, 20, 20, 20, 150, 150, 600))
+        words = 20 if shared_prefix else rng.choice((20, 20, 20, 20, 150, 150, 600))
         body = " ".join(rng.choice(WORDS) for _ in range(words))
         out.append(f"{prefix}{body}\n\nNow write a long, detailed story about {rng.choice(TOPICS)}.\n\n")
     return out
