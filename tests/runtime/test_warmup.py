@@ -65,11 +65,12 @@ def test_cleared_kernel_cache_warms_up_again(model_path, tmp_path, monkeypatch):
     otherwise everything would compile inside the first answer."""
     from runtime.engine import Engine
     from runtime import warmup
+    path = str(model_path("smollm2-135m"))      # before the cache dir is redirected: the model is not a marker
     monkeypatch.setattr(warmup.platformdirs, "user_cache_dir", lambda *a, **k: str(tmp_path / "markers"))
     cache = tmp_path / "numba-cache"
     cache.mkdir()
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(cache))
-    e = Engine(str(model_path("smollm2-135m")), n_ctx=64)
+    e = Engine(path, n_ctx=64)
     m = warmup._marker(e)
     m.parent.mkdir(parents=True)
     m.touch()
