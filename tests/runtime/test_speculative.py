@@ -391,11 +391,15 @@ def test_cli_bench_with_a_draft_reports_every_config(smol, capsys):
     assert out["best_k"] == 2 and len(out["runs"]) == 3
     # the step costs behind the speedup, measured in the same runs: one-token target
     # steps of a draft step, the round's first draft step and the 3-row verify
+    # (a verify step is timed only when it recorded or checked no step plan: on some VMs
+    # every 3-row verify of this short run did, at the code before session 29 too, so its
+    # cost may be missing here; the draft steps' are always there)
     costs = configs["draft k=2"]["step_costs"]
-    assert set(costs) == {"draft", "catch_up", "verify"}, costs
+    assert {"draft", "catch_up"} <= set(costs) <= {"draft", "catch_up", "verify"}, costs
     assert all(0 < v < 50 for v in costs.values()), costs
     run = next(r for r in out["runs"] if r["config"] == "draft k=2")
-    assert run["speculative"]["step_ms"]["target"] > 0 and run["speculative"]["step_ms"]["verify"]["2"] > 0
+    assert run["speculative"]["step_ms"]["target"] > 0
+    assert ("verify" not in costs) or run["speculative"]["step_ms"]["verify"]["2"] > 0
 
 
 def test_cli_mismatched_draft_is_one_clean_line(model_path, smol, capsys):
