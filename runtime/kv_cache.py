@@ -53,6 +53,16 @@ def _block_hash(parent: bytes, tokens) -> bytes:
     return hashlib.blake2b(parent + np.asarray(tokens, np.int32).tobytes(), digest_size=16).digest()
 
 
+def prefix_hashes(tokens, block_size: int) -> list[bytes]:
+    """The hash chain of the full blocks a prompt may reuse (all but its last token, which
+    is always computed for its logits)."""
+    out, parent = [], b""
+    for i in range((len(tokens) - 1) // block_size):
+        parent = _block_hash(parent, tokens[i * block_size:(i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
 @dataclass
 class LayerGroup:
     """Layers that share one block table (and one window)."""
@@ -230,10 +240,7 @@ class PagedKVCache:
         """
         assert not seq.tokens, "prefix reuse starts from an empty sequence"
         bs = self.block_size
-        hashes, parent = [], b""
-        for i in range((len(tokens) - 1) // bs):
-            parent = _block_hash(parent, tokens[i * bs:(i + 1) * bs])
-            hashes.append(parent)
+        hashes = prefix_hashes(tokens, bs)
         n = len(hashes)
         for gi, (g, pool) in enumerate(zip(self.groups, self.pools)):
             if not g.window:

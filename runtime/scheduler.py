@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .kv_cache import _block_hash
+from .kv_cache import prefix_hashes
 from .sampling import Sampler, SamplingParams
 from .text_stream import TextStream
 
@@ -361,13 +361,7 @@ class Scheduler:
         return False
 
     def _prompt_hashes(self, ids: list[int]) -> list[bytes]:
-        if not self.prefix_cache:
-            return []
-        bs, out, parent = self.cache.block_size, [], b""
-        for i in range((len(ids) - 1) // bs):
-            parent = _block_hash(parent, ids[i * bs:(i + 1) * bs])
-            out.append(parent)
-        return out
+        return prefix_hashes(ids, self.cache.block_size) if self.prefix_cache else []
 
     def _preempt(self, r: Request) -> None:
         self.engine.release(r.seq, keep_cached=self.prefix_cache)
