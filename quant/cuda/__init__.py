@@ -8,7 +8,7 @@ matmul(x, [W..], [y..]) y = x @ W.T for each W (same input x, float32 [n, K]):
                         the integer path (INT8_MATVEC, the default): x rounded to int8
                         per block of W's family as the CPU backend does (32 values for
                         the legacy formats, 256 for the K-quants), dp4a dot products
-                        (qint8.cuh: q8_act, mvs / mvp; qmvk.cuh: mvk); F16/BF16/F32 W:
+                        (qint8.cuh: q8_act, mvs; qmvk.cuh: mvk); F16/BF16/F32 W:
                         float32 x and sums, each row's 16-byte words straight into
                         registers (qfloat.cuh: mvf); quantized W with LLAMBA_CUDA_INT8=0:
                         a float32 matvec that decodes each row's blocks once in registers
@@ -42,8 +42,8 @@ from . import pdl
 
 _DIR = Path(__file__).resolve().parent
 MV_MAX_ROWS = 8
-# x row counts for which the matvec can fold the op before it (RMSNorm, GLU) into its loads
-PROLOGUE_MAX_ROWS = 2
+# the op before a matmul (RMSNorm, GLU) that the integer path and the prompt GEMM fold
+# into their activations' rounding
 PROLOGUES = {"rmsnorm": 1, "silu": 2, "gelu": 3}
 # output rows per block of the matvec kernel when x has 1-2 rows (their activations
 # stay in registers across these rows); more x rows: one output row per block
@@ -85,13 +85,11 @@ INT8_ROWS_SMALL = int(os.environ.get("LLAMBA_INT8_RS", "2"))
 MVS_WARPS = 4               # warps a block of the integer matvec (qint8.cuh)
 MVF_WARPS = 4               # and of the float-weight matvec (qfloat.cuh)
 # which integer matvec kernel: "mvk" (the default: the types in MVK_ON by qmvk.cuh, the
-# other types by mvs), "mvs" (chunk bytes staged through registers, one chunk of each warp's rows in
-# flight) or "mvp" (cp.async into shared memory, up to 3 chunks ahead; sm_80 and newer
-# only: mvs is used below that whatever this says).  mvs and mvp give the same sums bit
-# for bit (and the decode megakernel, which runs only with mvs); mvk's Q4_K sums are its
-# own.  LLAMBA_CUDA_MV picks one.
+# other types by mvs) or "mvs" for all (chunk bytes staged through registers, one chunk of
+# each warp's rows in flight; the decode megakernel in tests/lab runs only with it).
+# mvk's sums are its own.  LLAMBA_CUDA_MV=mvs picks mvs, for A/B runs.  (A cp.async
+# pipelined mvs, "mvp", gave mvs's sums bit for bit and no speed: removed, NOTES.md.)
 INT8_KERNEL = os.environ.get("LLAMBA_CUDA_MV", "mvk")
-MVP_MIN_CC = 80
 # the decode matvec of float weights (F16, BF16, F32; rows of whole 16-byte words): "mvf"
 # (qfloat.cuh: 16-byte words of each warp's rows straight into registers, a group ahead)
 # or "mv" (the generic kernel every type has; LLAMBA_CUDA_FMV=mv)
@@ -228,11 +226,10 @@ class _Modules:
             m = self.by_type[key] = _Lazy(_options())
         if m is None:
             s = STRUCT[qtype]
-            names = ([f"mv<{s},{r},{_rpw(r)},0>" for r in range(1, MV_MAX_ROWS + 1)]
+            names = ([f"mv<{s},{r},{_rpw(r)}>" for r in range(1, MV_MAX_ROWS + 1)]
                      + (sorted({_int8_name(qtype, r, M, K) for r in range(1, INT8_MAX_ROWS + 1) for M in (1, 4096, 1 << 30)
                                 for K in (32, 256, 4096, 1 << 30)})
                         if qtype in INT8_STRUCT else [])
-                     + [f"mv<{s},{r},{_rpw(r)},{p}>" for r in range(1, PROLOGUE_MAX_ROWS + 1) for p in (1, 2, 3)]
                      + (sorted({_mvf_name(qtype, r, M) for r in range(1, MV_MAX_ROWS + 1) for M in (1, 1 << 30)})
                         if qtype in MVF_TYPES else [])
                      + [f"deq_f16<{s}>", f"deq_rows<{s}>"])
@@ -283,7 +280,7 @@ def _rpw_int8(nrows: int, M: int, qtype=None, K: int = 1 << 30) -> int:
 
 
 def _rows_a_warp(nrows: int, M: int, small: int, big: int) -> int:
-    """Output rows a warp of mvs / mvp / mvf for nrows of x: for 1-2 rows, `small` where W
+    """Output rows a warp of mvs / mvf for nrows of x: for 1-2 rows, `small` where W
     has at most INT8_SMALL_M rows, else `big`; fewer for more rows of x (registers)."""
     if nrows <= 2:
         return small if M <= INT8_SMALL_M else big
@@ -298,8 +295,7 @@ def _int8_name(qtype, nrows: int, M: int, K: int = 1 << 30) -> str:
             return f"mvkt<{MVK_TYPES[qtype]},{nrows},{rpw},{MVK_STAGES},{MVK_V & 1}>"
         v = MVK_V if K >= MVK_WIDE_K else MVK_V & ~2
         return f"{MVK_TYPES[qtype]}<{nrows},{rpw},{MVK_STAGES},{v}>"
-    k = "mvs" if _int8_kernel() == "mvk" else _int8_kernel()
-    return f"{k}<{INT8_STRUCT[qtype]},{nrows},{rpw}>"
+    return f"mvs<{INT8_STRUCT[qtype]},{nrows},{rpw}>"
 
 
 def _mvf_applies(qtype, K: int) -> bool:
@@ -346,24 +342,16 @@ def set_rows_per_block(n: int) -> None:
     _mods.by_type.clear()
 
 
-_cc = None
-
-
 def _int8_kernel() -> str:
-    """The integer matvec kernel in use: INT8_KERNEL where the device has what it needs."""
-    global _cc
-    if INT8_KERNEL in ("mvs", "mvk"):
-        return INT8_KERNEL
-    assert INT8_KERNEL == "mvp", INT8_KERNEL
-    if _cc is None:
-        _cc = int(cp.cuda.Device().compute_capability)
-    return "mvp" if _cc >= MVP_MIN_CC else "mvs"
+    """The integer matvec kernel in use ("mvk" or "mvs")."""
+    assert INT8_KERNEL in ("mvs", "mvk"), INT8_KERNEL
+    return INT8_KERNEL
 
 
 def set_int8_kernel(name: str) -> None:
-    """Select the integer matvec kernel ("mvs", "mvp" or "mvk"); recompiled on next use."""
+    """Select the integer matvec kernel ("mvs" or "mvk"); recompiled on next use."""
     global INT8_KERNEL
-    assert name in ("mvs", "mvp", "mvk"), name
+    assert name in ("mvs", "mvk"), name
     if name != INT8_KERNEL:
         INT8_KERNEL = name
         _mods.by_type.clear()
@@ -433,7 +421,7 @@ def int8_applies(n: int, Ws) -> bool:
 def matmul(x, Ws, outs, biases=None, accumulate=False, ws: Workspace | None = None, prologue=None):
     """outs[i] (+)= f(x) @ Ws[i].T (+ biases[i]).  x float32 [n, K] C-contiguous on the device;
     outs[i] float32 [n, M_i] (rows may be strided: ldy = outs[i].strides[0] / 4).
-    prologue (int8_applies(n, Ws), gemm_applies(n), or n <= PROLOGUE_MAX_ROWS):
+    prologue (only where int8_applies(n, Ws) or gemm_applies(n)):
     f = ("rmsnorm", w, eps) or ("silu"|"gelu", u); otherwise f is the identity."""
     n, K = x.shape
     biases = list(biases) if biases else [None] * len(Ws)
@@ -442,10 +430,8 @@ def matmul(x, Ws, outs, biases=None, accumulate=False, ws: Workspace | None = No
         matvec_int8(x, Ws, outs, biases, accumulate, ws, prologue)
     elif gemm_applies(n):
         _gemms(x, Ws, outs, biases, accumulate, ws, prologue)
-    elif prologue is not None:
-        assert n <= PROLOGUE_MAX_ROWS
-        _matvec(x, Ws, outs, biases, accumulate, prologue)
     else:
+        assert prologue is None, "the float matvec folds no prologue (the caller runs the op first)"
         q = [i for i, W in enumerate(Ws) if INT8_MATVEC and int8_ok(W)]
         f = [i for i in range(len(Ws)) if i not in q]
         if q:
@@ -475,9 +461,8 @@ def _prologue_args(prologue):
     return pro, None, prologue[1], 0.0
 
 
-def _matvec(x, Ws, outs, biases, accumulate, prologue=None):
+def _matvec(x, Ws, outs, biases, accumulate):
     n, K = x.shape
-    pro, pw, pu, eps = _prologue_args(prologue)
     # one launch per group of up to three weights of one type
     i = 0
     while i < len(Ws):
@@ -489,25 +474,24 @@ def _matvec(x, Ws, outs, biases, accumulate, prologue=None):
         pad = grp + [grp[0]] * (3 - len(grp))
         Ms = [Ws[k].shape[0] for k in grp] + [0] * (3 - len(grp))
         maxM = max(Ms)
-        # mv's arguments, then its prologue's; mvf takes the first part
+        # mv's and mvf's arguments
         args = ([Ws[k].data for k in pad] + [outs[k] for k in pad]
                 + [biases[k] if biases[k] is not None else np.uint64(0) for k in pad]
                 + [np.int32(m) for m in Ms]
                 + [np.int32(K), np.int64(W0.row_nbytes), x, np.int32(x.strides[0] // 4)]
                 + [np.int32(outs[k].strides[0] // 4) for k in pad] + [np.int32(1 if accumulate else 0)])
-        if pro == 0 and _mvf_applies(W0.qtype, K):
+        if _mvf_applies(W0.qtype, K):
             rpw = _mvf_rows(n, maxM)
             _mods.get(W0.qtype)[_mvf_name(W0.qtype, n, maxM)](
                 ((maxM + rpw * MVF_WARPS - 1) // (rpw * MVF_WARPS), len(grp)), (32 * MVF_WARPS,), tuple(args))
             i = j
             continue
         rpw = _rpw(n)
-        f = _mods.get(W0.qtype)[f"mv<{STRUCT[W0.qtype]},{n},{rpw},{pro}>"]
+        f = _mods.get(W0.qtype)[f"mv<{STRUCT[W0.qtype]},{n},{rpw}>"]
         grid = ((maxM + rpw - 1) // rpw, len(grp))
         qk = _KBLOCK[W0.qtype][0]
         nparts = K // qk * (8 if qk == QK_K else 1)
         threads = min(128, (nparts + 31) // 32 * 32)
-        args += [pw if pw is not None else np.uint64(0), pu if pu is not None else np.uint64(0), np.float32(eps)]
         f(grid, (threads,), tuple(args))
         i = j
 

@@ -18,25 +18,15 @@ constexpr int kMvUnroll = MV_UNROLL;
 // Up to three weights of the same type and width run in one launch
 // (blockIdx.y picks which): q/k/v and gate/up.
 // mode 0: y = xW^T (+ bias);  mode 1: y += xW^T (residual add).
-// PRO (x rows in registers only) transforms x as it is loaded, so the op before
-// the matmul needs no launch of its own:
-//   1: x * rsqrt(mean(x^2) + eps) * pw   (RMSNorm; each block computes the row's rms)
-//   2: silu(x) * pu                        (SwiGLU; pu has x's layout)
-//   3: gelu_tanh(x) * pu                   (GeGLU)
-static __device__ __forceinline__ float pro_act(float g, float u, int pro) {
-    if (pro == 2) return g / (1.0f + expf(-g)) * u;
-    const float c = 0.7978845608028654f;
-    return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * u;
-}
-
-template <class T, int NR, int RPW, int PRO>
+// (Folding the op before the matmul into x's loads here measured slower, every block
+// recomputing the row's rms; the integer path and the prompt GEMM fold it: NOTES.md.)
+template <class T, int NR, int RPW>
 __global__ void __launch_bounds__(128) mv(
         const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,
         float* y0, float* y1, float* y2,
         const float* b0, const float* b1, const float* b2,
         int M0, int M1, int M2,
-        int K, long long row_bytes, const float* __restrict__ x, int ldx, int ldy0, int ldy1, int ldy2, int mode,
-        const float* __restrict__ pw, const float* __restrict__ pu, float eps) {
+        int K, long long row_bytes, const float* __restrict__ x, int ldx, int ldy0, int ldy1, int ldy2, int mode) {
     PDL_ENTER();
     const int wsel = blockIdx.y;
     const u8* W = wsel == 0 ? W0 : (wsel == 1 ? W1 : W2);
@@ -54,26 +44,6 @@ __global__ void __launch_bounds__(128) mv(
 #pragma unroll
         for (int n = 0; n < NR; n++) acc[r][n] = 0.f;
     constexpr bool XREG = NR <= 2;             // activations of the part held in registers
-    static_assert(PRO == 0 || XREG, "prologues need the activations in registers");
-    float rn[NR];
-    if constexpr (PRO == 1) {
-        __shared__ float red_ss[4][NR];
-#pragma unroll
-        for (int n = 0; n < NR; n++) {
-            float ss = 0.f;
-            for (int k = threadIdx.x; k < K; k += blockDim.x) { float v = x[(long long)n * ldx + k]; ss = fmaf(v, v, ss); }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            if ((threadIdx.x & 31) == 0) red_ss[threadIdx.x >> 5][n] = ss;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int n = 0; n < NR; n++) {
-            float ss = 0.f;
-            for (int w = 0; w < (int)(blockDim.x >> 5); w++) ss += red_ss[w][n];
-            rn[n] = 1.0f / sqrtf(ss / K + eps);
-        }
-    }
 #pragma unroll kMvUnroll
     for (int p = threadIdx.x; p < nparts; p += blockDim.x) {
         const int blk = p / T::PPB, part = p % T::PPB;
@@ -84,21 +54,11 @@ __global__ void __launch_bounds__(128) mv(
                 const float* xb = x + (long long)n * ldx + blk * T::QK;
 #pragma unroll
                 for (int u = 0; u < T::NRUN; u++) {
-                    const int e0 = blk * T::QK + T::run_start(part, u);
                     const float4* xv = (const float4*)(xb + T::run_start(part, u));
                     float s = 0.f;
 #pragma unroll
                     for (int j = 0; j < T::RLEN / 4; j++) {
-                        float4 a = xv[j];
-                        if constexpr (PRO == 1) {
-                            const float4 w = *(const float4*)(pw + e0 + 4 * j);
-                            a.x = a.x * rn[n] * w.x; a.y = a.y * rn[n] * w.y;
-                            a.z = a.z * rn[n] * w.z; a.w = a.w * rn[n] * w.w;
-                        } else if constexpr (PRO >= 2) {
-                            const float4 g = *(const float4*)(pu + (long long)n * ldx + e0 + 4 * j);
-                            a.x = pro_act(a.x, g.x, PRO); a.y = pro_act(a.y, g.y, PRO);
-                            a.z = pro_act(a.z, g.z, PRO); a.w = pro_act(a.w, g.w, PRO);
-                        }
+                        const float4 a = xv[j];
                         float* d = xr[n] + u * T::RLEN + 4 * j;
                         d[0] = a.x; d[1] = a.y; d[2] = a.z; d[3] = a.w;
                         if (T::HAS_MIN) s += (a.x + a.y) + (a.z + a.w);

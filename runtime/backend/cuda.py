@@ -28,7 +28,7 @@ import quant
 from quant import QTensor
 
 from ..kv_cache import QK8, kv_bytes_per_token_layer
-from . import DeviceUnavailable
+from . import DeviceUnavailable, moe
 from .cuda_memory import MIN_COMPUTE_CAPABILITY, estimate_bytes, format_bytes
 
 _SRC = Path(__file__).resolve().parent / "cuda_kernels.cu"
@@ -376,12 +376,10 @@ class CUDABackend:
         self._pglu = None           # deferred GLU (g, u, kind)
         self._propes = []           # deferred RoPEs (x, positions, inv_freq, neox, pos_scale)
         self._unmat: set = set()    # outputs of folded ops: never written
-        # Folding RMSNorm/GLU into the matvec makes every block recompute them over the
-        # whole row: measured slower on the H200 (L8 decode 7.1 vs 4.9 ms), so off unless asked
-        self.fold = os.environ.get("LLAMBA_CUDA_FOLD", "0") == "1"
         self.profile_next = False
         self.last_profile = None
         self._argmax_state: dict = {}   # rows -> (best u64, count u32 (zeroed), ids int32) [rows]
+        self._moe_combine = None        # the moe op's weighted sum of a token's experts (ElementwiseKernel)
 
     # ---- memory ------------------------------------------------------------------
     def check_fits(self, lm, n_ctx: int, block_size: int = 16, cache_blocks: int = 0, cache_type="f16"):
@@ -414,11 +412,33 @@ class CUDABackend:
             v = cp.asarray(quant.dequantize(t).astype(np.float32).reshape(-1))
             self.weight_bytes += v.nbytes
             return v
+        if len(t.shape) == 3:
+            return self._upload_experts(t)
         if not self.qc.kernel_supports(t):
             raise ValueError(f"tensor '{t.name}' ({t.qtype.name}, shape {t.shape}) has no CUDA kernel")
         w = self.qc.upload(t)
         self.weight_bytes += w.nbytes
         return w
+
+    def _upload_experts(self, t: QTensor):
+        """A layer's experts [E, M, K] in one device buffer, each expert's bytes starting
+        on a 256-byte boundary; a DeviceWeight view an expert, which the matmul kernels
+        take as any matrix."""
+        cp, qc = self.cp, self.qc
+        views = t.experts()
+        if not qc.kernel_supports(views[0]):
+            raise ValueError(f"tensor '{t.name}' ({t.qtype.name}, shape {t.shape}) has no CUDA kernel")
+        per = views[0].nbytes
+        stride = -(-per // 256) * 256
+        data = cp.zeros(stride * len(views) + 256, cp.uint8)    # (+: the matvecs' aligned loads past the end)
+        if stride == per:
+            data[:per * len(views)].set(np.ascontiguousarray(t.data).reshape(-1))
+        else:
+            for e, v in enumerate(views):
+                data[e * stride:e * stride + per].set(np.ascontiguousarray(v.data).reshape(-1))
+        self.weight_bytes += data.nbytes
+        return [qc.DeviceWeight(v.name, v.qtype, tuple(v.shape), data[e * stride:(e + 1) * stride], v.row_nbytes)
+                for e, v in enumerate(views)]
 
     def alloc_kv(self, n_layers, n_slots, n_kv_heads, head_dim, cache_type="f16"):
         self.kv = CUDAKVStorage(self.cp, n_layers, n_slots, n_kv_heads, head_dim, cache_type)
@@ -445,7 +465,9 @@ class CUDABackend:
         with self.stream:
             # one-token decode steps, and speculative verify steps (up to GRAPH_ROWS
             # tokens of one sequence, logits for every row): each shape its own graph
+            # (not a mixture of experts: which experts run is decided on the host each step)
             graphable = (self.use_graphs and step.block_tables.shape[0] == 1
+                         and not getattr(model, "routes_tokens", False)
                          and (n == 1 and len(step.logit_rows) == 1
                               or 1 < n <= GRAPH_ROWS and len(step.logit_rows) == n
                               or n == PROMPT_GRAPH_ROWS and len(step.logit_rows) == 1 and not argmax))
@@ -722,11 +744,11 @@ class CUDABackend:
 
     # ---- deferred ops ----------------------------------------------------------
     # RMSNorm and GLU are not launched when called: the next matmul folds them into
-    # its activations' int8 quantization (integer decode path) or, with
-    # LLAMBA_CUDA_FOLD=1, into the float matvec's loads; else the next op launches
-    # them.  RoPE of q and k waits for attention, which does RoPE + the KV write in
-    # one kernel.  The delay never crosses another op, so inputs are unchanged when a
-    # deferred op runs.  A folded op's own output is never written: reading it raises
+    # its activations' int8 quantization (integer decode path) or its fp16 conversion
+    # (prompt GEMM); else the next op launches them.  (Folded into the float matvec's
+    # loads, every block recomputed the row's rms: L8 decode 7.1 vs 4.9 ms, H200; removed.)
+    # RoPE of q and k waits for attention, which does RoPE + the KV write in one kernel.
+    # The delay never crosses another op, so inputs are unchanged when a deferred op runs.  A folded op's own output is never written: reading it raises
     # (no model does).
     def _flush(self, keep_ropes=False):
         if self._pnorm is not None:
@@ -775,10 +797,8 @@ class CUDABackend:
         n = x.shape[0]
         prologue, src = None, x
         # the integer path folds a pending RMSNorm/GLU into its activation quantization,
-        # the prompt path into its fp16 conversion (one launch, not two); the float matvec
-        # only when asked (LLAMBA_CUDA_FOLD=1)
-        if (self.qc.int8_applies(n, Ws) or self.qc.gemm_applies(n)
-                or (self.fold and n <= self.qc.PROLOGUE_MAX_ROWS)):
+        # the prompt path into its fp16 conversion (one launch, not two)
+        if self.qc.int8_applies(n, Ws) or self.qc.gemm_applies(n):
             if self._pnorm is not None and self._pnorm[3] is x:
                 xin, w, eps, _ = self._pnorm
                 self._pnorm = None
@@ -819,6 +839,47 @@ class CUDABackend:
         self._check(g, u)
         self._pglu = (g, u, kind)
         return g
+
+    def moe(self, x, router, experts, top_k, norm_topk):
+        """Mixture of experts, as the CPU backend's (cpu.py): the router's logits go to the
+        host, which picks each token's experts and groups the step's rows by expert
+        (moe.py); each chosen expert then runs once on its run of gathered rows, the
+        others are not read.  The host wait makes this op's steps eager (no CUDA graph)."""
+        cp = self.cp
+        self._flush()
+        self._check(x)
+        x = x.reshape(x.shape[0], -1)
+        if not x.flags.c_contiguous:
+            x = cp.ascontiguousarray(x)
+        n, d = x.shape
+        gates, ups, downs = experts
+        logits = self._buf((n, len(gates)))
+        self.qc.matmul(x, [router], [logits], ws=self.ws)
+        self.stream.synchronize()
+        w, tokens, starts, pos = moe.plan(logits.get(), top_k, norm_topk)
+        rows, ff = n * top_k, gates[0].shape[0]
+        idx = cp.asarray(np.concatenate([tokens, pos.reshape(-1), w.reshape(-1).view(np.int32)]))
+        tok_d, pos_d, w_d = idx[:rows], idx[rows:2 * rows], idx[2 * rows:].view(cp.float32)
+        self._pdl.fence()
+        xs, y = self._buf((rows, d)), self._buf((rows, d))
+        g, u = self._buf((rows, ff)), self._buf((rows, ff))
+        self._launch("gather_rows", rows * d, (x, tok_d, np.int32(rows), np.int32(d), xs))
+        runs = [(int(starts[e]), int(starts[e + 1]), e) for e in np.flatnonzero(np.diff(starts))]
+        for a, b, e in runs:
+            self.qc.matmul(xs[a:b], [gates[e], ups[e]], [g[a:b], u[a:b]], ws=self.ws)
+        self._launch("silu_mul", g.size, (g, u, np.int64(g.size)))
+        for a, b, e in runs:
+            self.qc.matmul(g[a:b], [downs[e]], [y[a:b]], ws=self.ws)
+        out = self._buf((n, d))
+        if self._moe_combine is None:
+            self._moe_combine = cp.ElementwiseKernel(
+                "raw float32 y, raw int32 pos, raw float32 w, int32 k, int32 d", "float32 out",
+                "const int t = i / d, c = i % d; float s = 0.f;"
+                "for (int j = 0; j < k; ++j) s += w[t * k + j] * y[(long long)pos[t * k + j] * d + c];"
+                "out = s;", "llamba_moe_combine")
+        self._moe_combine(y, pos_d, w_d, np.int32(top_k), np.int32(d), out)
+        self._pdl.fence()
+        return out
 
     def rope(self, x, step, inv_freq, neox, pos_scale=1.0):
         self._flush(keep_ropes=True)

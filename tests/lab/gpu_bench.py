@@ -380,8 +380,7 @@ def main(argv=None):
                     help="decode paths to measure: int8 (default: a kernel an op, the default integer matvec), mvs, "
                          "mvk (integer matvec with weights straight into registers, persistent grid; mvk4: for Q4_K "
                          "alone, mvkr: for Q4_K, Q6_K, Q4_0 where MVK_RULES allows, mvkall: every shape of them), mega "
-                         "(the decode megakernel, LLAMBA_CUDA_MEGA=1), mvp (int8 with the cp.async-pipelined "
-                         "matvec, sm_80+), float, fmv (float weights by the generic mv, not mvf); any of them @HINTS: with the weight loads' cache hints "
+                         "(the decode megakernel, LLAMBA_CUDA_MEGA=1), float, fmv (float weights by the generic mv, not mvf); any of them @HINTS: with the weight loads' cache hints "
                          "(quant.cuda.W_HINT / W_PF), HINTS '+'-joined of 256 (.L2::256B), 128 (.L2::128B), ef "
                          "(L2 evict_first), 256ef / 128ef (both), h0 (none), pfN (mvk: prefetch.global.L2 N steps ahead), "
                          "pdlN (captured steps with programmatic dependent launch, quant/cuda/pdl.py MODE N), stN (mvk pipeline stages), "
@@ -468,9 +467,9 @@ def main(argv=None):
         qc.set_weight_hints(h, pf)
         # mvk: mvk for the default types (qc.MVK_ON); mvk4: for Q4_K alone; mvkr: for all of
         # qc.MVK_TYPES where MVK_RULES allows; mvkall: every shape of all of them
-        qc.INT8_MATVEC = variant in ("int8", "mvp", "mvk", "mvkr", "mvkall", "mvk4", "mvs", "mega", "fmv")
+        qc.INT8_MATVEC = variant in ("int8", "mvk", "mvkr", "mvkall", "mvk4", "mvs", "mega", "fmv")
         qc.FLOAT_MV = "mv" if variant == "fmv" else float_mv_default
-        qc.set_int8_kernel("mvk" if variant in ("mvk4", "mvkr", "mvkall") else variant if variant in ("mvp", "mvk", "mvs")
+        qc.set_int8_kernel("mvk" if variant in ("mvk4", "mvkr", "mvkall") else variant if variant in ("mvk", "mvs")
                            else ("mvs" if variant == "mega" else kernel_default))
         qc.MVK_ON = ({GGMLType.Q4_K} if variant == "mvk4" else set(qc.MVK_TYPES) if variant in ("mvkr", "mvkall")
                      else set(mvk_on_default))

@@ -41,6 +41,28 @@
 // coherent across SMs).  All blocks must be resident at once (grid = #SMs, one block
 // an SM by its registers): a barrier that waits over ~2 s sets *err and stops waiting.
 #include "qint8.cuh"
+
+// cp.async (sm_80+; a plain copy below): the ring's loads hold no registers in flight.
+DEV void cp_async16(void* dst, const void* src, bool ok) {
+#if __CUDA_ARCH__ >= 800
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0)
+                 : "memory");
+#else
+    *(uint4*)dst = ok ? *(const uint4*)src : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+DEV void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+DEV void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
 #include "cuda_attn.cuh"
 
 #ifndef MG_WARPS

@@ -59,7 +59,7 @@ def _compile(source: Path, arch: str, options=(), names=()) -> str:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_weight_kernels_compile(arch):
     names = ([f"deq_f16<{s}>" for s in STRUCTS] + [f"deq_rows<{s}>" for s in STRUCTS]
-             + [f"mv<{s},{r},4,0>" for s in STRUCTS for r in (1, 2)]
+             + [f"mv<{s},{r},4>" for s in STRUCTS for r in (1, 2)]
              # the integer matvecs: mvk4k (Q4_K), mvkt's type policies, mvs
              + [f"mvk4k<{n},2,2,{v}>" for n in (1, 2) for v in (1, 3)]
              + [f"mvkt<{t},{n},{r},2,1>" for t in ("MQ4_0", "MQ6_K") for n in (1, 2) for r in (1, 2)]
