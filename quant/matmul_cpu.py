@@ -17,8 +17,8 @@ Paths, chosen per call from the row count n of x:
   time inside Numba's pool, each weight block once per call, and multiplied
   in bfloat16 with float32 sums where the CPU has AVX512_BF16 (gemm_bf16.py,
   bf16_path; LLAMBA_BF16_PREFILL=0 turns it off), otherwise in float32 by
-  single-threaded OpenBLAS sgemm (gemm_tiles.py).  LLAMBA_INT8_PREFILL=1 uses
-  the VNNI kernels instead (8-bit activations: see _sgemm_path).
+  single-threaded OpenBLAS sgemm (gemm_tiles.py).  (Prompts through the 8-bit
+  VNNI kernels failed the 98% top-1 bar against transformers: see _sgemm_path.)
   matmul_dequant keeps x in float32 at any row count.
 
 Small matrices (M*K < PARALLEL_MIN_ELEMS) run on the calling thread: waking
@@ -190,8 +190,6 @@ _BF16_TYPES = frozenset(_K) | frozenset(_LEGACY)
 # AVX512-VNNI kernels (quant/vnni.py) where the CPU has them: kind code per type.
 # USE_VNNI is read per call, so tests can run the int16 fallback too.
 USE_VNNI = KV.HAVE_VNNI
-# prompt processing on the VNNI kernels too (see _sgemm_path): faster, 8-bit activations
-INT8_PREFILL = os.environ.get("LLAMBA_INT8_PREFILL", "0") == "1"
 # Q4_0 rows of K % 128 == 0 take vnni_quad's kernel instead of vnni.leg_rows for 1-2
 # activation rows, same bits (USE_QUAD: the CPU has AVX512-VBMI; LLAMBA_QUANT_QUAD=0
 # turns it off).
@@ -460,15 +458,13 @@ def matmul_into(x: np.ndarray, W: QTensor, out: np.ndarray, scratch: Scratch) ->
 def _sgemm_path(n: int, qtype) -> bool:
     """Whether n rows of x go through dequantize-tile + sgemm (x kept in float32).
 
-    With INT8_PREFILL the VNNI kernels' row groups (16 rows per pass over a W
-    block) take every row count where they exist for the type, as llama.cpp's
-    int8 path does.  That is faster (2 threads, pp512 interleaved: Qwen2.5-0.5B
-    239/247 vs 199/209 t/s, SmolLM2 265/265 vs 175/176, gemma3 243/273 vs
-    215/220) but rounds every prompt activation to 8 bits: against HF
-    transformers over a 256-token text, top-1 agreement fell from 100% to
-    97.7% (SmolLM2) and 97.3% (gemma3), mean KL from 4e-7 to 3-5e-3.  Prompt
-    logits stay float32-exact by default; set LLAMBA_INT8_PREFILL=1 to trade."""
-    return n >= LARGE_BATCH_MIN and not (INT8_PREFILL and USE_VNNI and qtype in _VNNI_KIND)
+    The VNNI kernels' row groups could take prompts too, as llama.cpp's int8
+    path does.  Measured (an opt-in until session 30, removed then): faster
+    than float32 sgemm (2 threads, pp512: Qwen2.5-0.5B 239/247 vs 199/209 t/s)
+    but no faster than the bfloat16 path, and 8-bit activations cost accuracy:
+    against HF transformers over a 256-token text, top-1 agreement fell from
+    100% to 97.7% (SmolLM2) and 97.3% (gemma3), mean KL from 4e-7 to 3-5e-3."""
+    return n >= LARGE_BATCH_MIN
 
 
 def bf16_path(n: int, qtype, K: int) -> bool:
