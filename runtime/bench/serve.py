@@ -10,6 +10,16 @@ chunks that carry text (one token each on both llama-server and Llamba).
 --shared-prefix N puts the same N-token-ish text before every prompt (a system prompt that
 clients share: the prefix cache's case).  --abort-fraction F drops that fraction of the
 answers mid-stream (clients that go away).
+
+--schemas [FILE] measures structured output instead (default FILE: the 30+ schemas of
+tests/fixtures/constrain/schemas.json), one request at a time: for each schema a streamed chat
+completion with `response_format: json_schema` (strict) and the same request unconstrained,
+greedy, -n tokens at most.  Recorded: the answer parses and validates (`jsonschema`, formats
+checked; where the answer holds a markdown code block, that is what is checked), completion
+tokens (usage), time to first token, decode tokens/s = (chunks - 1) / (last chunk - first).
+Several URLs are run in turn, --rounds times interleaved (never two servers at once), after one
+untimed request each; reported per URL and mode: validity rate and median decode tokens/s, and
+the first URL's median over each other's.
 """
 from __future__ import annotations
 
@@ -17,6 +27,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -127,8 +138,15 @@ def summarize(results, wall, c) -> dict:
 
 
 def run(args) -> int:
-    url = args.url.rstrip("/").removesuffix("/v1")
+    urls = [u.rstrip("/").removesuffix("/v1") for u in args.url]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    if args.schemas:
+        return run_schemas(args, urls, headers)
+    if len(urls) > 1:
+        print("bench-serve: one URL at a time, unless --schemas", file=sys.stderr)
+        return 2
+    url = urls[0]
+    args.max_tokens = args.max_tokens or 128
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     rows = []
     for c in levels:
@@ -143,16 +161,143 @@ def run(args) -> int:
                   f"ITL p50 {row['itl_p50_ms']:6.1f} p99 {row['itl_p99_ms']:7.1f} ms  "
                   f"{row['completed']}/{row['requests']} ok {row['statuses']}", flush=True)
     if args.json:
-        print(json.dumps({"url": args.url, "rows": rows}))
+        print(json.dumps({"url": url, "rows": rows}))
+    return 0
+
+
+SCHEMA_PROMPT = "Reply with JSON only: {what}, as one object valid under this JSON schema:\n{schema}"
+
+
+def _chat(client, url, headers, body) -> dict:
+    """One streamed chat completion: its text, the content chunks' times, usage and finish reason."""
+    t0 = time.perf_counter()
+    stamps, text, usage, finish = [], [], {}, None
+    try:
+        with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                return {"status": r.status_code, "error": r.read().decode(errors="replace")[:300]}
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    return {"status": 500, "error": str(ev["error"])[:300]}
+                usage = ev.get("usage") or usage
+                for c in ev.get("choices", []):
+                    if (c.get("delta") or {}).get("content"):
+                        stamps.append(time.perf_counter())
+                        text.append(c["delta"]["content"])
+                    finish = c.get("finish_reason") or finish
+    except Exception as e:          # a refused or dropped connection is a failed answer
+        return {"status": type(e).__name__, "error": str(e)[:300]}
+    n = len(stamps)
+    return {"status": 200, "text": "".join(text), "finish": finish, "chunks": n,
+            "tokens": usage.get("completion_tokens", n), "ttft_s": stamps[0] - t0 if n else None,
+            "wall_s": time.perf_counter() - t0,
+            "decode_tok_s": (n - 1) / (stamps[-1] - stamps[0]) if n > 2 and stamps[-1] > stamps[0] else None}
+
+
+def _check(text: str, schema: dict) -> tuple[bool, bool, str]:
+    """(parses, validates, why not); where the answer holds a markdown code block, its content is checked."""
+    import jsonschema
+    m = re.search(r"```(?:json)?[ \t]*\n(.*?)\n?```", text, re.S)
+    text = m.group(1) if m else text
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        return False, False, f"parse: {e}"
+    try:
+        jsonschema.validate(value, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    except jsonschema.ValidationError as e:
+        return True, False, f"schema: {e.message[:200]}"
+    return True, True, ""
+
+
+def _schema_request(d: dict, mode: str, args) -> dict:
+    content = SCHEMA_PROMPT.format(what=d["prompt"], schema=json.dumps(d["schema"]))
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": args.max_tokens or 256,
+            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if mode == "constrained":
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": d["name"], "schema": d["schema"], "strict": True}}
+    if args.model:
+        body["model"] = args.model
+    return body
+
+
+def run_schemas(args, urls, headers) -> int:
+    import httpx
+
+    from .constrain import DEFAULT_SCHEMAS
+    schemas = json.loads(open(args.schemas if args.schemas != "-" else DEFAULT_SCHEMAS, encoding="utf-8").read())
+    if args.only:
+        schemas = [d for d in schemas if d["name"] in args.only.split(",")]
+    labels = args.labels.split(",") if args.labels else urls
+    modes = ("constrained",) if args.constrained_only else ("constrained", "plain")
+    rows = []
+    with httpx.Client(timeout=httpx.Timeout(args.timeout)) as client:
+        for url in urls:                                   # one untimed request each: first-call costs
+            _chat(client, url, headers, _schema_request(schemas[0], "constrained", args))
+        for rnd in range(args.rounds):
+            for url, label in zip(urls, labels):
+                for d in schemas:
+                    for mode in modes:
+                        r = _chat(client, url, headers, _schema_request(d, mode, args))
+                        if r["status"] == 200:
+                            r["parses"], r["valid"], r["why"] = _check(r["text"], d["schema"])
+                        else:
+                            r["parses"], r["valid"], r["why"] = False, False, f"HTTP {r['status']}: {r['error']}"
+                        r.update(server=label, round=rnd, schema=d["name"], mode=mode)
+                        rows.append(r)
+                        if args.verbose:
+                            print(f"  {label} r{rnd} {mode:<11} {d['name']:<22} {r.get('tokens', 0):4} tok "
+                                  f"{r.get('decode_tok_s') or 0:7.1f} tok/s {'ok' if r['valid'] else r['why']}",
+                                  file=sys.stderr, flush=True)
+    summary = []
+    for label in labels:
+        for mode in modes:
+            rs = [r for r in rows if r["server"] == label and r["mode"] == mode]
+            tps = [r["decode_tok_s"] for r in rs if r.get("decode_tok_s")]
+            per_round = [statistics.median(x) for x in
+                         ([r["decode_tok_s"] for r in rs if r["round"] == k and r.get("decode_tok_s")]
+                          for k in range(args.rounds)) if x]
+            summary.append({"server": label, "mode": mode, "requests": len(rs),
+                            "valid": sum(r["valid"] for r in rs), "parses": sum(r["parses"] for r in rs),
+                            "valid_pct": round(100 * sum(r["valid"] for r in rs) / max(1, len(rs)), 1),
+                            "decode_tok_s_p50": round(statistics.median(tps), 2) if tps else None,
+                            "decode_tok_s_rounds": [round(x, 2) for x in per_round],
+                            "ttft_p50_ms": round(1e3 * statistics.median([r["ttft_s"] for r in rs if r.get("ttft_s")]
+                                                                          or [float("nan")]), 1),
+                            "tokens_p50": statistics.median([r.get("tokens", 0) for r in rs]) if rs else 0,
+                            "failures": sorted({f"{r['schema']}: {r['why']}" for r in rs if not r["valid"]})})
+    first = {s["mode"]: s for s in summary if s["server"] == labels[0]}
+    for s in summary:
+        f = first[s["mode"]]
+        if s["decode_tok_s_p50"] and f["decode_tok_s_p50"]:
+            s["first_to_this_ratio"] = round(f["decode_tok_s_p50"] / s["decode_tok_s_p50"], 3)
+    if args.json:
+        print(json.dumps({"urls": urls, "labels": labels, "schemas": len(schemas), "rounds": args.rounds,
+                          "max_tokens": args.max_tokens or 256, "summary": summary, "requests": rows}))
+        return 0
+    print(f"{len(schemas)} schemas, {args.rounds} round(s), max_tokens {args.max_tokens or 256}, "
+          f"temperature {args.temperature}")
+    for s in summary:
+        print(f"{s['server']:<24} {s['mode']:<11} valid {s['valid']:3}/{s['requests']:<3} ({s['valid_pct']:5.1f}%)  "
+              f"parse {s['parses']:3}  decode {s['decode_tok_s_p50'] or 0:7.2f} tok/s (rounds "
+              f"{s['decode_tok_s_rounds']})  TTFT p50 {s['ttft_p50_ms']:7.1f} ms  tokens p50 {s['tokens_p50']}"
+              + (f"  {labels[0]}/this {s['first_to_this_ratio']:.3f}" if s["server"] != labels[0]
+                 and "first_to_this_ratio" in s else ""))
+        for f in s["failures"][:args.show_failures]:
+            print(f"    {f}")
     return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:8080")
+    p.add_argument("url", nargs="+", help="the server's base URL, e.g. http://127.0.0.1:8080 (--schemas: several)")
     p.add_argument("-C", "--concurrency", default="1,4,8,16,32", help="client counts to run, one after another")
     p.add_argument("--requests", type=int, default=4, help="requests a client sends (default 4)")
     p.add_argument("--duration", type=float, default=0, help="send for this many seconds instead of --requests")
-    p.add_argument("-n", "--max-tokens", type=int, default=128)
+    p.add_argument("-n", "--max-tokens", type=int, default=None, help="default 128; --schemas 256")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--shared-prefix", type=int, default=0, metavar="N", help="a shared ~N-token prefix on every prompt")
     p.add_argument("--abort-fraction", type=float, default=0.0, help="drop this fraction of answers mid-stream")
@@ -161,6 +306,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", action="store_true")
+    g = p.add_argument_group("structured output (--schemas)")
+    g.add_argument("--schemas", nargs="?", const="-", default=None, metavar="FILE",
+                   help="JSON schemas to ask for, [{name, prompt, schema}] (default: the test fixture's)")
+    g.add_argument("--only", default=None, metavar="NAMES", help="only these schemas (comma-separated names)")
+    g.add_argument("--rounds", type=int, default=1, help="rounds over all URLs, interleaved")
+    g.add_argument("--labels", default=None, help="a name for each URL, comma-separated")
+    g.add_argument("--constrained-only", action="store_true", help="skip the unconstrained reference requests")
+    g.add_argument("--show-failures", type=int, default=5, metavar="N", help="failed answers listed per row")
+    g.add_argument("-v", "--verbose", action="store_true", help="one line per request on stderr")
 
 
 if __name__ == "__main__":
