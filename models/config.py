@@ -16,7 +16,7 @@ class UnsupportedArchitecture(ValueError):
 
 @dataclass
 class ModelConfig:
-    arch: str                      # family name as GGUF spells it: llama, qwen2, qwen3, gemma3, smollm3
+    arch: str                      # family name as GGUF spells it: llama, qwen2, qwen3, qwen3moe, gemma3, ...
     n_layers: int
     d_model: int
     d_ff: int
@@ -42,6 +42,13 @@ class ModelConfig:
     embed_scale: float = 1.0       # gemma multiplies embeddings by sqrt(d_model)
     qkv_bias: bool = False
     tied_output: bool = False
+    # mixture of experts (qwen3moe): every layer's FFN is n_experts experts of d_ff_expert,
+    # n_experts_used of them a token, chosen by softmax over the router's logits; their
+    # weights renormalized to sum to 1 when expert_norm_topk (HF norm_topk_prob)
+    n_experts: int = 0
+    n_experts_used: int = 0
+    d_ff_expert: int = 0
+    expert_norm_topk: bool = False
     name: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -61,7 +68,8 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "phi3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "smollm3", "phi3")
+MOE_ARCHS = ("qwen3moe",)
 
 # Metadata keys under "{arch}." that Llamba reads (and honours).  Any other key
 # there may change the math in a way we do not implement (logit soft-capping,
@@ -77,6 +85,9 @@ _GGUF_ARCH_KEYS = {
     "llama": {"attention.sliding_window"},       # written by our converter for Mistral (HF sliding_window)
     "gemma3": {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa"},
     "phi3": {"attention.sliding_window"},
+    # llama.cpp's qwen3moe: softmax routing, normalized top-k, no shared experts (a key for
+    # any of those, e.g. expert_shared_feed_forward_length or expert_gating_func, is refused)
+    "qwen3moe": {"expert_count", "expert_used_count", "expert_feed_forward_length"},
 }
 # keys that some converters write with a value that changes nothing
 _GGUF_NEUTRAL = {"tensor_data_layout": lambda v: v == "Meta AI original pth",   # GGUF's own q/k layout
@@ -127,6 +138,7 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     out = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
     if not cfg.tied_output:
         out["output.weight"] = (cfg.vocab_size, d)
+    E, fe = cfg.n_experts, cfg.d_ff_expert
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         layer = {"attn_norm.weight": (d,), "attn_q.weight": (q, d), "attn_k.weight": (kv, d),
@@ -142,6 +154,11 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer.update({"attn_qkv.weight": (q + 2 * kv, d), "ffn_up.weight": (2 * ff, d)})
         if cfg.arch == "gemma3":
             layer.update({"post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)})
+        if cfg.arch in MOE_ARCHS:    # the router and the experts' three 3-D tensors replace the FFN
+            for n in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"):
+                del layer[n]
+            layer.update({"ffn_gate_inp.weight": (E, d), "ffn_gate_exps.weight": (E, fe, d),
+                          "ffn_up_exps.weight": (E, fe, d), "ffn_down_exps.weight": (E, d, fe)})
         out.update({p + k: v for k, v in layer.items()})
     return out
 
@@ -209,10 +226,10 @@ def config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
         vocab_size=int(vocab), context_length=int(get("context_length", 2048)),
         rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_neox=arch in ("qwen2", "qwen3", "gemma3", "phi3"),
+        rope_neox=arch in ("qwen2", "qwen3", "qwen3moe", "gemma3", "phi3"),
         rope_dim=int(get("rope.dimension_count", head_dim, required=False) or head_dim),
         qkv_bias="blk.0.attn_q.bias" in shapes,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
         tied_output="output.weight" not in shapes,
         name=str(meta.get("general.name", "")),
     )
@@ -228,6 +245,17 @@ def config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
         # every layer windowed, as transformers runs Mistral and Phi-3 (llama.cpp ignores
         # Phi-3's window and never sees Mistral's: its converter drops it)
         cfg.sliding_window = int(get("attention.sliding_window", 0, required=False) or 0)
+    if arch in MOE_ARCHS:
+        cfg.n_experts = int(get("expert_count"))
+        cfg.n_experts_used = int(get("expert_used_count"))
+        if not 0 < cfg.n_experts_used <= cfg.n_experts:
+            raise UnsupportedModelFile(f"{arch}: expert_used_count {cfg.n_experts_used} with expert_count "
+                                       f"{cfg.n_experts}")
+        # llama.cpp: without the key, the experts' width is feed_forward_length / experts used
+        fe = get("expert_feed_forward_length", None, required=False)
+        cfg.d_ff_expert = _one(fe, "expert_feed_forward_length") if fe is not None \
+            else cfg.d_ff // cfg.n_experts_used
+        cfg.expert_norm_topk = True      # llama.cpp's qwen3moe always renormalizes the top-k weights
     if arch == "smollm3":
         # llama.cpp: every 4th layer (1-based) of SmolLM3 has no RoPE; there is no key for it
         cfg.nope_layers = tuple(i for i in range(cfg.n_layers) if (i + 1) % 4 == 0)

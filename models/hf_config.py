@@ -20,17 +20,17 @@ import re
 
 import numpy as np
 
-from .config import SUPPORTED_ARCHS, ModelConfig, UnsupportedArchitecture, llama3_rope_factors
+from .config import MOE_ARCHS, SUPPORTED_ARCHS, ModelConfig, UnsupportedArchitecture, llama3_rope_factors
 
 # HF model_type -> GGUF architecture name
 _ARCH_OF_MODEL_TYPE = {
     "llama": "llama", "mistral": "llama", "smollm": "llama",
-    "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3", "phi3": "phi3",
+    "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "smollm3": "smollm3", "phi3": "phi3",
     "gemma3": "gemma3", "gemma3_text": "gemma3",
 }
 # the activation of each family's GLU (config.json hidden_act / hidden_activation)
-_ACTIVATION = {"llama": ("silu",), "qwen2": ("silu",), "qwen3": ("silu",), "smollm3": ("silu",), "phi3": ("silu",),
-               "gemma3": ("gelu_pytorch_tanh",)}
+_ACTIVATION = {"llama": ("silu",), "qwen2": ("silu",), "qwen3": ("silu",), "qwen3moe": ("silu",), "smollm3": ("silu",),
+               "phi3": ("silu",), "gemma3": ("gelu_pytorch_tanh",)}
 
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -55,6 +55,7 @@ _LAYER_NAMES_BY_ARCH = {
     "llama": {"post_attention_layernorm": "ffn_norm"},
     "qwen2": {"post_attention_layernorm": "ffn_norm"},
     "qwen3": {"post_attention_layernorm": "ffn_norm"},
+    "qwen3moe": {"post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"},
     "smollm3": {"post_attention_layernorm": "ffn_norm"},
     "phi3": {"post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
              "mlp.gate_up_proj": "ffn_up"},
@@ -64,6 +65,8 @@ _LAYER_NAMES_BY_ARCH = {
 }
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# one expert's matrix in an HF MoE checkpoint; GGUF stacks a layer's experts into one 3-D tensor
+_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 # wrappers around the text model in multimodal checkpoints (e.g. Gemma3ForConditionalGeneration)
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
 # tensors a checkpoint may hold that the model does not use
@@ -147,10 +150,10 @@ def config_from_hf(hf: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> Model
         vocab_size=vocab, context_length=int(hf.get("max_position_embeddings") or 2048),
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
-        rope_neox=arch in ("qwen2", "qwen3", "gemma3", "phi3"),
+        rope_neox=arch in ("qwen2", "qwen3", "qwen3moe", "gemma3", "phi3"),
         rope_dim=int(head_dim * float(prf)),
         qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
         tied_output="output.weight" not in tensor_shapes,
         name=str(hf.get("_name_or_path") or hf.get("_model_name_or_path") or ""),
         extra={"hf_config": hf},
@@ -166,6 +169,8 @@ def config_from_hf(hf: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> Model
                               f"{arch} (only linear{' and llama3' if arch == 'llama' else ''}); refusing rather "
                               f"than running the model with the wrong positions")
     _windows(cfg, hf, arch)
+    if arch in MOE_ARCHS:
+        _experts(cfg, hf, n_layers)
     if arch == "smollm3":
         flags = hf.get("no_rope_layers")
         if flags is None:
@@ -181,6 +186,41 @@ def config_from_hf(hf: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> Model
         qpas = hf.get("query_pre_attn_scalar")
         cfg.attn_scale = float(qpas) ** -0.5 if qpas else 0.0
     return cfg
+
+
+def _experts(cfg: ModelConfig, hf: dict, n_layers: int) -> None:
+    """Qwen3-MoE's experts from config.json; what would change the math and is not
+    implemented (dense layers among the MoE ones, shared experts) is refused."""
+    def need(*keys):
+        for k in keys:
+            if hf.get(k) is not None:
+                return hf[k]
+        raise CheckpointError(f"config.json lacks '{keys[0]}'")
+    cfg.n_experts = int(need("num_experts", "num_local_experts"))
+    cfg.n_experts_used = int(need("num_experts_per_tok"))
+    cfg.d_ff_expert = int(need("moe_intermediate_size"))
+    cfg.expert_norm_topk = bool(hf.get("norm_topk_prob", False))
+    if not 0 < cfg.n_experts_used <= cfg.n_experts:
+        raise CheckpointError(f"config.json: num_experts_per_tok {cfg.n_experts_used} with {cfg.n_experts} experts")
+    dense = set(hf.get("mlp_only_layers") or [])
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense |= {i for i in range(n_layers) if (i + 1) % step != 0}
+    if dense:
+        raise CheckpointError(f"config.json: layers {sorted(dense)} have a dense MLP among the expert layers "
+                              f"(mlp_only_layers / decoder_sparse_step); Llamba runs experts in every layer")
+    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if hf.get(key):
+            raise CheckpointError(f"config.json: {key}={hf[key]}: shared experts are not implemented by Llamba "
+                                  f"for {cfg.arch}")
+
+
+def expert_name(hf_name: str) -> tuple[str, int] | None:
+    """(GGUF name of the 3-D tensor, expert index) for one expert's HF matrix, else None."""
+    m = _EXPERT_RE.match(hf_name)
+    if m is None:
+        return None
+    i, e, part = m.groups()
+    return f"blk.{i}.ffn_{part}_exps.weight", int(e)
 
 
 def _windows(cfg: ModelConfig, hf: dict, arch: str) -> None:

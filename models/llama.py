@@ -1,6 +1,7 @@
 """Llama-family decoder: llama (SmolLM2, Llama 3.x, Mistral), qwen2 (QKV bias),
-qwen3 (RMS-normed q/k heads), smollm3 (no RoPE in every 4th layer) and phi3
-(NeoX RoPE on part of each head; its fused qkv and gate_up are split on load).
+qwen3 (RMS-normed q/k heads), qwen3moe (qwen3 with a mixture of experts for each
+FFN), smollm3 (no RoPE in every 4th layer) and phi3 (NeoX RoPE on part of each
+head; its fused qkv and gate_up are split on load).
 
 Written once against the Backend ops; the Backend decides where it runs.
 Weights are named as in GGUF files (`blk.{i}.attn_q.weight`, ...).  Sliding-window
@@ -19,6 +20,8 @@ class Llama:
         self.output = w.get("output.weight", self.tok_embd)
         self.layers = [_layer(w, i) for i in range(cfg.n_layers)]
         self.inv_freq = rope_inv_freq(cfg, cfg.rope_theta)
+        # which experts run depends on the data: a backend must not replay one step's choice
+        self.routes_tokens = cfg.n_experts > 0
 
     def forward(self, b, step):
         """Run one step: `step.tokens` enter, logits for `step.logit_rows` leave."""
@@ -39,9 +42,13 @@ class Llama:
             a = b.attention(q, k, b.heads(v, cfg.n_kv_heads), i, step)
             b.matmul_add(a, L["attn_output"], x)
             h = b.rmsnorm(x, L["ffn_norm"], cfg.rms_eps)
-            g, u = b.matmuls(h, (L["ffn_gate"], L["ffn_up"]))
-            b.glu(g, u, "silu")
-            b.matmul_add(g, L["ffn_down"], x)
+            if cfg.n_experts:     # softmax over the router's logits, top k (renormalized), SiLU GLU experts
+                b.add(x, b.moe(h, L["ffn_gate_inp"], (L["ffn_gate_exps"], L["ffn_up_exps"], L["ffn_down_exps"]),
+                               cfg.n_experts_used, cfg.expert_norm_topk))
+            else:
+                g, u = b.matmuls(h, (L["ffn_gate"], L["ffn_up"]))
+                b.glu(g, u, "silu")
+                b.matmul_add(g, L["ffn_down"], x)
             b.end_layer()
         x = b.rmsnorm(b.rows(x, step.logit_rows), self.output_norm, cfg.rms_eps)
         return b.logits(x, self.output)

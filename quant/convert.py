@@ -144,6 +144,10 @@ def _write_metadata(w, ck, tok, scheme: str, folder: Path) -> None:
         w.add_sliding_window(cfg.sliding_window)    # Mistral's window over every layer
     elif cfg.arch == "phi3":
         w.add_sliding_window(cfg.sliding_window)    # as llama.cpp's converter: 0 for none
+    if cfg.n_experts:
+        w.add_expert_count(cfg.n_experts)
+        w.add_expert_used_count(cfg.n_experts_used)
+        w.add_expert_feed_forward_length(cfg.d_ff_expert)
 
     tj = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     model, pre, tokens, types, scores = _vocab(folder, cfg.vocab_size, tj)
@@ -174,6 +178,9 @@ def _check_expressible(cfg) -> None:
         if tuple(cfg.nope_layers) != want:
             raise ConvertError(f"smollm3: no_rope_layers leaves out RoPE in layers {list(cfg.nope_layers)}; "
                                f"GGUF readers (llama.cpp) assume every 4th layer {list(want)}")
+    if cfg.n_experts and not cfg.expert_norm_topk:
+        raise ConvertError(f"{cfg.arch}: norm_topk_prob is false; GGUF readers (llama.cpp's {cfg.arch}) always "
+                           f"renormalize the chosen experts' weights")
     if cfg.arch != "gemma3" and cfg.local_layers is not None and cfg.sliding_window:
         raise ConvertError(f"{cfg.arch}: sliding-window layers {list(cfg.local_layers)} cannot be written to a "
                            f"GGUF file that llama.cpp reads the same way")

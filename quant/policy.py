@@ -55,8 +55,8 @@ def tensor_type(scheme: str, name: str, shape: tuple[int, ...], n_layers: int,
     1-D tensors (norms, biases) stay F32, as llama.cpp keeps them."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme '{scheme}' (have {', '.join(SCHEMES)})")
-    if len(shape) < 2:
-        return GGMLType.F32
+    if len(shape) < 2 or name.endswith(".ffn_gate_inp.weight"):
+        return GGMLType.F32      # a MoE router too: llama.cpp's converter writes it F32 and never quantizes it
     if scheme in ("f32", "f16", "bf16"):
         return GGMLType[scheme.upper()]
     ncols = shape[-1]
@@ -71,6 +71,7 @@ def tensor_type(scheme: str, name: str, shape: tuple[int, ...], n_layers: int,
     t = GGMLType.Q4_K
     if name.startswith("blk."):
         layer = int(name.split(".")[1])
-        if (".attn_v." in name or ".ffn_down." in name) and _use_more_bits(layer, n_layers):
+        if (".attn_v." in name or ".ffn_down." in name or ".ffn_down_exps." in name) \
+                and _use_more_bits(layer, n_layers):
             t = GGMLType.Q6_K
     return encodable(t, ncols)

@@ -73,5 +73,15 @@ class QTensor:
     def block_info(self) -> tuple[int, int]:
         return TYPE_INFO[self.qtype]
 
+    def experts(self) -> list["QTensor"]:
+        """A 3-D expert tensor [n_experts, M, K] (GGUF's ffn_*_exps) as one 2-D [M, K]
+        view per expert: expert e's rows are a contiguous run of the bytes, so every
+        matmul kernel takes it as it takes any matrix, and nothing is copied."""
+        if len(self.shape) != 3:
+            raise ValueError(f"tensor {self.name!r}: experts() needs a 3-D tensor, not shape {self.shape}")
+        E, M = self.shape[0], self.shape[1]
+        return [QTensor(f"{self.name}[{e}]", self.qtype, self.shape[1:], self.data[e * M:(e + 1) * M])
+                for e in range(E)]
+
     def __repr__(self) -> str:
         return f"QTensor({self.name!r}, {self.qtype.name}, shape={self.shape}, {self.nbytes} bytes)"

@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-tokens", type=int, default=0,
                    help="KV-cache pool in tokens, shared by all requests (default: parallel x ctx, at most 2 GiB)")
     s.add_argument("--cache-type", default="f16", choices=["f16", "q8_0", "k16v8"])
+    s.add_argument("--cache-ram", type=int, default=None, metavar="MiB",
+                   help="KV memory that finished requests' blocks may keep for prefix reuse (default on the CPU: "
+                        "an eighth of the pool, at least one context; -1: the whole pool)")
     s.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV blocks across requests")
     s.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="speculative decoding while a request decodes alone (a small model of the same vocabulary)")
@@ -316,7 +319,8 @@ def cmd_serve(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     cfg = ServeConfig(model=args.model, device=args.device, threads=args.threads, n_ctx=args.ctx_size,
                       parallel=args.parallel, queue=args.queue, kv_tokens=args.kv_tokens, cache_type=args.cache_type,
-                      prefix_cache=not args.no_prefix_cache, gpu_layers=args.gpu_layers, draft_model=args.draft_model)
+                      prefix_cache=not args.no_prefix_cache, gpu_layers=args.gpu_layers, draft_model=args.draft_model,
+                      cache_ram=args.cache_ram)
     return serve(cfg, host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin,
                  metrics=args.metrics, max_body=args.max_body, say=_say)
 
@@ -339,6 +343,10 @@ def cmd_info(args) -> int:
             "weight_bytes": lm.weight_bytes, "tensor_types": types, "context_length": cfg.context_length,
             "layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
             "head_dim": cfg.head_dim, "vocab": cfg.vocab_size, "kv_bytes_per_token": kv_per_token}
+    if cfg.n_experts:   # mixture of experts: what a token reads, beside what the file holds
+        info["active_parameters"] = lm.n_active_params
+        info["experts"] = {"count": cfg.n_experts, "used": cfg.n_experts_used, "d_ff_expert": cfg.d_ff_expert,
+                           "normalized_top_k": cfg.expert_norm_topk}
     from .backend.cuda_memory import estimate_bytes   # before loading: what a GPU would need
     n_ctx = min(4096, cfg.context_length)
     info["gpu_memory_estimate"] = {"n_ctx": n_ctx, **estimate_bytes(cfg, lm.tensors, n_ctx)}

@@ -24,5 +24,15 @@ class LoadedModel:
         return sum(math.prod(t.shape) for t in self.tensors.values())
 
     @property
+    def n_active_params(self) -> int:
+        """Parameters a token reads: all but the experts it does not choose (mixture of
+        experts: n_experts_used of n_experts in each layer); n_params for dense models."""
+        cfg = self.config
+        if not cfg.n_experts:
+            return self.n_params
+        idle = sum(math.prod(t.shape) for n, t in self.tensors.items() if n.endswith("_exps.weight"))
+        return self.n_params - idle * (cfg.n_experts - cfg.n_experts_used) // cfg.n_experts
+
+    @property
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())

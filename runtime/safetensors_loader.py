@@ -23,8 +23,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from models import tensor_shapes, unfuse
-from models.hf_config import CheckpointError, config_from_hf, fix_layout, gguf_name, hf_arch, layout_changes
+from models import MOE_ARCHS, tensor_shapes, unfuse
+from models.hf_config import (CheckpointError, config_from_hf, expert_name, fix_layout, gguf_name, hf_arch,
+                              layout_changes)
 from quant import GGMLType, QTensor, quantize
 from quant.policy import tensor_type
 
@@ -85,6 +86,60 @@ class Shard:
                                   f"Llamba reads float checkpoints only (F32, F16, BF16)")
         return self.raw(name).view(_DTYPES[dt][0]).reshape(self.shape(name))
 
+    def nbytes(self, name: str) -> int:
+        a, b = self.entries[name]["data_offsets"]
+        return b - a
+
+
+class ExpertStack:
+    """A layer's experts, one HF tensor each, as the one 3-D tensor GGUF stores
+    [n_experts, rows, cols]: read through the Shard interface under a name of its own
+    (`model.layers.N.mlp.experts.*.gate_proj.weight`); its bytes are the experts' bytes
+    one after the other (a copy: they lie apart in the shards)."""
+
+    def __init__(self, parts: list[tuple[Shard, str]]):
+        self.parts = parts
+        self.path = parts[0][0].path
+        shapes = {s.shape(h) for s, h in parts}
+        dtypes = {s.dtype_name(h) for s, h in parts}
+        if len(shapes) != 1 or len(dtypes) != 1:
+            raise CheckpointError(f"{self.path.name}: the experts of '{parts[0][1]}' differ in shape or dtype "
+                                  f"({sorted(shapes)}, {sorted(dtypes)})")
+        self._shape = (len(parts),) + shapes.pop()
+        self._dtype = dtypes.pop()
+
+    def dtype_name(self, name: str) -> str:
+        return self._dtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape
+
+    def array(self, name: str) -> np.ndarray:
+        return np.stack([s.array(h) for s, h in self.parts])
+
+    def raw(self, name: str) -> np.ndarray:
+        out = np.empty(sum(s.nbytes(h) for s, h in self.parts), np.uint8)
+        o = 0
+        for s, h in self.parts:
+            b = s.raw(h)
+            out[o:o + b.size] = b
+            o += b.size
+        return out
+
+    def nbytes(self, name: str) -> int:
+        return sum(s.nbytes(h) for s, h in self.parts)
+
+
+def _stack_experts(experts: dict[str, dict[int, tuple[Shard, str]]], sources: dict) -> None:
+    """GGUF name -> ExpertStack of experts 0..E-1 (each present once) into sources."""
+    for g, by_index in experts.items():
+        n = len(by_index)
+        if sorted(by_index) != list(range(n)):
+            missing = sorted(set(range(max(by_index) + 1)) - set(by_index))
+            raise CheckpointError(f"checkpoint lacks expert {missing[0]} of {g} (experts are numbered 0..E-1)")
+        parts = [by_index[e] for e in range(n)]
+        sources[g] = (ExpertStack(parts), parts[0][1].replace(".experts.0.", ".experts.*."))
+
 
 def _read_json(path: Path) -> dict:
     try:
@@ -141,10 +196,16 @@ class Checkpoint:
         arch = hf_arch(self.hf_config)           # unknown architectures fail before any shard is read
         where = open_shards(self.folder)
         self.sources: dict[str, tuple[Shard, str]] = {}   # GGUF name -> (shard, HF name)
+        experts: dict[str, dict[int, tuple[Shard, str]]] = {}
         for hf_name, shard in where.items():
+            ex = expert_name(hf_name) if arch in MOE_ARCHS else None
+            if ex is not None:
+                experts.setdefault(ex[0], {})[ex[1]] = (shard, hf_name)
+                continue
             g = gguf_name(hf_name, arch)
             if g is not None:
                 self.sources[g] = (shard, hf_name)
+        _stack_experts(experts, self.sources)
         shapes = {g: s.shape(h) for g, (s, h) in self.sources.items()}
         self.config = config_from_hf(self.hf_config, shapes)
         if self.config.tied_output and self.hf_config.get("tie_word_embeddings") is False:
@@ -187,8 +248,7 @@ class Checkpoint:
 
     def nbytes(self, name: str) -> int:
         s, h = self.sources[name]
-        a, b = s.entries[h]["data_offsets"]
-        return b - a
+        return s.nbytes(h)
 
 
 def hf_name_for(gguf: str, ck: Checkpoint) -> str:

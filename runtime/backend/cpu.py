@@ -21,7 +21,7 @@ from quant.types import GGMLType
 
 from ..kv_cache import CACHE_KV_QUANT, CACHE_TYPES, QK8, kv_bytes_per_token_layer  # noqa: F401
 from . import cpu_kernels as K
-from . import cpu_plan, hugepages
+from . import cpu_plan, hugepages, moe
 
 
 class _Arena:
@@ -134,14 +134,15 @@ class CPUBackend:
         """Weights keep their file's block layout: the matrices decoding streams are
         copied into huge-page memory where the system offers it (hugepages.py), the
         rest stay memory-mapped (streamed=False: an embedding table of which a token
-        reads one row); 1-D tensors (norms, biases) become float32 vectors."""
+        reads one row); 1-D tensors (norms, biases) become float32 vectors; 3-D expert
+        tensors a list of 2-D views, one an expert (QTensor.experts)."""
         if len(t.shape) == 1:
             return quant.dequantize(t).astype(np.float32).reshape(-1)
         if self.hugepages is not None and streamed:
             data = self.hugepages.place(t.data)
             if data is not None:
-                return QTensor(t.name, t.qtype, t.shape, data)
-        return t
+                t = QTensor(t.name, t.qtype, t.shape, data)
+        return t.experts() if len(t.shape) == 3 else t
 
     def alloc_kv(self, n_layers, n_slots, n_kv_heads, head_dim, cache_type="f16"):
         self.kv = CPUKVStorage(n_layers, n_slots, n_kv_heads, head_dim, cache_type)
@@ -159,6 +160,8 @@ class CPUBackend:
 
     def _planned(self, model, step):
         if self.plans is None or not (type(self) is CPUBackend or type(self).__dict__.get("plans_ok")):
+            return None
+        if getattr(model, "routes_tokens", False):   # a recording would replay one step's experts
             return None
         return self.plans.run(self, model, step)
 
@@ -246,6 +249,32 @@ class CPUBackend:
     def glu(self, g, u, kind):
         self.scratch.call(K.silu_mul if kind == "silu" else K.gelu_mul, g, u)
         return g
+
+    def moe(self, x, router, experts, top_k, norm_topk):
+        """Mixture of experts: out[t] = sum over token t's top_k experts e (by softmax of
+        x[t] @ router.T, renormalized when norm_topk) of w[t, e] * down_e(silu(gate_e x[t])
+        * up_e x[t]).  experts: (gates, ups, downs), a 2-D matrix an expert each.  The
+        step's rows are gathered by expert (moe.py), so each chosen expert's weights are
+        read once and the others not at all."""
+        self.recordable = False             # the experts a step runs depend on its data
+        x = self._rows2d(x)
+        n, d = x.shape
+        w, tokens, starts, pos = moe.plan(self.matmul(x, router), top_k, norm_topk)
+        gates, ups, downs = experts
+        ff = gates[0].shape[0]
+        xs = self.arena.get((n * top_k, d))
+        np.take(x, tokens, 0, xs)
+        g = self.arena.get((n * top_k, ff))
+        u = self.arena.get((n * top_k, ff))
+        y = self.arena.get((n * top_k, d))
+        for e in np.flatnonzero(starts[1:] > starts[:-1]):
+            a, b = starts[e], starts[e + 1]
+            matmul_multi_into(xs[a:b], (gates[e], ups[e]), (g[a:b], u[a:b]), self.scratch)
+            K.silu_mul(g[a:b], u[a:b])
+            matmul_into(g[a:b], downs[e], y[a:b], self.scratch)
+        out = self.arena.get((n, d))
+        moe.combine(y, pos, w, out)
+        return out
 
     def rope(self, x, step, inv_freq, neox, pos_scale=1.0):
         self.scratch.call(K.rope, x, step.positions, inv_freq, neox, np.float32(pos_scale))

@@ -38,6 +38,8 @@ def work_bytes(cfg, max_weight_elems: int) -> int:
     n = PREFILL_CHUNK
     q = cfg.n_heads * cfg.head_dim
     per_row = cfg.d_model * 2 + cfg.d_ff + q * 2 + cfg.n_kv_heads * cfg.head_dim * 2
+    if cfg.n_experts:       # the moe op's rows: each token's k experts, gathered (x, gate, up, down)
+        per_row += cfg.n_experts + cfg.n_experts_used * (2 * cfg.d_model + 2 * cfg.d_ff_expert)
     acts = ARENA_RING * n * per_row * 4
     tile = min(GEMM_TILE_BYTES, 2 * max_weight_elems)
     x16 = n * max(cfg.d_model, cfg.d_ff) * 2

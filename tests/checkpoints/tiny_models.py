@@ -54,6 +54,11 @@ FAMILIES = {
     # Phi-4-mini shape: fused qkv and gate_up, RoPE on 3/4 of each head... here on half
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, sliding_window=16, tie_word_embeddings=False,
                                 rope_theta=10000.0), "phi3"),
+    # Qwen3-30B-A3B shape, small: 8 experts of 32, 2 a token (renormalized), every layer MoE
+    "qwen3moe": ("Qwen3MoeConfig", dict(num_hidden_layers=2, head_dim=32, rope_theta=1000000.0, num_experts=8,
+                                        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                                        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
+                 "qwen3moe"),
 }
 
 
@@ -75,8 +80,9 @@ def tokenizer_dir() -> Path:
     return out
 
 
-def make_tiny(family: str, folder: Path, seed: int = 0, **overrides) -> Path:
-    """Write a tiny random `family` checkpoint into `folder` (float16 safetensors)."""
+def make_tiny(family: str, folder: Path, seed: int = 0, dtype: str = "float16", **overrides) -> Path:
+    """Write a tiny random `family` checkpoint into `folder` (float16 safetensors, or
+    `dtype`: bfloat16)."""
     import torch
     import transformers
 
@@ -88,14 +94,14 @@ def make_tiny(family: str, folder: Path, seed: int = 0, **overrides) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("embed_tokens.weight"):
                 p.normal_(0.0, 1.0)
-            elif p.ndim == 2:
+            elif p.ndim >= 2:       # (3-D: a layer's experts, [n_experts, out, in])
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
             elif name.endswith("norm.weight"):
                 p.uniform_(0.7, 1.3)
             else:
                 p.normal_(0.0, 0.1)
     folder = Path(folder)
-    model.to(torch.float16).save_pretrained(folder)
+    model.to(getattr(torch, dtype)).save_pretrained(folder)
     for p in tokenizer_dir().iterdir():
         if not p.name.startswith("."):
             shutil.copy(p, folder / p.name)

@@ -1,0 +1,95 @@
+"""Mixture-of-experts routing, shared by the backends' `moe` op.
+
+The op (cpu.py, cuda.py) computes a step's router logits [n, E], then here, on the
+host: each token's top-k experts by softmax probability (`route`), and the step's
+(token, expert) pairs sorted by expert (`group`), so that each chosen expert runs once
+a step on the contiguous run of rows that chose it: its weights are read once per step,
+and an expert no token chose is not read at all (decode reads k experts' blocks).
+Each token's output is then the sum of its experts' rows, weighted, in ascending
+expert order (`combine`): a token's arithmetic never depends on the other tokens of
+the step (batch invariance, with the matmuls' own up to exact_rows).
+"""
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+_JIT = dict(cache=True, nogil=True)
+
+
+@nb.njit(**_JIT)
+def route(logits, k, norm, ids, w):
+    """Per row of logits [n, E]: the k experts of highest softmax probability (the lower
+    index first on a tie), written in ascending expert order to ids [n, k] with their
+    probabilities in w [n, k], renormalized to sum to 1 when norm (HF norm_topk_prob;
+    llama.cpp's qwen3moe always).  Softmax in float64, one row at a time."""
+    n, E = logits.shape
+    p = np.empty(E, np.float64)
+    taken = np.zeros(E, np.bool_)
+    for t in range(n):
+        m = logits[t, 0]
+        for e in range(1, E):
+            m = max(m, logits[t, e])
+        s = 0.0
+        for e in range(E):
+            p[e] = np.exp(np.float64(logits[t, e]) - m)
+            s += p[e]
+        taken[:] = False
+        for _ in range(k):
+            best = -1
+            for e in range(E):
+                if not taken[e] and (best < 0 or p[e] > p[best]):
+                    best = e
+            taken[best] = True
+        j = 0
+        tot = 0.0
+        for e in range(E):
+            if taken[e]:
+                ids[t, j] = e
+                w[t, j] = p[e] / s
+                tot += p[e] / s
+                j += 1
+        if norm:
+            for j in range(k):
+                w[t, j] = np.float32(w[t, j] / tot)
+
+
+def group(ids: np.ndarray, n_experts: int):
+    """The step's (token, slot) pairs sorted by expert, tokens ascending within one:
+    (token of each sorted pair int32 [n*k], start of each expert's run int64 [E+1],
+    pos int32 [n, k]: where pair (t, j) landed)."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    pos = np.empty(n * k, np.int32)
+    pos[order] = np.arange(n * k, dtype=np.int32)
+    starts = np.zeros(n_experts + 1, np.int64)
+    np.cumsum(np.bincount(flat, minlength=n_experts), out=starts[1:])
+    return (order // k).astype(np.int32), starts, pos.reshape(n, k)
+
+
+def plan(logits: np.ndarray, top_k: int, norm: bool):
+    """route + group for logits [n, E] (host float32): (weights [n, k], pair tokens,
+    expert run starts, pair positions)."""
+    logits = np.ascontiguousarray(logits, np.float32)
+    n, E = logits.shape
+    ids = np.empty((n, top_k), np.int32)
+    w = np.empty((n, top_k), np.float32)
+    route(logits, int(top_k), bool(norm), ids, w)
+    tokens, starts, pos = group(ids, E)
+    return w, tokens, starts, pos
+
+
+@nb.njit(**_JIT)
+def combine(y, pos, w, out):
+    """out[t] = sum_j w[t, j] * y[pos[t, j]], j in ascending expert order."""
+    n, k = pos.shape
+    d = y.shape[1]
+    for t in range(n):
+        for c in range(d):
+            out[t, c] = 0.0
+        for j in range(k):
+            r = pos[t, j]
+            wj = w[t, j]
+            for c in range(d):
+                out[t, c] += wj * y[r, c]
