@@ -194,6 +194,10 @@ class SplitBackend:
     def glu(self, g, u, kind):
         return self._be(self._dev(g)).glu(g, self._to(u, self._dev(g)), kind)
 
+    def moe(self, x, router, experts, top_k, norm_topk):
+        g = self._w_dev(experts[0][0])      # (experts: lists of an expert's matrices)
+        return self._be(g).moe(self._to(x, g), router, experts, top_k, norm_topk)
+
     def rope(self, x, step, inv_freq, neox, pos_scale=1.0):
         if self._dev(x):
             self.gpu.rope(x, step.dev, inv_freq, neox, pos_scale)

@@ -119,8 +119,11 @@ SHAPES = {
 
 
 def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, vocab, tied,
-                      mix="Q4_K_M", rope_theta=1e4, ctx=4096, seed=0):
-    """A random-weight GGUF of this shape and quantization mix at `path`."""
+                      mix="Q4_K_M", rope_theta=1e4, ctx=4096, seed=0, n_experts=0, n_experts_used=0,
+                      d_ff_expert=0):
+    """A random-weight GGUF of this shape and quantization mix at `path`.  arch qwen3moe:
+    n_experts experts of d_ff_expert a layer, n_experts_used a token, an F32 router whose
+    logits have a spread of about 1 (clear choices, as a trained router's)."""
     import gguf
     noise = _Noise(seed)
     hd = d_model // n_heads
@@ -134,10 +137,15 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
     w.add_head_count_kv(n_kv_heads)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(rope_theta)
+    if n_experts:
+        w.add_expert_count(n_experts)
+        w.add_expert_used_count(n_experts_used)
+        w.add_expert_feed_forward_length(d_ff_expert)
 
-    def mat(name, rows, cols):
-        t = mix_type(mix, name, n_layers, cols)
-        w.add_tensor(name, random_weight(t, (rows, cols), noise), raw_dtype=gguf.GGMLQuantizationType(int(t)))
+    def mat(name, rows, cols, n=0, t=None, std=0.02):
+        t = t if t is not None else mix_type(mix, name, n_layers, cols)
+        a = random_weight(t, (max(n, 1) * rows, cols), noise, std)
+        w.add_tensor(name, a.reshape((n, rows, -1) if n else a.shape), raw_dtype=gguf.GGMLQuantizationType(int(t)))
 
     def vec(name, n, value=None):
         v = np.full(n, value, np.float32) if value is not None else \
@@ -160,6 +168,14 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
             vec(p + "attn_q.bias", n_heads * hd)
             vec(p + "attn_k.bias", n_kv_heads * hd)
             vec(p + "attn_v.bias", n_kv_heads * hd)
+        if arch == "qwen3moe":
+            vec(p + "attn_q_norm.weight", hd, 1.0)
+            vec(p + "attn_k_norm.weight", hd, 1.0)
+            mat(p + "ffn_gate_inp.weight", n_experts, d_model, t=GGMLType.F32, std=d_model ** -0.5)
+            mat(p + "ffn_gate_exps.weight", d_ff_expert, d_model, n_experts)
+            mat(p + "ffn_up_exps.weight", d_ff_expert, d_model, n_experts)
+            mat(p + "ffn_down_exps.weight", d_model, d_ff_expert, n_experts)
+            continue
         mat(p + "ffn_gate.weight", d_ff, d_model)
         mat(p + "ffn_up.weight", d_ff, d_model)
         mat(p + "ffn_down.weight", d_model, d_ff)
