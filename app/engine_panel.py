@@ -213,8 +213,10 @@ class EnginePanel(QFrame):
         self.sparkline.update()
 
     def set_model(self, info: dict) -> None:
+        active = info.get("n_active_params", info["n_params"])     # mixture of experts: what a token reads
         self.model_label.setText(f"{info['name']} · {info['arch']} · {human_count(info['n_params'])} params "
-                                 f"· {human_bytes(info['weight_bytes'])}")
+                                 + (f"({human_count(active)} active) " if active != info["n_params"] else "")
+                                 + f"· {human_bytes(info['weight_bytes'])}")
         self.device_label.setText(info["device"])
         self.draft_label.setText(info.get("draft") or "no draft model")
         self.set_kv(info["kv"])

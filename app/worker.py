@@ -166,7 +166,8 @@ class EngineWorker(QObject):
         lm = engine.loaded
         self.info = {
             "model": cfg["model"], "path": str(lm.path), "name": lm.path.stem or cfg_m.name,
-            "arch": cfg_m.arch, "n_params": lm.n_params, "weight_bytes": lm.weight_bytes,
+            "arch": cfg_m.arch, "n_params": lm.n_params, "n_active_params": lm.n_active_params,
+            "weight_bytes": lm.weight_bytes,
             "device": getattr(engine.backend, "device_name", getattr(engine.backend, "name", "?")),
             "n_ctx": engine.n_ctx, "load_seconds": time.perf_counter() - t0, "warmup_seconds": warm,
             "has_template": bool(lm.chat_template), "draft": draft_note, "kv": engine.stats(),
