@@ -1,6 +1,6 @@
 """What a model is: configs and one short file per architecture family."""
-from .config import (MOE_ARCHS, SUPPORTED_ARCHS, ModelConfig, UnsupportedArchitecture, UnsupportedModelFile, check_tensors,
-                     config_from_gguf, tensor_shapes, unfuse)
+from .config import (MOE_ARCHS, SUPPORTED_ARCHS, ModelConfig, UnsupportedArchitecture, UnsupportedModelFile,
+                     check_tensors, config_from_gguf, tensor_shapes, unfuse)
 
 
 def model_class(arch: str):
