@@ -14,7 +14,9 @@ slot = block_id * block_size + offset.
 - A full block gets a content hash, chained from its parent block's hash, so
   equal prefixes map to equal hashes.  When its last user lets go, a hashed
   block stays *cached* (ref 0, contents intact) until the pool needs room; then
-  the least-recently-used cached block is evicted.
+  the least-recently-used cached block is evicted.  `limit_cached` bounds the
+  cached blocks too (a server: the pools are mapped lazily, so the blocks ever
+  used are the memory it holds).
 - Blocks that hold no reusable content go straight back to the *free* list.
 """
 from __future__ import annotations
@@ -101,10 +103,13 @@ class BlockPool:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.ref = np.zeros(num_blocks, np.int32)
+        # a stack: a freed block is handed out again first, so blocks never used (whose pages
+        # the lazily mapped pools have not touched yet) are taken only when no used one is free
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() gives 0, 1, ...
         self.cached: OrderedDict[int, None] = OrderedDict()           # ref 0, hashed, LRU first
         self.hash_of: dict[int, bytes] = {}
         self.by_hash: dict[bytes, int] = {}
+        self.max_cached: int | None = None      # at most this many cached blocks (None: the whole pool)
 
     def available(self) -> int:
         return len(self.free) + len(self.cached)
@@ -130,8 +135,18 @@ class BlockPool:
         if self.ref[b] == 0:
             if b in self.hash_of:
                 self.cached[b] = None          # most recently used end
+                self.trim()
             else:
                 self.free.append(b)
+
+    def trim(self) -> None:
+        """Evict the least recently used cached blocks beyond max_cached onto the free stack."""
+        if self.max_cached is None:
+            return
+        while len(self.cached) > self.max_cached:
+            b, _ = self.cached.popitem(last=False)
+            self.by_hash.pop(self.hash_of.pop(b), None)
+            self.free.append(b)
 
     def register(self, b: int, h: bytes) -> None:
         if h not in self.by_hash and b not in self.hash_of:
@@ -198,6 +213,16 @@ class PagedKVCache:
     @property
     def ref(self) -> np.ndarray:
         return self.pools[0].ref
+
+    def limit_cached(self, max_blocks: int | None) -> None:
+        """Keep at most max_blocks unused blocks cached for prefix reuse (None: as many as the
+        pool holds, evicted only when it runs dry).  The pools are mapped lazily, so a block
+        costs memory from its first use: without a limit a server's memory grows with every
+        distinct prompt until the whole pool has been used; with one, the blocks ever used
+        stay within the most in use at once plus max_blocks."""
+        for pool in self.pools:
+            pool.max_cached = None if max_blocks is None else max(0, int(max_blocks))
+            pool.trim()
 
     # ---- sequences -------------------------------------------------------------
     def new_sequence(self) -> Sequence:

@@ -24,6 +24,10 @@ class ServeConfig:
     prefix_cache: bool = True
     gpu_layers: int | None = None
     draft_model: str | None = None
+    # MiB of KV blocks that finished requests may keep cached for prefix reuse (None: on the CPU an
+    # eighth of the pool, at least one context; -1: the whole pool).  The CPU's pools are mapped
+    # lazily: without a bound the server's memory grows with each distinct prompt up to the pool.
+    cache_ram: int | None = None
 
 
 class ModelHost:
@@ -63,9 +67,12 @@ class ModelHost:
         eng = Engine(lm, device=cfg.device, n_ctx=n_ctx, threads=cfg.threads, cache_blocks=blocks,
                      cache_type=cfg.cache_type, gpu_layers=cfg.gpu_layers, announce=self.announce)
         warm_up(eng, notice=self.announce)
+        keep = cached_blocks(cfg, eng)
+        eng.cache.limit_cached(keep)
         self.model_id = lm.path.stem if lm.path.is_file() else lm.path.name
+        kept = "" if keep is None else f", at most {keep * block * per_token / 2**20:.0f} MiB of it kept for prefix reuse"
         self.announce(f"model {self.model_id}: context {n_ctx} tokens a request, KV pool {blocks * block} tokens "
-                      f"({blocks * block * per_token / 2**20:.0f} MiB), {cfg.parallel} requests at once")
+                      f"({blocks * block * per_token / 2**20:.0f} MiB{kept}), {cfg.parallel} requests at once")
         drafter = None
         if cfg.draft_model:
             from ..speculative import Drafter
@@ -100,3 +107,14 @@ class ModelHost:
         this returns no thread of the host touches the engine."""
         if self.scheduler is not None:
             self.scheduler.shutdown()
+
+
+def cached_blocks(cfg: ServeConfig, engine) -> int | None:
+    """The cached-block bound of cfg.cache_ram for this engine's pool (None: no bound)."""
+    bpb = engine.cache.bytes_per_token * engine.block_size
+    if cfg.cache_ram is not None:
+        return None if cfg.cache_ram < 0 else (cfg.cache_ram << 20) // max(1, bpb)
+    if engine.backend.name != "cpu":        # device memory is allocated whole: nothing to save
+        return None
+    return max(engine.cache.num_blocks // 8, -(-engine.n_ctx // engine.block_size))
+

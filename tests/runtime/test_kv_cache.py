@@ -108,6 +108,39 @@ def test_eviction_under_a_small_pool_is_lru():
         _fill(cache, c, [0] * 8)         # 11 tokens need 6 blocks of 2: more than the pool
 
 
+def test_limited_cache_keeps_the_blocks_ever_used_bounded():
+    """A server's memory is the blocks it ever used (the pools are mapped lazily): distinct
+    prompts, one after another in waves of 4, must not walk through the whole pool when the
+    cached blocks are limited, and the most recently used prefixes stay reusable."""
+    bs, cap, wave = 4, 6, 4
+    cache = PagedKVCache(1000, bs)
+    cache.limit_cached(cap)
+    ever, peak = set(), 0
+    for w in range(50):
+        seqs = [cache.new_sequence() for _ in range(wave)]
+        for i, s in enumerate(seqs):
+            _fill(cache, s, [1000 * w + 10 * i + t for t in range(3 * bs + 1)])   # 3 hashed blocks + 1
+        used = _distinct_blocks(cache)
+        ever |= used
+        peak = max(peak, len(used))
+        for s in seqs:
+            cache.release(s)
+        assert cache.stats().blocks_cached <= cap
+    assert len(ever) <= peak + cap                     # without the limit: all 50 waves' blocks
+    probe = cache.new_sequence()
+    last = [1000 * 49 + 10 * (wave - 1) + t for t in range(3 * bs + 1)]
+    assert cache.reuse_prefix(probe, last) == 3 * bs   # the latest prompt is still cached
+    cache.release(probe)
+    cache.limit_cached(0)
+    assert cache.stats().blocks_cached == 0 and cache.stats().blocks_free == 1000
+    unlimited = PagedKVCache(1000, bs)
+    for w in range(50):
+        s = unlimited.new_sequence()
+        _fill(unlimited, s, [1000 * w + t for t in range(3 * bs + 1)])
+        unlimited.release(s)
+    assert unlimited.stats().blocks_cached == 150      # (the default: cached until the pool needs room)
+
+
 def test_sliding_window_group_releases_old_blocks():
     bs, window = 4, 8
     groups = [LayerGroup("global", [0], 0, 10), LayerGroup("local", [1, 2], window, 20)]
