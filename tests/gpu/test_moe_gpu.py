@@ -43,9 +43,23 @@ def test_greedy_tokens_and_logits_match_cpu(engines):
     if mix == "F16":
         assert toks == want and max(errs) < 1e-4
     else:
-        # both round activations to 8 bits, not identically: a token near a routing tie may
-        # take another expert, so only the first steps are held to the CPU's tokens
-        assert toks[:4] == want[:4] and float(np.median(errs)) < 5e-2
+        # both round activations to 8 bits, not identically: a token may part from the CPU's
+        # only where the CPU's own top two were near a tie
+        for i, (a, b) in enumerate(zip(toks, want)):
+            if a != b:
+                assert _margin(ref_logits[i]) < NEAR_TIE, f"step {i}: {a} vs {b}"
+                break
+        assert float(np.median(errs)) < 5e-2
+
+
+# top-two logit gap under which 8-bit activation rounding may pick either answer (the
+# logits of these random models spread ~0.5)
+NEAR_TIE = 0.1
+
+
+def _margin(logits):
+    top = np.sort(np.asarray(logits, np.float64))[-2:]
+    return float(top[1] - top[0])
 
 
 def test_prefill_logits_match_cpu(engines):
@@ -56,7 +70,8 @@ def test_prefill_logits_match_cpu(engines):
     want, got = ref.prefill(a, ids), gpu.prefill(b, ids)
     err = _rel(got, want)
     print(f"qwen3moe {mix}: prefill-100 logits rel err {err:.2e}")
-    assert err < 5e-2 and int(np.argmax(got)) == int(np.argmax(want))
+    assert err < 5e-2
+    assert int(np.argmax(got)) == int(np.argmax(want)) or (mix != "F16" and _margin(want) < NEAR_TIE)
     ref.release(a)
     gpu.release(b)
 
