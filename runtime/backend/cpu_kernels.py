@@ -35,6 +35,18 @@ def rmsnorm(x, w, eps, out):
             out[i, j] = x[i, j] * r * w[j]
 
 
+@nb.njit(inline="always")
+def _rotate(x, t, hh, i, half, c, s, neox):
+    """Rotate pair i of x[t, hh] by the angle whose cos/sin are c, s: dims (i, i + half)
+    (NeoX) or (2i, 2i + 1) (GPT-J).  One definition for rope and kv_shift's K rows."""
+    j0 = i if neox else 2 * i
+    j1 = i + half if neox else 2 * i + 1
+    a = x[t, hh, j0]
+    b = x[t, hh, j1]
+    x[t, hh, j0] = a * c - b * s
+    x[t, hh, j1] = a * s + b * c
+
+
 @nb.njit(**_JIT)
 def rope(x, positions, inv_freq, neox, pos_scale):
     """Rotate x [N, H, D] in place by each token's position (first 2*len(inv_freq) dims)."""
@@ -47,16 +59,7 @@ def rope(x, positions, inv_freq, neox, pos_scale):
             c = np.float32(math.cos(ang))
             s = np.float32(math.sin(ang))
             for hh in range(h):
-                if neox:
-                    a = x[t, hh, i]
-                    b = x[t, hh, i + half]
-                    x[t, hh, i] = a * c - b * s
-                    x[t, hh, i + half] = a * s + b * c
-                else:
-                    a = x[t, hh, 2 * i]
-                    b = x[t, hh, 2 * i + 1]
-                    x[t, hh, 2 * i] = a * c - b * s
-                    x[t, hh, 2 * i + 1] = a * s + b * c
+                _rotate(x, t, hh, i, half, c, s, neox)
 
 
 @nb.njit(inline="always")
@@ -975,16 +978,7 @@ def kv_shift(k_pool, v_pool, k_scale, v_scale, kq, vq, src, dst, delta, inv_freq
         s = np.float32(math.sin(ang))
         for t in range(n):
             for hh in range(kvh):
-                if neox:
-                    a = kt[t, hh, i]
-                    b = kt[t, hh, i + half]
-                    kt[t, hh, i] = a * c - b * s
-                    kt[t, hh, i + half] = a * s + b * c
-                else:
-                    a = kt[t, hh, 2 * i]
-                    b = kt[t, hh, 2 * i + 1]
-                    kt[t, hh, 2 * i] = a * c - b * s
-                    kt[t, hh, 2 * i + 1] = a * s + b * c
+                _rotate(kt, t, hh, i, half, c, s, neox)
     for t in range(n):
         s = dst[t]
         for hh in range(kvh):
