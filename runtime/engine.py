@@ -102,14 +102,18 @@ class Engine:
 
     # ---- one forward -------------------------------------------------------------
     def step(self, seqs: list[Sequence], new_tokens: list[list[int]], all_logits: bool = False,
-             argmax: bool = False) -> np.ndarray:
+             argmax: bool = False, masks=None) -> np.ndarray:
         """Append new_tokens[i] to seqs[i] and return logits: the last row of each
         sequence, or every new row when all_logits (speculative verification).
 
         argmax: return instead each of those rows' argmax (int64 [rows], np.argmax's
         tie-break: the first maximum), the greedy next token, for callers that need
         nothing else of the logits.  A backend with `forward_argmax` computes it where
-        the logits are (the CUDA backend on the device: no logits cross to the host)."""
+        the logits are (the CUDA backend on the device: no logits cross to the host).
+        masks (with argmax): a callable giving each logits row's allowed-token bitmask
+        (uint32 [rows, words], constrain.apply_mask's layout); it is called once the
+        forward is under way, so masks computed meanwhile on the host cost no step time,
+        and each argmax is taken among the allowed tokens."""
         for seq, toks in zip(seqs, new_tokens):
             if len(seq) + len(toks) > self.n_ctx:
                 if self.overflow != "shift":
@@ -143,9 +147,14 @@ class Engine:
         if not argmax:
             out = self.backend.forward(self.model, step)
         elif hasattr(self.backend, "forward_argmax"):
-            out = self.backend.forward_argmax(self.model, step)
+            out = (self.backend.forward_argmax(self.model, step) if masks is None
+                   else self.backend.forward_argmax(self.model, step, masks))
         else:
-            out = np.argmax(self.backend.forward(self.model, step), axis=-1)
+            out = self.backend.forward(self.model, step)
+            if masks is not None:
+                from .constrain import apply_mask
+                apply_mask(out, np.asarray(masks(), np.uint32).reshape(out.shape[0], -1))
+            out = np.argmax(out, axis=-1)
         for seq, toks in zip(seqs, new_tokens):
             self.cache.commit(seq, toks)
         return out

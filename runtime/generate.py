@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .constrain import ConstraintDead
 from .engine import ContextOverflow, Engine
 from .kv_cache import Sequence
@@ -136,6 +138,25 @@ def greedy_next(eng: Engine, seq: Sequence, token: int) -> int:
     return int(eng.step([seq], [[token]], argmax=True)[0])
 
 
+def _masked_greedy_next(eng: Engine, seq: Sequence, token: int, matcher) -> int:
+    """greedy_next among the tokens `matcher` allows: the mask is computed while the
+    forward runs (llguidance lets go of the GIL) and goes to the engine with the step."""
+    global _MASK_POOL
+    if _MASK_POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+        _MASK_POOL = ThreadPoolExecutor(1, thread_name_prefix="llamba-mask")
+    row = np.zeros(matcher.n_words, np.uint32)
+    ok = _MASK_POOL.submit(matcher.fill_mask, row)
+    nxt = int(eng.step([seq], [[token]], argmax=True,
+                       masks=lambda: row if ok.result() else np.full_like(row, 0xFFFFFFFF))[0])
+    if not ok.result():
+        raise ConstraintDead(matcher.error)
+    return nxt
+
+
+_MASK_POOL = None
+
+
 def _plain_tokens(eng: Engine, seq: Sequence, logits, history: list[int], sampler: Sampler, matcher=None):
     """One target step per token; the consumer appends each token to history (and
     consumes it into `matcher`, whose mask each step's logits get).  Greedy decoding
@@ -147,5 +168,7 @@ def _plain_tokens(eng: Engine, seq: Sequence, logits, history: list[int], sample
         yield nxt
         if sampler.p.argmax_only and matcher is None:
             nxt = greedy_next(eng, seq, nxt)
+        elif sampler.p.argmax_only:         # greedy under a constraint: the argmax among allowed tokens
+            nxt = _masked_greedy_next(eng, seq, nxt, matcher)
         else:
             nxt = pick(eng.step([seq], [[nxt]])[0])

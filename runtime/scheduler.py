@@ -115,7 +115,8 @@ class Request:
 
     @property
     def argmax_only(self) -> bool:
-        return (self.params.argmax_only and self.logprobs is None and self.matcher is None
+        """Greedy with nothing but the argmax needed (a constraint's mask goes with the step)."""
+        return (self.params.argmax_only and self.logprobs is None
                 and not self.presence_penalty and not self.frequency_penalty)
 
 
@@ -379,7 +380,10 @@ class Scheduler:
         masks = {i: self._pool().submit(r.matcher.fill_mask, r.mask_row())
                  for i, (r, t) in enumerate(zip(reqs, tokens))
                  if r.matcher is not None and len(r.seq) + len(t) == len(r.known)}
-        out = self.engine.step([r.seq for r in reqs], tokens, argmax=argmax)
+        # greedy rows take the argmax where the logits are, among the tokens their masks
+        # allow: the masks go to the engine, which asks for them once the forward is under way
+        out = self.engine.step([r.seq for r in reqs], tokens, argmax=argmax,
+                               masks=(lambda: self._mask_rows(reqs, masks)) if argmax and masks else None)
         self.stats.forwards += 1
         for i, (r, row) in enumerate(zip(reqs, out)):
             if len(r.seq) != len(r.known):
@@ -388,6 +392,17 @@ class Scheduler:
                 self._finish(r, "stop", stop_reason=f"constraint: {r.matcher.error}")
                 continue
             self._accept(r, int(row) if argmax else self._sample(r, row, masked=i in masks))
+
+    @staticmethod
+    def _mask_rows(reqs: list[Request], masks: dict) -> np.ndarray:
+        """The step's masks, one row a request (all ones where it has none or it allows nothing:
+        that row's token is not taken)."""
+        words = next(reqs[i].mask_row().shape[0] for i in masks)
+        rows = np.full((len(reqs), words), 0xFFFFFFFF, np.uint32)
+        for i, f in masks.items():
+            if f.result():
+                rows[i] = reqs[i].mask_row()
+        return rows
 
     def _pool(self):
         if self._masks is None:

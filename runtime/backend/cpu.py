@@ -173,12 +173,17 @@ class CPUBackend:
             return out.copy()
         return self.plain_forward(model, step)
 
-    def forward_argmax(self, model, step) -> np.ndarray:
-        """The step's greedy next tokens: np.argmax of each logits row (int64 [rows])."""
+    def forward_argmax(self, model, step, masks=None) -> np.ndarray:
+        """The step's greedy next tokens: np.argmax of each logits row (int64 [rows]);
+        masks: a callable giving the rows' allowed-token bitmasks (constrain.apply_mask's),
+        whose disallowed logits are set to -inf first."""
         out = self._planned(model, step)
         if out is None:
             out = self.plain_forward(model, step)
-        return np.argmax(out, axis=-1)
+        if masks is not None:
+            from runtime.constrain import apply_mask
+            apply_mask(out, np.asarray(masks(), np.uint32).reshape(out.shape[0], -1))   # (a replayed
+        return np.argmax(out, axis=-1)                  # plan's own output: written anew every step)
 
     def end_layer(self):
         """The model finished a layer: its buffers are free for the next one."""

@@ -334,6 +334,11 @@ class _Profiler:
         return timed
 
 
+def _mask_rows(m, rows: int) -> np.ndarray:
+    """A step's token masks as C-contiguous uint32 [rows, words]."""
+    return np.ascontiguousarray(m, np.uint32).reshape(rows, -1)
+
+
 class CUDABackend:
     name = "cuda"
     # most tokens a step may have with each row's logits equal to a one-token step's
@@ -379,6 +384,7 @@ class CUDABackend:
         self.profile_next = False
         self.last_profile = None
         self._argmax_state: dict = {}   # rows -> (best u64, count u32 (zeroed), ids int32) [rows]
+        self._mask_dev: dict = {}       # shape -> the device copy of a step's token masks
         self._moe_combine = None        # the moe op's weighted sum of a token's experts (ElementwiseKernel)
 
     # ---- memory ------------------------------------------------------------------
@@ -450,13 +456,31 @@ class CUDABackend:
         caller owns."""
         return self._forward(model, step, False)
 
-    def forward_argmax(self, model, step) -> np.ndarray:
+    def forward_argmax(self, model, step, masks=None) -> np.ndarray:
         """Run one step; the argmax of each logits row (np.argmax's: the first maximum) as
         int64 [rows], computed on the device: 4 bytes a row cross to the host, not the
-        row's vocab floats."""
-        return self._forward(model, step, True)
+        row's vocab floats.  masks: a callable giving the rows' allowed-token bitmasks
+        (uint32 [rows, words], constrain.apply_mask's layout), called once the forward is
+        enqueued, so the host computes them while the device runs; they go up (4 bytes a
+        32 tokens) and the argmax is taken among allowed tokens."""
+        return self._forward(model, step, "masked" if masks is not None else True, masks)
 
-    def _forward(self, model, step, argmax: bool) -> np.ndarray:
+    def _apply_masks(self, logits, m, staging=None):
+        """Upload the masks m (uint32 [rows, words]; through pinned `staging` when given)
+        and set the logits of disallowed tokens to -inf on the device, on the step's stream."""
+        from runtime.constrain import apply_mask
+        if staging is None or staging.shape != m.shape:
+            dev = self.cp.asarray(m)
+        else:
+            staging[:] = m
+            dev = self._mask_dev.get(m.shape)
+            if dev is None:
+                dev = self._mask_dev[m.shape] = self.cp.empty(m.shape, self.cp.uint32)
+            rt = self.cp.cuda.runtime
+            rt.memcpyAsync(dev.data.ptr, staging.ctypes.data, staging.nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+        apply_mask(logits, dev)
+
+    def _forward(self, model, step, argmax, masks=None) -> np.ndarray:
         cp = self.cp
         n = len(step.tokens)
         if self.profile_next:
@@ -472,12 +496,14 @@ class CUDABackend:
                               or 1 < n <= GRAPH_ROWS and len(step.logit_rows) == n
                               or n == PROMPT_GRAPH_ROWS and len(step.logit_rows) == 1 and not argmax))
             if graphable:
-                return self._forward_graph(model, step, argmax)
+                return self._forward_graph(model, step, argmax, masks)
             flat, layout = _pack_step(step)
             buf = cp.asarray(flat)
             dstep = _DevStep(step, _views(buf, layout), *self._attn_plan(n, self._split_ctx(step), model))
             out = self._run(model, dstep)
             if argmax:
+                if masks is not None:
+                    self._apply_masks(out, _mask_rows(masks(), out.shape[0]))
                 return self._argmax(out).get().astype(np.int64)
             return out.get()
 
@@ -559,7 +585,7 @@ class CUDABackend:
                  and model.cfg.head_dim % 64 == 0 and n_tokens <= GRAPH_ROWS)
         return splits, tiles
 
-    def _forward_graph(self, model, step, argmax: bool):
+    def _forward_graph(self, model, step, argmax, masks=None):
         """Decode: replay the step captured for this block-table width (and output).
 
         The graph holds the whole step: the step's index arrays copied in from a pinned
@@ -570,7 +596,9 @@ class CUDABackend:
         graph launch and one wait."""
         MB = self._graph_width(step.block_tables.shape[1])
         n = len(step.tokens)
-        key = (id(model), MB, n, "ids" if argmax else "logits")
+        # "masked": the graph ends with the logits on the device; the mask goes up and the
+        # argmax runs after it (eagerly: the mask is known only once the graph is launched)
+        key = (id(model), MB, n, {True: "ids", False: "logits", "masked": "dev"}[argmax])
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._new_decode_graph(model, step, MB, argmax)
@@ -582,6 +610,8 @@ class CUDABackend:
             # eager once (compiles kernels, sizes the arena), then capture for the next tokens
             self.setup_events += 1
             self._decode_body(model, g, capture=False)
+            if argmax == "masked":
+                self._masked_argmax(g, masks)
             self.stream.synchronize()
             res = g["host_out"].copy()
             try:
@@ -594,9 +624,21 @@ class CUDABackend:
         else:
             g["graph"].launch(self.stream)
             self.graph_replays += 1
+            if argmax == "masked":
+                self._masked_argmax(g, masks)
             self.stream.synchronize()
             res = g["host_out"].copy()
         return res.astype(np.int64) if argmax else res   # the caller's own array either way
+
+    def _masked_argmax(self, g, masks):
+        """After a "masked" graph's forward: its logits (on the device) masked, then argmax
+        into the pinned ids."""
+        out = g["dev_out"]
+        m = _mask_rows(masks(), out.shape[0])
+        if g.get("mask_host") is None or g["mask_host"].shape != m.shape:
+            g["mask_host"] = self._pinned(m.shape, np.uint32)
+        self._apply_masks(out, m, g["mask_host"])
+        self._argmax(out, host_out=g["host_out"])
 
     def _forward_prompt_graph(self, model, g, warm_key):
         """A prompt chunk of PROMPT_GRAPH_ROWS tokens: the first of its length (on this
@@ -665,7 +707,9 @@ class CUDABackend:
         if g["host_out"] is None:
             g["host_out"] = (self._pinned(out.shape[:1], np.int32) if g["argmax"]
                              else self._pinned(out.shape, out.dtype))
-        if g["argmax"]:     # the kernel writes the ids into pinned host memory itself
+        if g["argmax"] == "masked":     # the logits stay on the device (_masked_argmax)
+            g["dev_out"] = out
+        elif g["argmax"]:   # the kernel writes the ids into pinned host memory itself
             self._argmax(out, host_out=g["host_out"])
         else:
             rt.memcpyAsync(g["host_out"].ctypes.data, out.data.ptr, out.nbytes, rt.memcpyDeviceToHost, sp)

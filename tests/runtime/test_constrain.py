@@ -310,3 +310,35 @@ def test_cuda_mask_kernel_compiles(arch):
         assert rc == 0, log.value.decode(errors="replace")
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def test_masked_argmax_equals_argmax_of_masked_logits(smol):
+    """Greedy under a constraint takes the argmax where the logits are (Engine.step(argmax=True,
+    masks=...)): each step's token equals np.argmax of the step's logits masked on the host, for a
+    two-sequence step (one row constrained, one all ones) as the scheduler sends it."""
+    c = Constraint.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}}, smol)
+    ids = _prompt(smol, "an object with a number n")
+    a, b = smol.new_sequence(), smol.new_sequence()
+    try:
+        la, lb = smol.prefill(a, ids), smol.prefill(b, ids)
+        m = c.matcher()
+        row = np.zeros(m.n_words, np.uint32)
+        ta = tb = int(np.argmax(la))
+        asked = []
+        for _ in range(6):
+            assert m.fill_mask(row)
+            masks = np.stack([row, np.full_like(row, 0xFFFFFFFF)])
+            state = [len(a), len(b)]
+            logits = smol.step([a, b], [[ta], [tb]])
+            want = np.argmax(apply_mask(logits.copy(), masks), axis=-1)
+            for s, n in zip((a, b), state):
+                smol.cache.truncate(s, n)
+            got = smol.step([a, b], [[ta], [tb]], argmax=True, masks=lambda: asked.append(1) or masks)
+            assert list(got) == list(want)
+            assert m.consume(int(got[0]))
+            ta, tb = int(got[0]), int(got[1])
+        assert len(asked) == 6
+        assert m.fill_mask(row) and row.any()
+    finally:
+        smol.release(a)
+        smol.release(b)
