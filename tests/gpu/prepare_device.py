@@ -6,8 +6,9 @@ device_run.sh expects two folders at the repository root, passed as the run's
 
 * `.whl/`: the wheels of the packages it lacks (gguf, platformdirs, llguidance);
 * `.devmodels/`: trimmed copies of the catalog models, real weights with their
-  first few layers and vocabulary rows (`cuda_synth.trim_gguf`), named as the GPU
-  tests' ids show them (smollm2-t, gemma3-t, qwen05-t).
+  first few layers and vocabulary rows (`lab.synth.trim_gguf`), named as the GPU
+  tests' ids show them (smollm2-t, gemma3-t, qwen05-t), and `qwen-tok.tok`, Qwen2.5's
+  tokenizer alone (for `lab.gpu_real_shape`).
 
 The models come from the local cache (`../shared/models/fetch` or `python -m
 runtime` fetches them); the sizes below keep the whole carry near 52 MiB.
@@ -54,6 +55,12 @@ def main(argv=None) -> int:
         dst = models / f"{name}.gguf"
         if not dst.exists():
             trim_gguf(resolve_model_path(catalog), dst, n_layers=layers, vocab=vocab)
+    # Qwen2.5's tokenizer alone (no layers, one embedding row): lab.gpu_real_shape gives a
+    # random-weight model of a real shape these keys, for the server and constraints.  Named
+    # .tok, not .gguf: the GPU tests take every .gguf of the folder as a model.
+    tok = models / "qwen-tok.tok"
+    if not tok.exists():
+        trim_gguf(resolve_model_path("qwen2.5-coder-0.5b"), tok, n_layers=0, vocab=1, keep_tokenizer=True)
     total = sum(f.stat().st_size for d in (whl, models) for f in d.iterdir())
     for d in (whl, models):
         for f in sorted(d.iterdir()):

@@ -120,10 +120,13 @@ SHAPES = {
 
 def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, vocab, tied,
                       mix="Q4_K_M", rope_theta=1e4, ctx=4096, seed=0, n_experts=0, n_experts_used=0,
-                      d_ff_expert=0):
+                      d_ff_expert=0, tokenizer_from=None):
     """A random-weight GGUF of this shape and quantization mix at `path`.  arch qwen3moe:
     n_experts experts of d_ff_expert a layer, n_experts_used a token, an F32 router whose
-    logits have a spread of about 1 (clear choices, as a trained router's)."""
+    logits have a spread of about 1 (clear choices, as a trained router's).  tokenizer_from:
+    a GGUF whose tokenizer.* keys (vocabulary, merges, chat template) the file gets, so the
+    CLI, the server and constraints run on it (its vocabulary should have `vocab` tokens or
+    fewer)."""
     import gguf
     noise = _Noise(seed)
     hd = d_model // n_heads
@@ -141,6 +144,13 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
         w.add_expert_count(n_experts)
         w.add_expert_used_count(n_experts_used)
         w.add_expert_feed_forward_length(d_ff_expert)
+    if tokenizer_from is not None:
+        r = gguf.GGUFReader(str(tokenizer_from))
+        for key, f in r.fields.items():
+            if key.startswith("tokenizer."):
+                vtype = f.types[0]
+                w.add_key_value(key, f.contents(), vtype,
+                                sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
 
     def mat(name, rows, cols, n=0, t=None, std=0.02):
         t = t if t is not None else mix_type(mix, name, n_layers, cols)
