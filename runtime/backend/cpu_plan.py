@@ -43,10 +43,16 @@ class Unplannable(Exception):
     """The step's recording cannot be replayed."""
 
 
+MIN_WIDTH = 256         # blocks: 4096 tokens of 16
+
+
 def _width(mb: int) -> int:
-    """Block-table width a plan is recorded at: mb rounded up to a power of two (>= 4),
-    so a growing context re-records a handful of times, not every block."""
-    w = 4
+    """Block-table width a plan is recorded at: mb rounded up to a power of two, at least
+    MIN_WIDTH.  Attention reads a table only up to each token's position, so the width
+    changes no arithmetic; a narrower one made every sequence that grew past 4, 8, 16...
+    blocks (and every batch whose longest sequence did) record its steps again.  The
+    plan's tables cost S x width int32 (16 KiB at 16 sequences)."""
+    w = MIN_WIDTH
     while w < mb:
         w *= 2
     return w
