@@ -86,6 +86,23 @@ class Engine:
         self.cache = PagedKVCache(n_blocks, block_size, groups=groups, cache_type=cache_type,
                                   copy_block=lambda s, d, gi: storage.copy_block(s, d, block_size, groups[gi].layers))
         self.attn_scale = cfg.attn_scale or 1.0 / math.sqrt(cfg.head_dim)
+        self.merge_rows = self._merge_rows(lm)
+
+    def _merge_rows(self, lm) -> int | None:
+        """Chunks of at least this many tokens, of different sequences, may share a forward
+        with each row's arithmetic unchanged (None: never).  On the CPU with the bfloat16
+        prompt kernel every matmul of 32+ rows takes the same kernel, whose rows are
+        independent and summed in a fixed order, and attention works a sequence at a time;
+        the logits rows (one a sequence) stay within the batch-invariant 16.  Not where a
+        weight takes the float sgemm path (its blocking may depend on the row count) or for
+        experts (a merged forward changes the rows each expert gets, hence its path)."""
+        if getattr(self.backend, "name", "") != "cpu" or self.config.n_experts:
+            return None
+        from quant.matmul_cpu import LARGE_BATCH_MIN, bf16_path
+        for t in lm.tensors.values():
+            if len(t.shape) == 2 and not bf16_path(LARGE_BATCH_MIN, t.qtype, t.shape[-1]):
+                return None
+        return LARGE_BATCH_MIN
 
     # ---- sequences ---------------------------------------------------------------
     def new_sequence(self) -> Sequence:

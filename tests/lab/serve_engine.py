@@ -44,7 +44,7 @@ def engine_rounds(eng, B: int, rounds: int, steps: int, ctx: int = 40):
           f"{statistics.median(r[B][0] for r in res):.2f} tok/s, ratio {statistics.median(ratios):.2f}")
 
 
-def sched_rounds(eng, B: int, rounds: int, n: int):
+def sched_rounds(eng, B: int, rounds: int, n: int, ab_merge: bool = False):
     """The same B prompts (bench-serve's mix) one client at a time, then B at once, through the
     Scheduler alone; the engine steps timed by kind (prompt chunk, decode rows)."""
     from collections import defaultdict
@@ -53,6 +53,7 @@ def sched_rounds(eng, B: int, rounds: int, n: int):
     from runtime.scheduler import Request, Scheduler
     plans = eng.backend.plans
     step = eng.step
+    merge = getattr(eng, "merge_rows", None)
     acc = defaultdict(lambda: [0, 0.0, 0])
 
     def timed(seqs, toks, **kw):
@@ -69,7 +70,9 @@ def sched_rounds(eng, B: int, rounds: int, n: int):
     for r in range(rounds):
         ids = [eng.tokenizer.encode(t) for t in prompts(B, 100 + r)]
         row = {}
-        for c in (1, B) if r % 2 == 0 else (B, 1):
+        runs = [(1, merge), (B, merge)] if not ab_merge else [(B, None), (B, merge)]
+        for c, mr in runs if r % 2 == 0 else runs[::-1]:
+            eng.merge_rows = mr
             sch = Scheduler(eng, max_running=c, prefix_cache=False)
             reqs = [Request(x, SamplingParams(temperature=0.0), max_tokens=n) for x in ids]
             rec0, rep0 = (plans.recorded, plans.replayed) if plans else (0, 0)
@@ -85,14 +88,16 @@ def sched_rounds(eng, B: int, rounds: int, n: int):
                 sch.run_until_idle()
             dt = time.perf_counter() - t
             toks = sum(len(q.output) for q in reqs)
-            row[c] = toks / dt
+            row[(c, mr)] = toks / dt
             parts = ", ".join(f"{k} {v[0]} rows {v[1]:.1f} s" for k, v in sorted(acc.items()))
-            print(f"  {c} client(s): {toks / dt:.2f} tok/s, {dt:.1f} s ({parts}; outside steps "
+            print(f"  {c} client(s), merge {mr}: {toks / dt:.2f} tok/s, {dt:.1f} s ({parts}; outside steps "
                   f"{dt - sum(v[1] for v in acc.values()):.2f} s), {sch.stats.forwards} forwards, "
                   f"{(plans.recorded - rec0) if plans else 0} recordings, {(plans.replayed - rep0) if plans else 0} replays "
                   f"of {acc['decode'][2] + acc['mixed'][2]} small forwards", flush=True)
-        print(f"round {r}: ratio {B} clients / 1 client {row[B] / row[1]:.2f}", flush=True)
+        a, b = runs
+        print(f"round {r}: ratio {b} / {a}: {row[b] / row[a]:.2f}", flush=True)
     eng.step = step
+    eng.merge_rows = merge
 
 
 def main():
@@ -104,6 +109,7 @@ def main():
     p.add_argument("--steps", type=int, default=20, help="decode steps a block (0: no engine rounds)")
     p.add_argument("--sched", action="store_true", help="through the Scheduler (prompts + decode) too")
     p.add_argument("-n", type=int, default=32, help="tokens a request (--sched)")
+    p.add_argument("--ab-merge", action="store_true", help="--sched: B clients with prompt merging off and on")
     a = p.parse_args()
     from runtime.engine import Engine
     from runtime.warmup import warm_up
@@ -112,7 +118,7 @@ def main():
     if a.steps:
         engine_rounds(eng, a.B, a.rounds, a.steps)
     if a.sched:
-        sched_rounds(eng, a.B, a.rounds, a.n)
+        sched_rounds(eng, a.B, a.rounds, a.n, a.ab_merge)
     pl = eng.backend.plans
     if pl:
         print(f"plans: recorded {pl.recorded}, replayed {pl.replayed}, held {len(pl.plans)}")

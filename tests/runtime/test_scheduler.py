@@ -50,6 +50,39 @@ def test_sixteen_at_once_equal_each_alone(engine, solo):
     assert engine.stats()["blocks_used"] == 0
 
 
+LONG = ["The history of bread begins " * 9, "def parse(line):\n    return line.split(',')\n" * 4,
+        "Rivers of Europe: the Danube, the Rhine, the Loire, " * 5, "Once upon a time " * 12,
+        "SELECT name, age FROM people WHERE age > 30 ORDER BY name;\n" * 3]
+
+
+def test_prompts_sharing_a_forward_equal_each_alone(engine):
+    """Prompt chunks of 32+ tokens of different requests share forwards (Engine.merge_rows):
+    each request's greedy tokens are still its own."""
+    ids = [engine.tokenizer.encode(p) for p in LONG]
+    assert all(len(x) >= 32 for x in ids)
+    alone = []
+    for x in ids:
+        g = Generation(engine, x, GREEDY, max_tokens=12).run()
+        alone.append(g.ids)
+        engine.release(g.seq, keep_cached=False)
+    shared = []
+    step = engine.step
+
+    def spy(seqs, toks, **kw):
+        if len(seqs) > 1 and min(len(t) for t in toks) >= 32:
+            shared.append(len(seqs))
+        return step(seqs, toks, **kw)
+    engine.step = spy
+    try:
+        sch = Scheduler(engine, max_running=8, prefix_cache=False)
+        reqs = [sch.submit(Request(x, GREEDY, max_tokens=12)) for x in ids]
+        sch.run_until_idle()
+    finally:
+        del engine.step
+    assert engine.merge_rows == 32 and shared and max(shared) >= 3
+    assert [r.output for r in reqs] == alone
+
+
 def test_preemption_recomputes_and_keeps_the_tokens(model_path):
     # 12 blocks of 16 tokens: 6 answers of 40 tokens outgrow the pool while they decode, so
     # the latest admitted are preempted (blocks freed) and recomputed later
