@@ -141,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="architecture, parameters, tensor types, KV bytes per token")
     _add_model(i, positional=True)
+    i.add_argument("-c", "--ctx-size", type=int, default=0, help="the context the memory estimate is for "
+                   "(default min(4096, model's))")
+    i.add_argument("--cache-type", default="f16", choices=["f16", "q8_0", "k16v8"],
+                   help="the KV cache precision the KV bytes and the memory estimate are for")
     i.add_argument("--json", action="store_true")
     return ap
 
@@ -338,18 +342,20 @@ def cmd_info(args) -> int:
     types = {}
     for t in lm.tensors.values():
         types[type_name(t.qtype)] = types.get(type_name(t.qtype), 0) + 1
-    kv_per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
+    from .kv_cache import kv_bytes_per_token_layer
+    kv_per_token = cfg.n_layers * kv_bytes_per_token_layer(cfg.n_kv_heads, cfg.head_dim, args.cache_type)
     info = {"path": str(lm.path), "name": cfg.name, "architecture": cfg.arch, "parameters": lm.n_params,
             "weight_bytes": lm.weight_bytes, "tensor_types": types, "context_length": cfg.context_length,
             "layers": cfg.n_layers, "d_model": cfg.d_model, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
-            "head_dim": cfg.head_dim, "vocab": cfg.vocab_size, "kv_bytes_per_token": kv_per_token}
+            "head_dim": cfg.head_dim, "vocab": cfg.vocab_size, "kv_cache_type": args.cache_type,
+            "kv_bytes_per_token": kv_per_token}
     if cfg.n_experts:   # mixture of experts: what a token reads, beside what the file holds
         info["active_parameters"] = lm.n_active_params
         info["experts"] = {"count": cfg.n_experts, "used": cfg.n_experts_used, "d_ff_expert": cfg.d_ff_expert,
                            "normalized_top_k": cfg.expert_norm_topk}
     from .backend.cuda_memory import estimate_bytes   # before loading: what a GPU would need
-    n_ctx = min(4096, cfg.context_length)
-    info["gpu_memory_estimate"] = {"n_ctx": n_ctx, **estimate_bytes(cfg, lm.tensors, n_ctx)}
+    n_ctx = min(args.ctx_size or 4096, cfg.context_length)
+    info["gpu_memory_estimate"] = {"n_ctx": n_ctx, **estimate_bytes(cfg, lm.tensors, n_ctx, cache_type=args.cache_type)}
     if args.json:
         print(json.dumps(info))
     else:

@@ -63,7 +63,8 @@ class Engine:
         self.config = cfg = lm.config
         self.tokenizer = lm.tokenizer
         if hasattr(self.backend, "check_fits"):     # GPU: refuse what will not fit, before uploading
-            self.backend.check_fits(lm, min(n_ctx or 4096, cfg.context_length), block_size, cache_blocks)
+            self.backend.check_fits(lm, min(n_ctx or 4096, cfg.context_length), block_size, cache_blocks,
+                                    cache_type=cache_type)
         # the embedding table is streamed every token only where it doubles as the output layer
         tied = "output.weight" not in lm.tensors
         self.model = model_class(cfg.arch)(cfg, {n: self.backend.upload(t, streamed=tied or n != "token_embd.weight")

@@ -85,3 +85,16 @@ def test_unknown_catalog_name():
 def test_default_model_commands_work(cmd):
     res = _run(*cmd)
     assert res.returncode == 0, res.stderr
+
+
+def test_info_kv_bytes_follow_the_cache_type(model_path, capsys):
+    """info's KV bytes a token and GPU estimate are for the cache type asked (k16v8: 49/64 of f16)."""
+    import json
+    from runtime.cli import main
+    got = {}
+    for ct in ("f16", "k16v8", "q8_0"):
+        assert main(["info", str(model_path("smollm2-135m")), "--cache-type", ct, "--json"]) == 0
+        got[ct] = json.loads(capsys.readouterr().out)
+    assert got["k16v8"]["kv_bytes_per_token"] * 64 == got["f16"]["kv_bytes_per_token"] * 49
+    assert got["q8_0"]["kv_bytes_per_token"] * 64 == got["f16"]["kv_bytes_per_token"] * 34
+    assert got["q8_0"]["gpu_memory_estimate"]["kv_cache"] < got["f16"]["gpu_memory_estimate"]["kv_cache"]
