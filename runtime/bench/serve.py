@@ -17,9 +17,9 @@ completion with `response_format: json_schema` (strict) and the same request unc
 greedy, -n tokens at most.  Recorded: the answer parses and validates (`jsonschema`, formats
 checked; where the answer holds a markdown code block, that is what is checked), completion
 tokens (usage), time to first token, decode tokens/s = (chunks - 1) / (last chunk - first).
-Several URLs are run in turn, --rounds times interleaved (never two servers at once), after one
-untimed request each; reported per URL and mode: validity rate and median decode tokens/s, and
-the first URL's median over each other's.
+Several URLs are run in turn, --rounds times (never two servers at once), after one
+untimed request each; they take turns request by request.  Reported per URL and mode: validity
+rate, median decode tokens/s, and the median over requests of the first URL's speed / this one's.
 """
 from __future__ import annotations
 
@@ -239,9 +239,11 @@ def run_schemas(args, urls, headers) -> int:
         for url in urls:                                   # one untimed request each: first-call costs
             _chat(client, url, headers, _schema_request(schemas[0], "constrained", args))
         for rnd in range(args.rounds):
-            for url, label in zip(urls, labels):
-                for d in schemas:
-                    for mode in modes:
+            for d in schemas:
+                for mode in modes:
+                    # the servers take turns request by request (first one, then the other first), so
+                    # that a busy spell on a shared machine falls on both
+                    for url, label in (zip(urls, labels) if rnd % 2 == 0 else zip(urls[::-1], labels[::-1])):
                         r = _chat(client, url, headers, _schema_request(d, mode, args))
                         if r["status"] == 200:
                             r["parses"], r["valid"], r["why"] = _check(r["text"], d["schema"])
@@ -270,11 +272,12 @@ def run_schemas(args, urls, headers) -> int:
                                                                           or [float("nan")]), 1),
                             "tokens_p50": statistics.median([r.get("tokens", 0) for r in rs]) if rs else 0,
                             "failures": sorted({f"{r['schema']}: {r['why']}" for r in rs if not r["valid"]})})
-    first = {s["mode"]: s for s in summary if s["server"] == labels[0]}
-    for s in summary:
-        f = first[s["mode"]]
-        if s["decode_tok_s_p50"] and f["decode_tok_s_p50"]:
-            s["first_to_this_ratio"] = round(f["decode_tok_s_p50"] / s["decode_tok_s_p50"], 3)
+    speed = {(r["server"], r["round"], r["schema"], r["mode"]): r.get("decode_tok_s") for r in rows}
+    for s in summary:                   # the first server's speed over this one's, paired request by request
+        pairs = [speed[(labels[0],) + k[1:]] / v for k, v in speed.items()
+                 if k[0] == s["server"] and k[3] == s["mode"] and v and speed.get((labels[0],) + k[1:])]
+        if pairs:
+            s["first_to_this_ratio"] = round(statistics.median(pairs), 3)
     if args.json:
         print(json.dumps({"urls": urls, "labels": labels, "schemas": len(schemas), "rounds": args.rounds,
                           "max_tokens": args.max_tokens or 256, "summary": summary, "requests": rows}))
@@ -285,7 +288,7 @@ def run_schemas(args, urls, headers) -> int:
         print(f"{s['server']:<24} {s['mode']:<11} valid {s['valid']:3}/{s['requests']:<3} ({s['valid_pct']:5.1f}%)  "
               f"parse {s['parses']:3}  decode {s['decode_tok_s_p50'] or 0:7.2f} tok/s (rounds "
               f"{s['decode_tok_s_rounds']})  TTFT p50 {s['ttft_p50_ms']:7.1f} ms  tokens p50 {s['tokens_p50']}"
-              + (f"  {labels[0]}/this {s['first_to_this_ratio']:.3f}" if s["server"] != labels[0]
+              + (f"  {labels[0]}/this {s['first_to_this_ratio']:.3f} (paired median)" if s["server"] != labels[0]
                  and "first_to_this_ratio" in s else ""))
         for f in s["failures"][:args.show_failures]:
             print(f"    {f}")

@@ -23,7 +23,8 @@ def test_bench_serve_schemas(model_path, capsys):
     assert out["schemas"] == 3 and out["labels"] == ["a", "b"]
     reqs = out["requests"]
     assert len(reqs) == 2 * 3 * 2                          # servers x schemas x (constrained, plain)
-    assert [r["server"] for r in reqs[:6]] == ["a"] * 6    # one server's round, then the other's
+    assert [r["server"] for r in reqs[:4]] == ["a", "b", "a", "b"]      # they take turns request by request
+    assert [(r["schema"], r["mode"]) for r in reqs[:4:2]] == [("person", "constrained"), ("person", "plain")]
     for r in reqs:
         assert r["status"] == 200 and r["tokens"] > 0 and r["ttft_s"] > 0
     for r in reqs:
