@@ -21,6 +21,7 @@ class Llama:
         self.layers = [_layer(w, i) for i in range(cfg.n_layers)]
         self.inv_freq = rope_inv_freq(cfg, cfg.rope_theta)
         # which experts run depends on the data: a backend must not replay one step's choice
+        # (the CUDA graphs; the CPU's fused moe kernels route inside the replayed calls)
         self.routes_tokens = cfg.n_experts > 0
 
     def forward(self, b, step):

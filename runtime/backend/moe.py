@@ -93,3 +93,33 @@ def combine(y, pos, w, out):
             wj = w[t, j]
             for c in range(d):
                 out[t, c] += wj * y[r, c]
+
+
+@nb.njit(**_JIT)
+def route_group(logits, k, norm, ids, w, tokens, starts, pos, act, nact):
+    """route + group in one kernel with every output in a buffer of the caller's (a CPU
+    step plan replays it: cpu_plan.py): ids, w [n, k] as route; the pairs sorted by
+    expert, tokens ascending within one (tokens int32 [n*k], starts int64 [E+1], pos
+    int32 [n, k], as group); the chosen experts ascending in act int64 [E], their count
+    in nact[0]."""
+    n, E = logits.shape
+    route(logits, k, norm, ids, w)
+    starts[:] = 0
+    for t in range(n):
+        for j in range(k):
+            starts[ids[t, j] + 1] += 1
+    na = 0
+    for e in range(E):
+        if starts[e + 1] > 0:
+            act[na] = e
+            na += 1
+        starts[e + 1] += starts[e]
+    nact[0] = na
+    fill = starts[:E].copy()
+    for t in range(n):
+        for j in range(k):
+            e = ids[t, j]
+            p = fill[e]
+            fill[e] = p + 1
+            tokens[p] = t
+            pos[t, j] = p

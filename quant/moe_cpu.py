@@ -1,0 +1,89 @@
+"""Mixture-of-experts FFN on the CPU in a fixed number of kernel calls (llama.cpp's
+mul_mat_id): the chosen experts' rows are read straight from the 3-D expert tensor's
+bytes (expert e's matrix is rows e*M..e*M+M-1 of its [E*M, row_nbytes] block array),
+so a step runs the same kernels on the same buffers whichever experts its tokens
+chose, and the CPU backend can record it once and replay it (cpu_plan.py).
+
+The step's (token, expert) pairs come sorted by expert (runtime/backend/moe.py's
+route_group: the run of rows a[e]..a[e+1]-1 of expert e, tokens ascending); the
+activations are gathered in that order and rounded to int8 once for all pairs
+(act_quant.quantize_q8_256_i8, row by row: a row's codes do not depend on the other
+rows).  Each parallel work item is one W-row chunk of one chosen expert's matrix,
+against that expert's run of rows, computed by the same VNNI row kernels
+(vnni.rows_q4_k / rows_q6_k, up to 8 rows per decode of a W row) that matmul_cpu
+runs for a 2-D matrix of a run's rows: every output is bit for bit what the
+expert-by-expert path (one matmul per expert) gives, whatever the other tokens are.
+
+K-quant experts (Q4_K, Q6_K: Q4_K_M files) on CPUs with AVX512-VNNI only
+(`fused_kinds` says None otherwise: the backend then runs the expert-by-expert path).
+"""
+from __future__ import annotations
+
+from numba import njit, prange
+
+from .matmul_cpu import USE_VNNI, _VNNI_KIND
+from .vnni import rows_q4_k, rows_q6_k
+
+
+def fused_kinds(gates, ups, downs):
+    """(gate, up, down) VNNI kinds (10 Q4_K, 11 Q6_K) when all three expert tensors
+    can take the fused kernels, else None.  gates etc.: QTensor [E*M, K] block arrays."""
+    if not USE_VNNI:
+        return None
+    kinds = tuple(_VNNI_KIND.get(t.qtype, -1) for t in (gates, ups, downs))
+    if any(k not in (10, 11) for k in kinds):
+        return None
+    return kinds
+
+
+@njit(inline="always")
+def _kq_run(kind, w, xq, xq4, xd, xb16, xbf, a, b, K, out, res, m0, m1):
+    """out[a:b, m] = x rows a..b-1 . W row m (m0 <= m < m1), x rounded by
+    quantize_q8_256_i8 into the flat xq/xq4/xd/xb16/xbf; the rows a..b-1 as one
+    matrix, exactly as matmul_cpu's VNNI path runs a matrix of b-a rows."""
+    nsb = K // 256
+    if kind == 10:
+        rows_q4_k(w, xq4[a * K:b * K], xd[a * nsb:b * nsb], xbf[a * (K // 32):b * (K // 32)], xd,
+                  out[a:b], res, b - a, K, m0, m1)
+    else:
+        rows_q6_k(w, xq[a * K:b * K], xd[a * nsb:b * nsb], xb16[a * (K // 16):b * (K // 16)], xd,
+                  out[a:b], res, b - a, K, m0, m1)
+
+
+@njit(parallel=True, cache=True)
+def gate_up(kg, ku, gw, uw, M, K, xq, xq4, xd, xb16, xbf, starts, act, nact, g, u, res, target):
+    """g[p] = gate_e . x[p], u[p] = up_e . x[p] for every pair p of every chosen expert
+    e = act[0..nact[0]-1] (its pairs starts[e]..starts[e+1]-1); gw, uw: [E*M, row_nbytes].
+    Work items: (expert, gate or up, chunk of M rows), about `target` of them."""
+    na = nact[0]
+    nch = max(1, min(M // 16, (target + 2 * na - 1) // (2 * na)))
+    per = (M + nch - 1) // nch
+    for c in prange(na * 2 * nch):
+        i = c // (2 * nch)
+        r = c - i * 2 * nch
+        which = r // nch
+        ch = r - which * nch
+        e = act[i]
+        m0 = ch * per
+        m1 = min(M, m0 + per)
+        a = starts[e]
+        b = starts[e + 1]
+        if which == 0:
+            _kq_run(kg, gw[e * M:(e + 1) * M], xq, xq4, xd, xb16, xbf, a, b, K, g, res[c], m0, m1)
+        else:
+            _kq_run(ku, uw[e * M:(e + 1) * M], xq, xq4, xd, xb16, xbf, a, b, K, u, res[c], m0, m1)
+
+
+@njit(parallel=True, cache=True)
+def down(kd, dw, M, K, xq, xq4, xd, xb16, xbf, starts, act, nact, y, res, target):
+    """y[p] = down_e . h[p] (h rounded into xq...), as gate_up for one matrix an expert."""
+    na = nact[0]
+    nch = max(1, min(M // 16, (target + na - 1) // na))
+    per = (M + nch - 1) // nch
+    for c in prange(na * nch):
+        i = c // nch
+        ch = c - i * nch
+        e = act[i]
+        m0 = ch * per
+        m1 = min(M, m0 + per)
+        _kq_run(kd, dw[e * M:(e + 1) * M], xq, xq4, xd, xb16, xbf, starts[e], starts[e + 1], K, y, res[c], m0, m1)
