@@ -65,7 +65,8 @@ def _llg():
     try:
         import llguidance
     except ImportError as e:        # pragma: no cover - a dependency of the package
-        raise ConstraintError("constrained output needs the llguidance package (pip install llguidance)") from e
+        raise ConstraintError(f"constrained output needs the llguidance package (pip install llguidance): "
+                              f"{type(e).__name__}: {e}") from e
     return llguidance
 
 
