@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from numba import njit, prange
 
+from .act_quant import quantize_q8_256_i8
 from .matmul_cpu import USE_VNNI, _VNNI_KIND
 from .vnni import rows_q4_k, rows_q6_k
 
@@ -87,3 +88,62 @@ def down(kd, dw, M, K, xq, xq4, xd, xb16, xbf, starts, act, nact, y, res, target
         m0 = ch * per
         m1 = min(M, m0 + per)
         _kq_run(kd, dw[e * M:(e + 1) * M], xq, xq4, xd, xb16, xbf, starts[e], starts[e + 1], K, y, res[c], m0, m1)
+
+
+@njit(inline="always")
+def _q8_row(x, r, p, xq, xq4, xd, xb, xb16, xbf):
+    """x row r rounded into the flat buffers at row p (act_quant.quantize_q8_256_i8's
+    arithmetic: a row's codes depend on that row alone)."""
+    K = x.shape[1]
+    quantize_q8_256_i8(x[r:r + 1], xq[p * K:(p + 1) * K], xq4[p * K:(p + 1) * K],
+                       xd[p * (K // 256):(p + 1) * (K // 256)], xb[p * (K // 32):(p + 1) * (K // 32)],
+                       xb16[p * (K // 16):(p + 1) * (K // 16)], xbf[p * (K // 32):(p + 1) * (K // 32)])
+
+
+@njit(parallel=True, cache=True)
+def q8_rows_par(x, rows, xq, xq4, xd, xb, xb16, xbf, nch):
+    """Row p of the output = x[rows[p]] rounded (rows: the pairs' tokens; or None-like
+    identity when rows.size == 0), in nch parallel chunks of rows (a prompt's pairs)."""
+    P = rows.size if rows.size > 0 else x.shape[0]
+    per = (P + nch - 1) // nch
+    for c in prange(nch):
+        for p in range(c * per, min(P, (c + 1) * per)):
+            _q8_row(x, rows[p] if rows.size > 0 else p, p, xq, xq4, xd, xb, xb16, xbf)
+
+
+@njit(cache=True)
+def q8_rows(x, rows, xq, xq4, xd, xb, xb16, xbf):
+    """q8_rows_par on the calling thread (a decode step's few pairs)."""
+    P = rows.size if rows.size > 0 else x.shape[0]
+    for p in range(P):
+        _q8_row(x, rows[p] if rows.size > 0 else p, p, xq, xq4, xd, xb, xb16, xbf)
+
+
+@njit(inline="always")
+def _gather_one(tokens, p, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf):
+    t = tokens[p]
+    xq[p * K:(p + 1) * K] = sq[t * K:(t + 1) * K]
+    xq4[p * K:(p + 1) * K] = sq4[t * K:(t + 1) * K]
+    n256, n32, n16 = K // 256, K // 32, K // 16
+    xd[p * n256:(p + 1) * n256] = sd[t * n256:(t + 1) * n256]
+    xb[p * n32:(p + 1) * n32] = sb[t * n32:(t + 1) * n32]
+    xb16[p * n16:(p + 1) * n16] = sb16[t * n16:(t + 1) * n16]
+    xbf[p * n32:(p + 1) * n32] = sbf[t * n32:(t + 1) * n32]
+
+
+@njit(parallel=True, cache=True)
+def q8_gather_par(tokens, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf, nch):
+    """Row p of the flat int8 activations (xq...) = row tokens[p] of the rounded rows
+    (sq...: q8_rows' output): a token's row is rounded once, whatever its k experts."""
+    P = tokens.size
+    per = (P + nch - 1) // nch
+    for c in prange(nch):
+        for p in range(c * per, min(P, (c + 1) * per)):
+            _gather_one(tokens, p, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf)
+
+
+@njit(cache=True)
+def q8_gather(tokens, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf):
+    """q8_gather_par on the calling thread."""
+    for p in range(tokens.size):
+        _gather_one(tokens, p, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf)

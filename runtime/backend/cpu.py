@@ -18,7 +18,6 @@ from quant.blas_threads import set_blas_threads
 from quant.dequant import check_rows, deq_rows_kernel
 from quant.matmul_cpu import matmul_into, matmul_multi_into, pool_sgemm
 from quant import moe_cpu
-from quant.act_quant import quantize_q8_256_i8
 from quant.types import GGMLType
 
 from ..kv_cache import CACHE_KV_QUANT, CACHE_TYPES, QK8, kv_bytes_per_token_layer  # noqa: F401
@@ -294,25 +293,37 @@ class CPUBackend:
         tokens, starts = get((P,), np.int32), get((E + 1,), np.int64)
         act, nact = get((E,), np.int64), get((1,), np.int64)
         call(moe.route_group, logits, int(top_k), bool(norm_topk), ids, w, tokens, starts, pos, act, nact)
-        xs = get((P, d))
-        call(np.take, x, tokens, 0, xs)
         target = 8 * self.threads
         res = get((target + 2 * P + 16, 16))
 
-        def q8(a):
-            m, K = a.shape
+        def q8(a, gather=False):
+            """a's rows rounded to int8 (act_quant's quantize_q8_256_i8, row by row: a row's
+            codes depend on that row alone) into flat buffers; gather: the pairs' tokens'
+            rows, copied from xa (x rounded once a token)."""
+            m, K = (P if gather else a.shape[0]), a.shape[1]
             bufs = (get((m * K,), np.int8), get((m * K,), np.int8), get((m * K // 256,)),
                     get((m * K // 32,), np.int32), get((m * K // 16,), np.int32), get((m * K // 32,)))
-            call(quantize_q8_256_i8, a, *bufs)
-            xq, xq4, xd, xb, xb16, xbf = bufs
-            return xq, xq4, xd, xb16, xbf
+            nch = min(m // 32, 4 * self.threads)      # a prompt's rows in parallel
+            if gather:
+                if nch > 1:
+                    call(moe_cpu.q8_gather_par, tokens, K, *xa, *bufs, nch)
+                else:
+                    call(moe_cpu.q8_gather, tokens, K, *xa, *bufs)
+            elif nch > 1:
+                call(moe_cpu.q8_rows_par, a, tokens[:0], *bufs, nch)
+            else:
+                call(moe_cpu.q8_rows, a, tokens[:0], *bufs)
+            return bufs
 
-        xa = q8(xs)
+        xa = q8(x)
+        xq, xq4, xd, _, xb16, xbf = q8(x, gather=True)
+        xa = (xq, xq4, xd, xb16, xbf)
         g, u = get((P, ff)), get((P, ff))
         call(moe_cpu.gate_up, kinds[0], kinds[1], gw.data, uw.data, ff, d, *xa, starts, act, nact, g, u, res,
              target)
         call(K.silu_mul, g, u)
-        ha = q8(g)
+        hq, hq4, hd, _, hb16, hbf = q8(g)
+        ha = (hq, hq4, hd, hb16, hbf)
         y = get((P, d))
         call(moe_cpu.down, kinds[2], dw.data, d, ff, *ha, starts, act, nact, y, res, target)
         out = get((n, d))
