@@ -7,7 +7,8 @@ from __future__ import annotations
 class TextStream:
     def __init__(self, tokenizer, stop=()):
         self.stop = tuple(s for s in stop if s)
-        self._decoder = tokenizer.stream()
+        # (a weights-only model, as the GPU tests load, has ids and no text)
+        self._decoder = tokenizer.stream() if tokenizer is not None else _NoText()
         self._pending = ""          # decoded, not yet safe to show
         self.text = ""              # shown so far
         self.stopped = False        # a stop string was found; the text ends before it
@@ -31,6 +32,14 @@ class TextStream:
         self._pending = ""
         self.text += tail
         return tail
+
+
+class _NoText:
+    def feed(self, token: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
 
 
 def _hold_back(text: str, stops) -> tuple[str, str]:

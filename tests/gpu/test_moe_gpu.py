@@ -45,11 +45,14 @@ def test_greedy_tokens_and_logits_match_cpu(engines):
     else:
         # both round activations to 8 bits, not identically: a token may part from the CPU's
         # only where the CPU's own top two were near a tie
+        same = len(toks)
         for i, (a, b) in enumerate(zip(toks, want)):
             if a != b:
                 assert _margin(ref_logits[i]) < NEAR_TIE, f"step {i}: {a} vs {b}"
+                same = i + 1
                 break
-        assert float(np.median(errs)) < 5e-2
+        # logits compared while both fed the same tokens (after a parting, the inputs differ)
+        assert float(np.median(errs[:same])) < 5e-2
 
 
 # top-two logit gap under which 8-bit activation rounding may pick either answer (the
