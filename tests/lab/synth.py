@@ -115,6 +115,12 @@ SHAPES = {
     # Q15's draft in the speculative pair (Qwen2.5-Coder-0.5B)
     "Q05": dict(arch="qwen2", n_layers=24, d_model=896, d_ff=4864, n_heads=14, n_kv_heads=2,
                 vocab=151936, tied=False, rope_theta=1e6),
+    # issue 40's CPU pair: a Qwen3-MoE of 1.8B parameters (128 experts, 8 a token: 0.3B
+    # active) and a dense Qwen3 of Qwen3-0.6B's layers (head dim 64 here, 128 there)
+    "M18": dict(arch="qwen3moe", n_layers=16, d_model=1024, d_ff=0, n_heads=16, n_kv_heads=4,
+                vocab=151936, tied=True, rope_theta=1e6, n_experts=128, n_experts_used=8, d_ff_expert=256),
+    "Q3D": dict(arch="qwen3", n_layers=28, d_model=1024, d_ff=3072, n_heads=16, n_kv_heads=8,
+                vocab=151936, tied=True, rope_theta=1e6),
 }
 
 
@@ -178,9 +184,10 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
             vec(p + "attn_q.bias", n_heads * hd)
             vec(p + "attn_k.bias", n_kv_heads * hd)
             vec(p + "attn_v.bias", n_kv_heads * hd)
-        if arch == "qwen3moe":
+        if arch in ("qwen3", "qwen3moe"):
             vec(p + "attn_q_norm.weight", hd, 1.0)
             vec(p + "attn_k_norm.weight", hd, 1.0)
+        if arch == "qwen3moe":
             mat(p + "ffn_gate_inp.weight", n_experts, d_model, t=GGMLType.F32, std=d_model ** -0.5)
             mat(p + "ffn_gate_exps.weight", d_ff_expert, d_model, n_experts)
             mat(p + "ffn_up_exps.weight", d_ff_expert, d_model, n_experts)
