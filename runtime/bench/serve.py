@@ -235,7 +235,10 @@ def run_schemas(args, urls, headers) -> int:
     labels = args.labels.split(",") if args.labels else urls
     modes = ("constrained",) if args.constrained_only else ("constrained", "plain")
     rows = []
-    with httpx.Client(timeout=httpx.Timeout(args.timeout)) as client:
+    # a connection a request: llama-server drops a keep-alive connection idle for 5 s, which a turn
+    # of the other server can outlast (a request sent as it closes is lost)
+    limits = httpx.Limits(max_keepalive_connections=0)
+    with httpx.Client(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
         for url in urls:                                   # one untimed request each: first-call costs
             _chat(client, url, headers, _schema_request(schemas[0], "constrained", args))
         for rnd in range(args.rounds):
