@@ -32,8 +32,11 @@ TRIMS = {
 WHEELS = ("gguf", "platformdirs")
 # compiled wheels for the device's Python (3.12, manylinux x86-64): llguidance (runtime.constrain)
 BINARY_WHEELS = ("llguidance",)
-PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
-            "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
+# (pip matches manylinux_2_N exactly: llguidance's newer wheels are manylinux_2_31, and an older
+# llguidance refuses a list of EOS ids)
+PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_31_x86_64",
+            "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+            "--platform", "manylinux2014_x86_64"]
 CARRY_LIMIT = 64 << 20
 
 
