@@ -6,7 +6,8 @@
 #   2. our server on the GPU under bench-serve at C = 1, 8, 32 clients.
 #   SHAPES="Q05 Q15" tests/gpu/device_real_shape.sh
 # Carry: .devrun (wheels in .devrun/whl: gguf, platformdirs, llguidance, and the server's
-# fastapi, starlette, uvicorn, pydantic, pydantic-core, annotated-types, typing-inspection;
+# fastapi, starlette, uvicorn, pydantic, pydantic-core, annotated-types, typing-inspection,
+# opentelemetry-api (fastapi imports it);
 # qwen-tok.tok from tests/gpu/prepare_device.py).  Output goes to $OUT.
 set -o pipefail
 OUT=${OUT:-/tmp/llamba-out}; mkdir -p "$OUT"
