@@ -171,7 +171,7 @@ class Engine:
             out = self.backend.forward(self.model, step)
             if masks is not None:
                 from .constrain import apply_mask
-                apply_mask(out, np.asarray(masks(), np.uint32).reshape(out.shape[0], -1))
+                apply_mask(out, masks())
             out = np.argmax(out, axis=-1)
         for seq, toks in zip(seqs, new_tokens):
             self.cache.commit(seq, toks)

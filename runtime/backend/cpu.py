@@ -183,10 +183,10 @@ class CPUBackend:
         out = self._planned(model, step)
         if out is None:
             out = self.plain_forward(model, step)
-        if masks is not None:
+        if masks is not None:       # (in place: a replayed plan's output is written anew every step)
             from runtime.constrain import apply_mask
-            apply_mask(out, np.asarray(masks(), np.uint32).reshape(out.shape[0], -1))   # (a replayed
-        return np.argmax(out, axis=-1)                  # plan's own output: written anew every step)
+            apply_mask(out, masks())
+        return np.argmax(out, axis=-1)
 
     def end_layer(self):
         """The model finished a layer: its buffers are free for the next one."""
