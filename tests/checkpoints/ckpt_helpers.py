@@ -1,5 +1,8 @@
-"""Helpers shared by the checkpoint tests: a prompt, our logits, KL divergence."""
+"""Helpers shared by the checkpoint tests: a prompt, our logits, KL divergence, an edited config."""
 from __future__ import annotations
+
+import json
+import shutil
 
 import numpy as np
 
@@ -23,3 +26,12 @@ def kl(p_logits, q_logits):
     """Per-row KL(P || Q) in nats."""
     lp, lq = log_softmax(p_logits), log_softmax(q_logits)
     return (np.exp(lp) * (lp - lq)).sum(-1)
+
+
+def edit_config(src, dst, **changes):
+    """A copy of the checkpoint folder src at dst with config.json's keys changed."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

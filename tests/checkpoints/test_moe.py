@@ -6,12 +6,11 @@ not implemented)."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 
-from ckpt_helpers import engine_logits, kl
+from ckpt_helpers import edit_config, engine_logits, kl
 from models import UnsupportedModelFile, check_tensors, config_from_gguf
 from models.hf_config import CheckpointError
 from runtime.backend import moe
@@ -197,14 +196,6 @@ def test_info_shows_total_and_active_parameters(moe_tiny, capsys):
 
 # ---- refusing what we do not implement ---------------------------------------------------------------------
 
-def _edit_config(src, dst, **changes):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 @pytest.mark.parametrize("changes,match", [
     ({"mlp_only_layers": [1]}, "dense MLP"),
     ({"decoder_sparse_step": 2}, "dense MLP"),
@@ -212,7 +203,7 @@ def _edit_config(src, dst, **changes):
     ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
 ])
 def test_unimplemented_moe_configs_are_refused(moe_tiny, tmp_path, changes, match):
-    d = _edit_config(moe_tiny[0], tmp_path / "ck", **changes)
+    d = edit_config(moe_tiny[0], tmp_path / "ck", **changes)
     with pytest.raises(CheckpointError, match=match):
         load_model(d)
 

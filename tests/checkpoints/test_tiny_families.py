@@ -8,13 +8,11 @@ Then the strictness: what changes the math and is not implemented is refused.
 """
 from __future__ import annotations
 
-import json
-import shutil
 
 import numpy as np
 import pytest
 
-from ckpt_helpers import engine_logits, kl
+from ckpt_helpers import edit_config, engine_logits, kl
 from models import UnsupportedModelFile, check_tensors, config_from_gguf
 from models.hf_config import CheckpointError
 from runtime.context import rope_for_layer
@@ -191,14 +189,6 @@ def test_mistral_window_reaches_the_engine(tiny):
 
 # ---- refusing what we do not implement ---------------------------------------------------------------------
 
-def _edit_config(src, dst, **changes):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 @pytest.mark.parametrize("rope", [
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10000.0},
     {"rope_type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8, "rope_theta": 10000.0,
@@ -206,13 +196,13 @@ def _edit_config(src, dst, **changes):
     {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
 ])
 def test_unimplemented_rope_scaling_is_refused(tiny, tmp_path, rope):
-    d = _edit_config(tiny("llama3")[0], tmp_path / "ck", rope_parameters=rope)
+    d = edit_config(tiny("llama3")[0], tmp_path / "ck", rope_parameters=rope)
     with pytest.raises(CheckpointError, match=f"rope scaling type '{rope['rope_type']}' is not implemented"):
         load_model(d)
 
 
 def test_unknown_activation_is_refused(tiny, tmp_path):
-    d = _edit_config(tiny("qwen3")[0], tmp_path / "ck", hidden_act="gelu")
+    d = edit_config(tiny("qwen3")[0], tmp_path / "ck", hidden_act="gelu")
     with pytest.raises(CheckpointError, match="activation 'gelu'"):
         load_model(d)
 
@@ -263,7 +253,7 @@ def test_smollm3_odd_nope_pattern_loads_but_does_not_convert(tmp_path):
 def test_phi3_longrope_is_refused(tiny, lcpp, tmp_path):
     """Phi-3 128k / Phi-4-mini scale RoPE with LongRoPE, which we do not implement:
     refused from config.json and from a GGUF that carries the factor tensors."""
-    d = _edit_config(tiny("phi3")[0], tmp_path / "ck", rope_parameters={
+    d = edit_config(tiny("phi3")[0], tmp_path / "ck", rope_parameters={
         "rope_type": "longrope", "long_factor": [1.5] * 4, "short_factor": [1.0] * 4, "rope_theta": 10000.0,
         "partial_rotary_factor": 0.5}, original_max_position_embeddings=1024)
     with pytest.raises(CheckpointError, match="rope scaling type 'longrope' is not implemented"):
