@@ -2,7 +2,7 @@
 
 The op (cpu.py, cuda.py) computes a step's router logits [n, E], then here, on the
 host: each token's top-k experts by softmax probability (`route`), and the step's
-(token, expert) pairs sorted by expert (`group`), so that each chosen expert runs once
+(token, expert) pairs sorted by expert (`route_group`), so that each chosen expert runs once
 a step on the contiguous run of rows that chose it: its weights are read once per step,
 and an expert no token chose is not read at all (decode reads k experts' blocks).
 Each token's output is then the sum of its experts' rows, weighted, in ascending
@@ -54,29 +54,18 @@ def route(logits, k, norm, ids, w):
                 w[t, j] = np.float32(w[t, j] / tot)
 
 
-def group(ids: np.ndarray, n_experts: int):
-    """The step's (token, slot) pairs sorted by expert, tokens ascending within one:
-    (token of each sorted pair int32 [n*k], start of each expert's run int64 [E+1],
-    pos int32 [n, k]: where pair (t, j) landed)."""
-    n, k = ids.shape
-    flat = ids.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    pos = np.empty(n * k, np.int32)
-    pos[order] = np.arange(n * k, dtype=np.int32)
-    starts = np.zeros(n_experts + 1, np.int64)
-    np.cumsum(np.bincount(flat, minlength=n_experts), out=starts[1:])
-    return (order // k).astype(np.int32), starts, pos.reshape(n, k)
-
-
 def plan(logits: np.ndarray, top_k: int, norm: bool):
-    """route + group for logits [n, E] (host float32): (weights [n, k], pair tokens,
-    expert run starts, pair positions)."""
+    """route_group for logits [n, E] (host float32) into fresh arrays: (weights [n, k],
+    pair tokens, expert run starts, pair positions)."""
     logits = np.ascontiguousarray(logits, np.float32)
     n, E = logits.shape
     ids = np.empty((n, top_k), np.int32)
     w = np.empty((n, top_k), np.float32)
-    route(logits, int(top_k), bool(norm), ids, w)
-    tokens, starts, pos = group(ids, E)
+    tokens = np.empty(n * top_k, np.int32)
+    starts = np.empty(E + 1, np.int64)
+    pos = np.empty((n, top_k), np.int32)
+    route_group(logits, int(top_k), bool(norm), ids, w, tokens, starts, pos, np.empty(E, np.int64),
+                np.empty(1, np.int64))
     return w, tokens, starts, pos
 
 
@@ -99,8 +88,8 @@ def combine(y, pos, w, out):
 def route_group(logits, k, norm, ids, w, tokens, starts, pos, act, nact):
     """route + group in one kernel with every output in a buffer of the caller's (a CPU
     step plan replays it: cpu_plan.py): ids, w [n, k] as route; the pairs sorted by
-    expert, tokens ascending within one (tokens int32 [n*k], starts int64 [E+1], pos
-    int32 [n, k], as group); the chosen experts ascending in act int64 [E], their count
+    expert, tokens ascending within one (tokens int32 [n*k], starts int64 [E+1] where
+    expert e's run begins, pos int32 [n, k]: where pair (t, j) landed); the chosen experts ascending in act int64 [E], their count
     in nact[0]."""
     n, E = logits.shape
     route(logits, k, norm, ids, w)
