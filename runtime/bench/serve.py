@@ -60,6 +60,13 @@ def prompts(n: int, seed: int, shared_prefix: int = 0) -> list[str]:
     return out
 
 
+def _sse_event(line: str) -> dict | None:
+    """The JSON event of a server-sent `data:` line (None for other lines and `[DONE]`)."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None
+    return json.loads(line[6:])
+
+
 async def _one(client, url, headers, prompt, args, rng, out):
     body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True}
     if args.model:
@@ -74,9 +81,9 @@ async def _one(client, url, headers, prompt, args, rng, out):
                 out.append({"status": r.status_code})
                 return
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                ev = _sse_event(line)
+                if ev is None:
                     continue
-                ev = json.loads(line[6:])
                 if "error" in ev:
                     out.append({"status": 500})
                     return
@@ -177,9 +184,9 @@ def _chat(client, url, headers, body) -> dict:
             if r.status_code != 200:
                 return {"status": r.status_code, "error": r.read().decode(errors="replace")[:300]}
             for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                ev = _sse_event(line)
+                if ev is None:
                     continue
-                ev = json.loads(line[6:])
                 if "error" in ev:
                     return {"status": 500, "error": str(ev["error"])[:300]}
                 usage = ev.get("usage") or usage
