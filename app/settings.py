@@ -25,6 +25,7 @@ class Settings:
     recent_models: list = field(default_factory=list)
     device: str = "auto"
     gpu_layers: int = -1              # -1: all layers on the GPU
+    cpu_moe: int = 0                  # experts of the first N layers in system memory (--n-cpu-moe); -1: all
     draft_model: str = ""
     temperature: float = 0.7
     top_p: float = 0.95
@@ -46,7 +47,7 @@ class Settings:
 
     def engine_key(self) -> tuple:
         """What a change of forces the model to be loaded again."""
-        return (self.model, self.device, self.gpu_layers, self.n_ctx, self.draft_model, self.overflow)
+        return (self.model, self.device, self.gpu_layers, self.cpu_moe, self.n_ctx, self.draft_model, self.overflow)
 
 
 def _qsettings() -> QSettings:

@@ -69,6 +69,14 @@ class SettingsDialog(QDialog):
         self.gpu_layers.setSpecialValueText("all")
         self.gpu_layers.setValue(s.gpu_layers)
         f.addRow("GPU layers", self.gpu_layers)
+        self.cpu_moe = QSpinBox()       # llama.cpp's --cpu-moe (all) / --n-cpu-moe N
+        self.cpu_moe.setRange(-1, 1000)
+        self.cpu_moe.setSpecialValueText("all")
+        self.cpu_moe.setValue(s.cpu_moe)
+        self.cpu_moe.setToolTip("Mixture-of-experts models on a GPU: keep the experts of the first N layers "
+                                "(all: every layer) in system memory and run them on the CPU, so a large model "
+                                "fits a small card. 0: none.")
+        f.addRow("Experts on the CPU (layers)", self.cpu_moe)
         self.draft = ModelPicker(s.draft_model, s.recent_models, allow_empty=True)
         f.addRow("Draft model", self.draft)
         self.n_ctx = QSpinBox()
@@ -151,7 +159,8 @@ class SettingsDialog(QDialog):
     def result_settings(self) -> Settings:
         return replace(
             self.s, model=self.model.value() or self.s.model, device=self.device.currentData(),
-            gpu_layers=self.gpu_layers.value(), draft_model=self.draft.value(), n_ctx=self.n_ctx.value(),
+            gpu_layers=self.gpu_layers.value(), cpu_moe=self.cpu_moe.value(), draft_model=self.draft.value(),
+            n_ctx=self.n_ctx.value(),
             overflow=self.overflow.currentData(), temperature=self.temperature.value(), top_p=self.top_p.value(),
             top_k=self.top_k.value(), min_p=self.min_p.value(), repeat_penalty=self.repeat_penalty.value(),
             max_tokens=self.max_tokens.value(), default_system=self.default_system.text(),

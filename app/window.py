@@ -295,6 +295,7 @@ class MainWindow(QMainWindow):
         self._set_banner(f"Loading {s.model}…")
         self._update_buttons()
         self.request_load.emit(json.dumps({"model": s.model, "device": s.device, "gpu_layers": s.gpu_layers,
+                                           "cpu_moe": s.cpu_moe,
                                            "n_ctx": s.n_ctx, "draft_model": s.draft_model,
                                            "overflow": s.overflow}))
 

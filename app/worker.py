@@ -129,7 +129,9 @@ class EngineWorker(QObject):
         overflow = cfg.get("overflow", "stop")
         engine_overflow = "shift" if overflow == "shift" else "stop"
         gpu_layers = cfg.get("gpu_layers", -1)
-        key = (cfg["model"], device, gpu_layers, cfg.get("n_ctx", 0), engine_overflow, cfg.get("draft_model", ""))
+        cpu_moe = cfg.get("cpu_moe", 0)
+        key = (cfg["model"], device, gpu_layers, cpu_moe, cfg.get("n_ctx", 0), engine_overflow,
+               cfg.get("draft_model", ""))
         cached = _ENGINES.get(key)
         t0 = time.perf_counter()
         warm = 0.0
@@ -143,6 +145,8 @@ class EngineWorker(QObject):
             params = inspect.signature(Engine).parameters
             if "gpu_layers" in params and device != "cpu" and gpu_layers >= 0:
                 kwargs["gpu_layers"] = gpu_layers           # -1: the whole model on the GPU
+            if "cpu_moe" in params and device != "cpu" and cpu_moe:
+                kwargs["cpu_moe"] = cpu_moe                 # -1: every layer's experts on the CPU
             if "overflow" in params:
                 kwargs["overflow"] = engine_overflow
             engine = Engine(str(path), **kwargs)

@@ -16,10 +16,28 @@ def _add_model(p, positional=False):
                        help="a .gguf file, a checkpoint folder or a catalog name (default smollm2-135m)")
 
 
+def _layers(v: str) -> int:
+    n = int(v)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {n})")
+    return n
+
+
+def _add_cpu_moe(p):
+    """llama.cpp's --cpu-moe / --n-cpu-moe N, into args.n_cpu_moe (-1: every layer)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-cmoe", "--cpu-moe", dest="n_cpu_moe", action="store_const", const=-1, default=0,
+                   help="with --device cuda/auto: keep a mixture of experts' expert weights in system memory "
+                        "and run them on the CPU (-t threads); the rest on the GPU")
+    g.add_argument("-ncmoe", "--n-cpu-moe", dest="n_cpu_moe", type=_layers, metavar="N",
+                   help="as --cpu-moe for the experts of the first N layers only")
+
+
 def _add_engine(p):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("-ngl", "--gpu-layers", type=int, default=None,
                    help="with --device cuda/auto: only the first N layers on the GPU, the rest on the CPU")
+    _add_cpu_moe(p)
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (default min(4096, model's))")
     p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
@@ -112,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(s)
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     s.add_argument("-ngl", "--gpu-layers", type=int, default=None)
+    _add_cpu_moe(s)
     s.add_argument("-t", "--threads", type=int, default=None)
     s.add_argument("-c", "--ctx-size", type=int, default=4096, help="a request's context: prompt + answer (default 4096)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
@@ -145,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default min(4096, model's))")
     i.add_argument("--cache-type", default="f16", choices=["f16", "q8_0", "k16v8"],
                    help="the KV cache precision the KV bytes and the memory estimate are for")
+    i.add_argument("-ngl", "--gpu-layers", type=int, default=None,
+                   help="the memory estimate for the first N layers on the GPU (the rest on the CPU)")
+    _add_cpu_moe(i)
     i.add_argument("--json", action="store_true")
     return ap
 
@@ -162,7 +184,7 @@ def _engine(args):
         model = load_model(args.model, quant=args.quant)
     from .warmup import warm_up
     engine = Engine(model, device=args.device, n_ctx=args.ctx_size, threads=args.threads,
-                    gpu_layers=getattr(args, "gpu_layers", None),
+                    gpu_layers=getattr(args, "gpu_layers", None), cpu_moe=getattr(args, "n_cpu_moe", 0),
                     cache_type=args.cache_type, overflow="shift" if args.overflow == "shift" else "stop",
                     announce=_say)
     warm_up(engine, notice=_say)
@@ -324,7 +346,7 @@ def cmd_serve(args) -> int:
     cfg = ServeConfig(model=args.model, device=args.device, threads=args.threads, n_ctx=args.ctx_size,
                       parallel=args.parallel, queue=args.queue, kv_tokens=args.kv_tokens, cache_type=args.cache_type,
                       prefix_cache=not args.no_prefix_cache, gpu_layers=args.gpu_layers, draft_model=args.draft_model,
-                      cache_ram=args.cache_ram)
+                      cache_ram=args.cache_ram, cpu_moe=args.n_cpu_moe)
     return serve(cfg, host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin,
                  metrics=args.metrics, max_body=args.max_body, say=_say)
 
@@ -355,7 +377,14 @@ def cmd_info(args) -> int:
                            "normalized_top_k": cfg.expert_norm_topk}
     from .backend.cuda_memory import estimate_bytes   # before loading: what a GPU would need
     n_ctx = min(args.ctx_size or 4096, cfg.context_length)
-    info["gpu_memory_estimate"] = {"n_ctx": n_ctx, **estimate_bytes(cfg, lm.tensors, n_ctx, cache_type=args.cache_type)}
+    # (with -ngl / --cpu-moe / --n-cpu-moe: the GPU's share; host_weights: what stays in system memory)
+    placed = {"gpu_layers": args.gpu_layers} if args.gpu_layers is not None else {}
+    if args.n_cpu_moe and cfg.n_experts:      # layers whose experts stay on the host
+        placed["cpu_moe_layers"] = cfg.n_layers if args.n_cpu_moe < 0 else min(args.n_cpu_moe, cfg.n_layers)
+    info["gpu_memory_estimate"] = {"n_ctx": n_ctx, **placed, **estimate_bytes(
+        cfg, lm.tensors, n_ctx, cache_type=args.cache_type, gpu_layers=args.gpu_layers, cpu_moe=args.n_cpu_moe)}
+    if args.n_cpu_moe and not cfg.n_experts:
+        _say(f"--cpu-moe / --n-cpu-moe: {lm.path.name} has no experts; the flag has no effect")
     if args.json:
         print(json.dumps(info))
     else:

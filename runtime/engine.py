@@ -56,11 +56,17 @@ class Step:
 class Engine:
     def __init__(self, model: str | LoadedModel, *, device: str = "cpu", n_ctx: int = 0,
                  block_size: int = 16, cache_blocks: int = 0, threads: int | None = None,
-                 announce=None, cache_type: str = "f16", overflow: str = "stop", gpu_layers: int | None = None):
-        self.backend = make_backend(device, threads=threads, announce=announce, gpu_layers=gpu_layers)
+                 announce=None, cache_type: str = "f16", overflow: str = "stop", gpu_layers: int | None = None,
+                 cpu_moe: int | None = 0):
+        """cpu_moe: --cpu-moe (-1) / --n-cpu-moe N: the experts of every layer or of the
+        first N in system memory, run on the CPU (cuda/auto; backend/cuda_host_moe.py)."""
+        self.backend = make_backend(device, threads=threads, announce=announce, gpu_layers=gpu_layers,
+                                    cpu_moe=cpu_moe)
         lm = model if isinstance(model, LoadedModel) else load_model(model)
         self.loaded = lm
         self.config = cfg = lm.config
+        if cpu_moe and not cfg.n_experts and announce:      # (llama.cpp's flags match no tensor there either)
+            announce(f"--cpu-moe / --n-cpu-moe: {lm.path.name} has no experts; the flag has no effect")
         self.tokenizer = lm.tokenizer
         if hasattr(self.backend, "check_fits"):     # GPU: refuse what will not fit, before uploading
             self.backend.check_fits(lm, min(n_ctx or 4096, cfg.context_length), block_size, cache_blocks,

@@ -37,7 +37,10 @@ def _marker(engine) -> Path:
     tag = hashlib.sha1(_cache_dir().encode()).hexdigest()[:10]
     types = sorted({str(getattr(t, "qtype", "")) for t in engine.loaded.tensors.values()})
     kinds = hashlib.sha1(",".join(types).encode()).hexdigest()[:8]
-    name = f"kernels-ok-{__version__}-{numba.__version__}-{cpu}-{tag}-{engine.backend.name}-{kinds}"
+    backend = engine.backend.name
+    if getattr(engine.backend, "host_experts", None) is not None:    # --cpu-moe: the CPU's expert kernels too
+        backend += "-cpumoe"
+    name = f"kernels-ok-{__version__}-{numba.__version__}-{cpu}-{tag}-{backend}-{kinds}"
     return Path(platformdirs.user_cache_dir("llamba")) / name
 
 

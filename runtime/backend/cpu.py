@@ -274,21 +274,27 @@ class CPUBackend:
         400-token prompt against transformers: top-1 0.765 both, mean KL 0.00798 ->
         0.00800).  Other expert types: one matmul call per chosen expert."""
         x = self._rows2d(x)
+        return self.moe_routed(x, self.matmul(x, router), experts, top_k, norm_topk)
+
+    def moe_routed(self, x, logits, experts, top_k, norm_topk):
+        """The moe op from the router's logits [n, E] on: routing, the chosen experts and
+        their weighted sum (x: float32 [n, d], C-contiguous).  The CUDA backend's experts
+        kept in system memory (--cpu-moe: cuda_host_moe.py) run here, on the logits its
+        router computed on the GPU."""
         n = x.shape[0]
         if self.moe_fused and n <= self.moe_fused_rows and isinstance(experts[0], _Experts):
             kinds = moe_cpu.fused_kinds(*(e.whole for e in experts))
             if kinds is not None:
-                return self._moe_fused(x, router, experts, top_k, norm_topk, kinds)
-        return self._moe_by_expert(x, router, experts, top_k, norm_topk)
+                return self._moe_fused(x, logits, experts, top_k, norm_topk, kinds)
+        return self._moe_by_expert(x, logits, experts, top_k, norm_topk)
 
-    def _moe_fused(self, x, router, experts, top_k, norm_topk, kinds):
+    def _moe_fused(self, x, logits, experts, top_k, norm_topk, kinds):
         call, get = self.scratch.call, self.arena.get
         n, d = x.shape
         gw, uw, dw = (e.whole for e in experts)
         E = len(experts[0])
         ff = gw.shape[0] // E
         P = n * top_k
-        logits = self.matmul(x, router)
         ids, w, pos = get((n, top_k), np.int32), get((n, top_k)), get((n, top_k), np.int32)
         tokens, starts = get((P,), np.int32), get((E + 1,), np.int64)
         act, nact = get((E,), np.int64), get((1,), np.int64)
@@ -330,10 +336,10 @@ class CPUBackend:
         call(moe.combine, y, pos, w, out)
         return out
 
-    def _moe_by_expert(self, x, router, experts, top_k, norm_topk):
+    def _moe_by_expert(self, x, logits, experts, top_k, norm_topk):
         self.recordable = False             # the experts a step runs depend on its data
         n, d = x.shape
-        w, tokens, starts, pos = moe.plan(self.matmul(x, router), top_k, norm_topk)
+        w, tokens, starts, pos = moe.plan(logits, top_k, norm_topk)
         gates, ups, downs = experts
         ff = gates[0].shape[0]
         xs = self.arena.get((n * top_k, d))

@@ -346,7 +346,11 @@ class CUDABackend:
     # decode attention's range
     exact_rows = GRAPH_ROWS
 
-    def __init__(self, graphs: bool | None = None):
+    def __init__(self, graphs: bool | None = None, cpu_moe: int | None = 0, threads: int | None = None,
+                 host=None):
+        """cpu_moe (--cpu-moe: CPU_MOE_ALL, --n-cpu-moe N: N): the expert tensors of those
+        layers stay in system memory and run on the CPU with `threads` threads (host: a
+        CPUBackend to run them on, else a new one); cuda_host_moe.py."""
         import cupy as cp
         import quant.cuda as qc
         assert qc.MV_MAX_ROWS == MV_MAX_ROWS, "quant.cuda.MV_MAX_ROWS changed: GRAPH_ROWS follows it"
@@ -386,25 +390,37 @@ class CUDABackend:
         self._argmax_state: dict = {}   # rows -> (best u64, count u32 (zeroed), ids int32) [rows]
         self._mask_dev: dict = {}       # shape -> the device copy of a step's token masks
         self._moe_combine = None        # the moe op's weighted sum of a token's experts (ElementwiseKernel)
+        self.host_experts = None        # --cpu-moe: the experts kept in system memory (cuda_host_moe.py)
+        if cpu_moe:
+            from .cuda_host_moe import HostExperts
+            self.host_experts = HostExperts(self, cpu_moe, threads, host)
+            self.threads = self.host_experts.cpu.threads
 
     # ---- memory ------------------------------------------------------------------
     def check_fits(self, lm, n_ctx: int, block_size: int = 16, cache_blocks: int = 0, cache_type="f16"):
         """Refuse, before anything is uploaded, a model that will not fit in free GPU memory."""
-        est = estimate_bytes(lm.config, lm.tensors, n_ctx, block_size, cache_blocks, cache_type=cache_type)
+        cpu_moe = self.host_experts.cpu_moe if self.host_experts else 0
+        est = estimate_bytes(lm.config, lm.tensors, n_ctx, block_size, cache_blocks, cache_type=cache_type,
+                             cpu_moe=cpu_moe)
         free = self.cp.cuda.runtime.memGetInfo()[0]
         self.estimate = est
+        if cpu_moe and lm.config.n_experts:
+            self.device_name += "; " + self.host_experts.describe(lm.config)
         if est["total"] > free:
             raise DeviceUnavailable(
                 f"{lm.path.name if getattr(lm, 'path', None) else 'model'} needs about "
                 f"{format_bytes(est['total'])} of GPU memory (weights {format_bytes(est['weights'])}, "
                 f"KV cache {format_bytes(est['kv_cache'])} for {n_ctx} tokens, work buffers "
                 f"{format_bytes(est['work'])}) but {self.device_info['name']} has {format_bytes(free)} free: "
-                f"use a smaller context (-c), fewer --gpu-layers, or a smaller quantization")
+                f"use a smaller context (-c), fewer --gpu-layers, "
+                + ("--cpu-moe or --n-cpu-moe N (experts in system memory), " if lm.config.n_experts else "")
+                + "or a smaller quantization")
         return est
 
     def memory_report(self) -> dict:
         free, total = self.cp.cuda.runtime.memGetInfo()
         return {"device": self.device_name, "weights_bytes": int(self.weight_bytes),
+                "host_weights_bytes": int(self.host_experts.weight_bytes) if self.host_experts else 0,
                 "kv_cache_bytes": int(self.kv.nbytes) if self.kv else 0,
                 "work_bytes": int(self.arena.nbytes()) + int(self.ws.w16.nbytes if self.ws.w16 is not None else 0),
                 "device_free_bytes": int(free), "device_total_bytes": int(total)}
@@ -414,6 +430,9 @@ class CUDABackend:
         """Matrices keep their block layout on the device; 1-D tensors (norms, biases)
         become float32 vectors."""
         cp = self.cp
+        if self.host_experts is not None and self.host_experts.holds(t.name):
+            self.use_graphs = False     # every step now waits on the host mid-step: none can be captured
+            return self.host_experts.upload(t)
         if len(t.shape) == 1:
             v = cp.asarray(quant.dequantize(t).astype(np.float32).reshape(-1))
             self.weight_bytes += v.nbytes
@@ -889,6 +908,9 @@ class CUDABackend:
         host, which picks each token's experts and groups the step's rows by expert
         (moe.py); each chosen expert then runs once on its run of gathered rows, the
         others are not read.  The host wait makes this op's steps eager (no CUDA graph)."""
+        if self.host_experts is not None and self.host_experts.owns(experts):
+            # experts kept in system memory (--cpu-moe): the router here, the experts on the CPU
+            return self.host_experts.moe(x, router, experts, top_k, norm_topk)
         cp = self.cp
         self._flush()
         self._check(x)

@@ -2,7 +2,10 @@
 the GPU, the rest on the CPU.
 
 Each weight goes where its layer runs (the token embedding stays on the host, as in
-llama.cpp; the output norm and head go to the GPU only when every layer does).
+llama.cpp; the output norm and head go to the GPU only when every layer does), except
+the experts --cpu-moe / --n-cpu-moe N keep on the host (cuda_memory.on_gpu: the one
+rule); a GPU layer's moe op then runs its router on the GPU and its experts on the CPU
+(cuda_host_moe.py).
 Each op runs where its weight (or its layer's KV cache) lives; an activation that
 arrives from the other device is copied over first.  The residual stream lives on
 the GPU when any layer does, so GPU layers copy nothing and each CPU layer copies
@@ -14,11 +17,7 @@ import numpy as np
 
 from quant import QTensor
 
-from .cuda_memory import estimate_bytes, format_bytes
-
-
-def _layer_of(name: str):
-    return int(name.split(".")[1]) if name.startswith("blk.") else None
+from .cuda_memory import estimate_bytes, format_bytes, on_gpu
 
 
 class _DualStep:
@@ -65,11 +64,12 @@ class SplitKVStorage:
 class SplitBackend:
     name = "cuda+cpu"
 
-    def __init__(self, gpu_layers: int, threads=None):
+    def __init__(self, gpu_layers: int, threads=None, cpu_moe: int | None = 0):
         from .cpu import CPUBackend
         from .cuda import CUDABackend
-        self.gpu = CUDABackend(graphs=False)
         self.cpu = CPUBackend(threads=threads)
+        self.gpu = CUDABackend(graphs=False, cpu_moe=cpu_moe, host=self.cpu)
+        self.cpu_moe = cpu_moe
         self.cp = self.gpu.cp
         self.exact_rows = min(self.gpu.exact_rows, self.cpu.exact_rows)
         self.n_gpu = max(0, int(gpu_layers))
@@ -86,7 +86,9 @@ class SplitBackend:
         self.device_name = (f"{self.gpu.device_info['name']} for layers 0-{self.n_gpu - 1} of {cfg.n_layers}, "
                             f"{self.cpu.device_name} for the rest" if self.n_gpu else self.cpu.device_name)
         est = estimate_bytes(cfg, lm.tensors, n_ctx, block_size, cache_blocks, gpu_layers=self.n_gpu,
-                             cache_type=cache_type)
+                             cache_type=cache_type, cpu_moe=self.cpu_moe)
+        if self.cpu_moe and cfg.n_experts and self.n_gpu:
+            self.device_name += "; " + self.gpu.host_experts.describe(cfg)
         free = self.cp.cuda.runtime.memGetInfo()[0]
         self.estimate = est
         if est["total"] > free:
@@ -96,16 +98,9 @@ class SplitBackend:
                 f"{format_bytes(free)} is free: use fewer --gpu-layers or a smaller context (-c)")
         return est
 
-    def _on_gpu_name(self, name: str) -> bool:
-        i = _layer_of(name)
-        if i is not None:
-            return i < self.n_gpu
-        if name == "token_embd.weight":
-            return False
-        return self.n_layers is not None and self.n_gpu >= self.n_layers
-
     def upload(self, t: QTensor, streamed: bool = True):
-        if self._on_gpu_name(t.name):
+        n_layers = self.n_layers if self.n_layers is not None else self.n_gpu + 1   # (before check_fits)
+        if on_gpu(t.name, n_layers, self.n_gpu):    # (the GPU backend keeps --cpu-moe's experts on the host)
             return self.gpu.upload(t, streamed)
         return self.cpu.upload(t, streamed)
 
@@ -195,7 +190,9 @@ class SplitBackend:
         return self._be(self._dev(g)).glu(g, self._to(u, self._dev(g)), kind)
 
     def moe(self, x, router, experts, top_k, norm_topk):
-        g = self._w_dev(experts[0][0])      # (experts: lists of an expert's matrices)
+        # where the router is: a GPU layer's experts may be on the host (--cpu-moe), which the
+        # GPU backend's op handles
+        g = self._w_dev(router)
         return self._be(g).moe(self._to(x, g), router, experts, top_k, norm_topk)
 
     def rope(self, x, step, inv_freq, neox, pos_scale=1.0):

@@ -62,7 +62,8 @@ def _step_costs(runs: list[tuple[dict, float]], k: int) -> dict:
 
 def run_spec_bench(args) -> int:
     say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
-    target = Engine(args.model, device=args.device, n_ctx=args.ctx_size, threads=args.threads, announce=say)
+    target = Engine(args.model, device=args.device, n_ctx=args.ctx_size, threads=args.threads, announce=say,
+                    cpu_moe=getattr(args, "n_cpu_moe", 0))
     vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
     dq = DEFAULT_DRAFT_QUANT if args.draft_quant is None else args.draft_quant
     drafter = Drafter.load(args.draft_model, target, k=args.draft_n, adaptive=True, draft_vocab=vocab, draft_quant=dq,

@@ -169,7 +169,7 @@ def run_bench(args) -> int:
     n_ctx = max(args.ctx_size, args.n_prompt + args.n_gen + 16, 4096, max(depths or [0]) + args.n_gen + 1,
                 reuse_n + 64)
     engine = Engine(args.model, device=args.device, n_ctx=n_ctx, threads=args.threads,
-                    gpu_layers=getattr(args, "gpu_layers", None),
+                    gpu_layers=getattr(args, "gpu_layers", None), cpu_moe=getattr(args, "n_cpu_moe", 0),
                     cache_type=getattr(args, "cache_type", "f16") or "f16",
                     announce=lambda m: print(m, file=sys.stderr))
     lm = engine.loaded

@@ -23,6 +23,7 @@ class ServeConfig:
     chunk: int = 512
     prefix_cache: bool = True
     gpu_layers: int | None = None
+    cpu_moe: int = 0                  # --cpu-moe (-1) / --n-cpu-moe N: experts in system memory, on the CPU
     draft_model: str | None = None
     # MiB of KV blocks that finished requests may keep cached for prefix reuse (None: on the CPU an
     # eighth of the pool, at least one context; -1: the whole pool).  The CPU's pools are mapped
@@ -65,7 +66,8 @@ class ModelHost:
         block = 16
         blocks = -(-max(tokens, n_ctx + block) // block)
         eng = Engine(lm, device=cfg.device, n_ctx=n_ctx, threads=cfg.threads, cache_blocks=blocks,
-                     cache_type=cfg.cache_type, gpu_layers=cfg.gpu_layers, announce=self.announce)
+                     cache_type=cfg.cache_type, gpu_layers=cfg.gpu_layers, cpu_moe=cfg.cpu_moe,
+                     announce=self.announce)
         warm_up(eng, notice=self.announce)
         keep = cached_blocks(cfg, eng)
         eng.cache.limit_cached(keep)

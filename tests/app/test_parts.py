@@ -63,13 +63,25 @@ def test_store_is_wal_and_commits_each_message(tmp_path):
 def test_settings_persist(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMBA_DATA_DIR", str(tmp_path))
     s = Settings(model="/x/y.gguf", temperature=0.3, top_k=7, device="cpu", overflow="stop",
-                 show_engine_panel=False)
+                 show_engine_panel=False, cpu_moe=-1)
     s.add_recent("/x/y.gguf")
     s.add_recent("smollm2-135m")
     save_settings(s)
     back = load_settings()
     assert back == s
     assert back.recent_models == ["smollm2-135m", "/x/y.gguf"]
+
+
+def test_settings_dialog_keeps_the_experts_on_the_cpu_setting(qtbot):
+    """The engine settings' "Experts on the CPU" (--cpu-moe: all, --n-cpu-moe N): shown,
+    returned, and a change of it reloads the model."""
+    from app.settings_dialog import SettingsDialog
+    d = SettingsDialog(Settings(cpu_moe=-1))
+    qtbot.addWidget(d)
+    assert d.cpu_moe.text() == "all" and d.result_settings().cpu_moe == -1
+    d.cpu_moe.setValue(3)
+    assert d.result_settings().cpu_moe == 3
+    assert Settings(cpu_moe=3).engine_key() != Settings().engine_key()
 
 
 def test_about_shows_the_package_version_and_shortcuts_exist(make_window):

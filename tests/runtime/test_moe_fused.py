@@ -50,9 +50,13 @@ def test_fused_moe_equals_expert_by_expert(down_type, n):
     be.arena.reset()
     fused = be.moe(x, router, experts, k, True).copy()
     assert be.recordable
+    logits = be.matmul(x, router).copy()        # (the router's logits, as the moe op computes them)
     be.arena.reset()
-    plain = be._moe_by_expert(x, router, experts, k, True)
+    plain = be._moe_by_expert(x, logits, experts, k, True)
     assert np.array_equal(fused, plain)
+    # the entry the CUDA backend's host experts take (--cpu-moe): the logits given, not the router
+    be.arena.reset()
+    assert np.array_equal(be.moe_routed(x, logits, experts, k, True), fused)
     assert np.isfinite(fused).all() and np.abs(fused).max() > 0
 
 
