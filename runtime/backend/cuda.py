@@ -378,6 +378,11 @@ class CUDABackend:
         if graphs is None:
             graphs = os.environ.get("LLAMBA_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = graphs
+        self.host_experts = None        # --cpu-moe: the experts kept in system memory (cuda_host_moe.py)
+        if cpu_moe:
+            from .cuda_host_moe import HostExperts
+            self.host_experts = HostExperts(self, cpu_moe, threads, host)
+            self.threads = self.host_experts.cpu.threads
         self.graph_replays = 0
         self.setup_events = 0           # steps that captured a graph (one-time costs)
         self._last_graph = None
@@ -390,11 +395,6 @@ class CUDABackend:
         self._argmax_state: dict = {}   # rows -> (best u64, count u32 (zeroed), ids int32) [rows]
         self._mask_dev: dict = {}       # shape -> the device copy of a step's token masks
         self._moe_combine = None        # the moe op's weighted sum of a token's experts (ElementwiseKernel)
-        self.host_experts = None        # --cpu-moe: the experts kept in system memory (cuda_host_moe.py)
-        if cpu_moe:
-            from .cuda_host_moe import HostExperts
-            self.host_experts = HostExperts(self, cpu_moe, threads, host)
-            self.threads = self.host_experts.cpu.threads
 
     # ---- memory ------------------------------------------------------------------
     def check_fits(self, lm, n_ctx: int, block_size: int = 16, cache_blocks: int = 0, cache_type="f16"):
