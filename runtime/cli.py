@@ -343,6 +343,8 @@ def cmd_serve(args) -> int:
     for name in ("ctx_size", "parallel", "queue", "port", "max_body"):
         if getattr(args, name) < (0 if name in ("port", "queue") else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    from .backend import check_cpu_moe
+    check_cpu_moe(args.device, args.n_cpu_moe)      # now, not once the server is up and loading
     cfg = ServeConfig(model=args.model, device=args.device, threads=args.threads, n_ctx=args.ctx_size,
                       parallel=args.parallel, queue=args.queue, kv_tokens=args.kv_tokens, cache_type=args.cache_type,
                       prefix_cache=not args.no_prefix_cache, gpu_layers=args.gpu_layers, draft_model=args.draft_model,

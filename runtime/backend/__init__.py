@@ -10,6 +10,15 @@ class DeviceUnavailable(RuntimeError):
     """The asked-for device cannot be used; the message says why in one line."""
 
 
+def check_cpu_moe(device: str, cpu_moe: int | None) -> None:
+    """--cpu-moe (-1) / --n-cpu-moe N make sense only beside a GPU: refuse them on --device cpu."""
+    if cpu_moe is not None and cpu_moe < -1:
+        raise ValueError(f"--n-cpu-moe must be 0 or more (got {cpu_moe})")
+    if cpu_moe and device == "cpu":
+        raise ValueError("--cpu-moe / --n-cpu-moe keep a mixture of experts' experts on the CPU beside a GPU: "
+                         "they need --device cuda or auto (with --device cpu everything runs on the CPU)")
+
+
 def make_backend(device: str = "cpu", *, threads: int | None = None, announce=None, gpu_layers: int | None = None,
                  cpu_moe: int | None = 0):
     """`cpu`, `cuda` or `auto` (the GPU when CuPy finds one, else the CPU, said aloud).
@@ -17,14 +26,10 @@ def make_backend(device: str = "cpu", *, threads: int | None = None, announce=No
     cpu_moe (--cpu-moe: -1, --n-cpu-moe N: N): with cuda/auto, the expert tensors of
     every layer or of the first N stay in system memory and run on the CPU
     (cuda_host_moe.py)."""
-    if cpu_moe is not None and cpu_moe < -1:
-        raise ValueError(f"--n-cpu-moe must be 0 or more (got {cpu_moe})")
+    check_cpu_moe(device, cpu_moe)
     if device == "cpu":
         if gpu_layers:
             raise ValueError("--gpu-layers needs --device cuda or auto")
-        if cpu_moe:
-            raise ValueError("--cpu-moe / --n-cpu-moe keep a mixture of experts' experts on the CPU beside a GPU: "
-                             "they need --device cuda or auto (with --device cpu everything runs on the CPU)")
         from .cpu import CPUBackend
         return CPUBackend(threads=threads)
     if device in ("cuda", "gpu", "auto"):

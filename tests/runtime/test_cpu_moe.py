@@ -126,6 +126,9 @@ def test_device_cpu_refuses(tiny, capsys):
     assert main(["generate", "-m", str(tiny[0]), "-p", "hi", "-n", "1", "--device", "cpu", "--cpu-moe"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "--cpu-moe" in err and "--device cuda or auto" in err and "\n" not in err
+    # the server says so before it starts
+    assert main(["serve", "-m", str(tiny[0]), "--n-cpu-moe", "2", "--port", "0"]) == 1
+    assert "--device cuda or auto" in capsys.readouterr().err
 
 
 def test_device_auto_without_a_gpu_runs_on_the_cpu_and_says_so(tiny):
