@@ -21,7 +21,8 @@ class Llama:
         self.layers = [_layer(w, i) for i in range(cfg.n_layers)]
         self.inv_freq = rope_inv_freq(cfg, cfg.rope_theta)
         # which experts run depends on the data: a backend must not replay one step's choice
-        # (the CUDA graphs; the CPU's fused moe kernels route inside the replayed calls)
+        # (the CUDA backend captures only steps it routes on the device; the CPU's fused moe
+        # kernels route inside the replayed calls)
         self.routes_tokens = cfg.n_experts > 0
 
     def forward(self, b, step):

@@ -17,9 +17,14 @@ matmul(x, [W..], [y..]) y = x @ W.T for each W (same input x, float32 [n, K]):
                         a reusable scratch and multiplied on the tensor cores by cuBLAS
                         (fp32 accumulate and output).  Only the tile lives in fp16.
 embed_rows(W, ids, out) rows of W (token ids on the device) as float32
+DeviceExperts           a layer's experts [E, M, K] in one buffer (upload of a 3-D tensor)
+moe_route, matvec_ids,  a mixture of experts at decode without the host (qmoe.cuh): the
+moe_combine             router's top-k on the device, the chosen experts' matvecs by ids
+                        read from device memory, their weighted sum
 
 CUDA sources: qblocks.cuh (each type's block decoder), qint8.cuh (the integer path),
-qmvk.cuh (its register-pipelined matvec), qfloat.cuh (float weights) and qkernels.cu.
+qmvk.cuh (its register-pipelined matvec), qfloat.cuh (float weights), qmoe.cuh (experts
+by id) and qkernels.cu.
 Kernels are
 compiled by NVRTC through cupy.RawModule, one module per type on first use, with no
 architecture-specific code beyond what sm_75 has (except the weight loads' L2 cache hints,
@@ -142,6 +147,12 @@ W_PF = int(os.environ.get("LLAMBA_CUDA_WPF", "0"))
 # compile each kernel on first use in a module of its own instead of a type's whole set
 # at once (LLAMBA_CUDA_LAZY=1: sweeps and tests on a fresh machine compile far less)
 COMPILE_LAZY = os.environ.get("LLAMBA_CUDA_LAZY", "0") == "1"
+# Mixture of experts at decode (qmoe.cuh): routers of at most this many experts, at most
+# this many chosen a token, take the device-routed path (moe_ids_ok); threads a block of
+# moe_route_q8 (8 warps rounding x, one routing)
+MOE_MAX_EXPERTS = 512
+MOE_MAX_TOPK = 32
+ROUTE_THREADS = 288
 
 
 class DeviceWeight:
@@ -158,6 +169,28 @@ class DeviceWeight:
 
     def __repr__(self):
         return f"DeviceWeight({self.name!r}, {self.qtype.name}, shape={self.shape})"
+
+
+class DeviceExperts(list):
+    """A layer's experts [E, M, K] in one device buffer `data`, expert e's rows from byte
+    e * stride: a list of a DeviceWeight view an expert (what the host-routed path runs,
+    one matmul an expert) that the id-indexed kernels (matvec_ids) read as one tensor."""
+
+    def __init__(self, views, data, stride: int):
+        super().__init__(views)
+        self.data, self.stride = data, int(stride)
+
+    @property
+    def qtype(self):
+        return self[0].qtype
+
+    @property
+    def shape(self):            # one expert's (M, K)
+        return self[0].shape
+
+    @property
+    def row_nbytes(self):
+        return self[0].row_nbytes
 
 
 def kernel_supports(qt: QTensor) -> bool:
@@ -188,7 +221,7 @@ def source(path: Path, *headers: Path) -> str:
 def kernel_source() -> str:
     """qkernels.cu with its headers' hash."""
     return source(_DIR / "qkernels.cu", _DIR / "qblocks.cuh", _DIR / "qint8.cuh", _DIR / "qmvk.cuh", _DIR / "qfloat.cuh",
-                  pdl.HEADER)
+                  _DIR / "qmoe.cuh", pdl.HEADER)
 
 
 def _options():
@@ -215,12 +248,26 @@ class _Modules:
 
     def __init__(self):
         self.by_type = {}
+        self.ids_by_type = {}   # the id-indexed matvecs (matvec_ids), compiled one by one on first use
         self.misc = {}          # pdl.MODE -> the q8_act module (the trigger's place is compiled in)
 
+    @staticmethod
+    def _key(qtype):
+        return (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS, MVK_ROWS6, MVK_STAGES, MVK_V, MVK_RULES,
+                tuple(sorted(t.value for t in MVK_ON)), W_HINT, W_PF, COMPILE_LAZY, pdl.MODE, MVF_U, MVF_ROWS,
+                MVF_ROWS_SMALL, INT8_ROWS_SMALL)
+
+    def ids(self, qtype):
+        """A type's id-indexed matvecs (qmoe.cuh), each compiled when first asked for: a
+        model uses one or two of them, and only a mixture of experts any."""
+        key = self._key(qtype)
+        m = self.ids_by_type.get(key)
+        if m is None:
+            m = self.ids_by_type[key] = _Lazy(_options())
+        return m
+
     def get(self, qtype):
-        key = (qtype, _int8_kernel(), INT8_ROWS_PER_WARP, MVK_ROWS, MVK_ROWS6, MVK_STAGES, MVK_V, MVK_RULES,
-               tuple(sorted(t.value for t in MVK_ON)), W_HINT, W_PF, COMPILE_LAZY, pdl.MODE, MVF_U, MVF_ROWS,
-               MVF_ROWS_SMALL, INT8_ROWS_SMALL)
+        key = self._key(qtype)
         m = self.by_type.get(key)
         if m is None and COMPILE_LAZY:
             m = self.by_type[key] = _Lazy(_options())
@@ -242,7 +289,8 @@ class _Modules:
         """A kernel of no weight type: the activations' rounding, add_bias."""
         fns = self.misc.get(pdl.MODE)
         if fns is None:
-            names = [f"q8_act<{bs},{p}>" for bs in (32, 256) for p in range(4)] + [f"f16_act<{p}>" for p in range(4)]
+            names = ([f"q8_act<{bs},{p}>" for bs in (32, 256) for p in range(4)] + [f"f16_act<{p}>" for p in range(4)]
+                     + [f"moe_route_q8<{bs}>" for bs in (32, 256)])
             mod = cp.RawModule(code=kernel_source(), options=_OPTIONS + pdl.options(), name_expressions=names)
             fns = self.misc[pdl.MODE] = (mod, {})
         mod, got = fns
@@ -502,14 +550,21 @@ def quantize_act(x, block: int, ws: Workspace, prologue=None):
     return _quantize_act(x, block, ws, prologue)[:3]
 
 
-def _quantize_act(x, block: int, ws: Workspace, prologue=None):
-    """quantize_act's three, and for block 256 the codes' sums per 16 as int16 [n, K/16]
-    in mvk's order (None for block 32)."""
-    n, K = x.shape
+def _act_buffers(n: int, K: int, block: int, ws: Workspace):
+    """The workspace's buffers for n rows of K activations rounded in blocks of `block`
+    (q8_act's outputs; xi only for block 256)."""
     xq = ws.get(f"xq{block}", n * K, cp.int8, keep=True)
     xd = ws.get(f"xd{block}", n * K // block, cp.float32, keep=True)
     xs = ws.get(f"xs{block}", n * K // 16, cp.float32, keep=True)
     xi = ws.get(f"xi{block}", n * K // 16, cp.int16, keep=True) if block == 256 else None
+    return xq, xd, xs, xi
+
+
+def _quantize_act(x, block: int, ws: Workspace, prologue=None):
+    """quantize_act's three, and for block 256 the codes' sums per 16 as int16 [n, K/16]
+    in mvk's order (None for block 32)."""
+    n, K = x.shape
+    xq, xd, xs, xi = _act_buffers(n, K, block, ws)
     pro, pw, pu, eps = _prologue_args(prologue)
     assert pu is None or pu.strides[0] == x.strides[0]
     f = _mods.fn(f"q8_act<{block},{pro}>")
@@ -557,6 +612,100 @@ def matvec_int8(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
                 + [np.int32(outs[k].strides[0] // 4) for k in pad] + [np.int32(1 if accumulate else 0)])
         f(grid, (32 * MVS_WARPS,), tuple(args))
         i = j
+
+
+# ---------------------------------------------------------------- mixture of experts
+def moe_ids_ok(experts, top_k: int) -> bool:
+    """True when a decode step's moe op can run on the device alone (moe_route,
+    matvec_ids, moe_combine): every expert tensor one DeviceExperts buffer of a type with an
+    integer matvec, the router's width and top_k within the routing kernel's.  Not for
+    float experts (F16/BF16/F32: no id-indexed mvf) or LLAMBA_CUDA_INT8=0."""
+    return (INT8_MATVEC and all(isinstance(e, DeviceExperts) and int8_ok(e) for e in experts)
+            and 1 <= top_k <= min(MOE_MAX_TOPK, len(experts[0])) and len(experts[0]) <= MOE_MAX_EXPERTS
+            and experts[0].shape == experts[1].shape and experts[2].shape[1] == experts[0].shape[0])
+
+
+def act_block(W) -> int:
+    """Values a block of the integer path's activations for W's type (32 or 256)."""
+    return _KBLOCK[W.qtype][0]
+
+
+def moe_route(x, logits, top_k: int, norm: bool, ids, w, block: int, ws: Workspace):
+    """Each row's top_k experts from the router's logits [n, E] (softmax, renormalized over
+    the k when norm; runtime/backend/moe.py's route bit for bit) into ids int32 [n * top_k]
+    (ascending a row) and w float32 [n * top_k], and x [n, K] (float32, C-contiguous) rounded
+    for the integer path in blocks of `block`, in one launch (moe_route_q8).  Returns the
+    activations as matvec_ids takes them ({block: (xq, xd, xs, xi)})."""
+    n, K = x.shape
+    E = logits.shape[1]
+    assert logits.flags.c_contiguous and 1 <= top_k <= MOE_MAX_TOPK and E <= MOE_MAX_EXPERTS
+    xq, xd, xs, xi = _act_buffers(n, K, block, ws)
+    _mods.fn(f"moe_route_q8<{block}>")(
+        ((K + 2047) // 2048, n), (ROUTE_THREADS,),
+        (x, np.int32(x.strides[0] // 4), np.int32(K), xq, xd, xs, xi if xi is not None else np.uint64(0),
+         logits, np.int32(E), np.int32(top_k), np.int32(1 if norm else 0), ids, w))
+    return {block: (xq, xd, xs, xi)}
+
+
+def _ids_name(qtype, M: int, K: int) -> str:
+    """The id-indexed matvec for experts of M x K: the kernel family the host-routed path
+    runs on one expert's matrix (_int8_name: mvk4k, mvkt or mvs, with their lanes and
+    orders), so both give the same sums."""
+    R = _rpw_int8(1, M, qtype, K)
+    if _mvk_applies(qtype, K, M):
+        if qtype != GGMLType.Q4_K:
+            return f"mvkt_id<{MVK_TYPES[qtype]},{R},{MVK_STAGES},{MVK_V & 1}>"
+        v = MVK_V if K >= MVK_WIDE_K else MVK_V & ~2
+        return f"mvk4k_id<{R},{MVK_STAGES},{v}>"
+    return f"mvs_id<{INT8_STRUCT[qtype]},{R}>"
+
+
+def matvec_ids(x, Es, ids, outs, xdiv: int, ws: Workspace, prologue=None, acts=None):
+    """outs[i][p] = f(x)[p // xdiv] @ Es[i][ids[p]].T for the P = len(ids) (row, slot) pairs
+    p: each pair one row of x by its expert's matrix, the expert read from device memory
+    (ids int32 [P]); outs[i] float32 [P, M] C-contiguous.  x float32 [n, K] on the device,
+    rounded here with the prologue (as matmul's) unless acts (moe_route's) holds its
+    rounding.  Es: DeviceExperts; two of one type and layout (gate and up) in one launch."""
+    n, K = x.shape
+    P = int(ids.shape[0])
+    acts = dict(acts or {})
+    i = 0
+    while i < len(Es):
+        E0 = Es[i]
+        nsel = 2 if (i + 1 < len(Es) and Es[i + 1].qtype == E0.qtype and Es[i + 1].shape == E0.shape
+                     and Es[i + 1].stride == E0.stride and Es[i + 1].row_nbytes == E0.row_nbytes) else 1
+        M = E0.shape[0]
+        assert E0.shape[1] == K and all(o.flags.c_contiguous and o.shape == (P, M) for o in outs[i:i + nsel])
+        block = _KBLOCK[E0.qtype][0]
+        if block not in acts:
+            acts[block] = _quantize_act(x, block, ws, prologue)[:4]
+        xq, xd, xs, xi = acts[block]
+        name = _ids_name(E0.qtype, M, K)
+        f = _mods.ids(E0.qtype)[name]
+        R = _rpw_int8(1, M, E0.qtype, K)
+        if name.startswith("mvk"):
+            if xi is not None:
+                xs = xi             # mvk reads the packed int16 run sums in xs's place
+            tasks = nsel * P * ((M + R - 1) // R)
+            grid = (max(1, min((tasks + MVK_WARPS - 1) // MVK_WARPS, _mvk_blocks(f, name))),)
+        else:
+            grid = ((M + R * MVS_WARPS - 1) // (R * MVS_WARPS), nsel * P)
+        E1, y1 = Es[i + nsel - 1], outs[i + nsel - 1]
+        f(grid, (32 * MVS_WARPS,),
+          (E0.data, E1.data, outs[i], y1, np.int32(nsel), np.int32(M), np.int32(K), np.int64(E0.row_nbytes),
+           np.int64(E0.stride), ids, np.int32(P), np.int32(xdiv), xq, xd, xs))
+        i += nsel
+
+
+def moe_combine(y, w, top_k: int, out, pos=None, accumulate=False):
+    """out[t] (+)= sum over j < top_k, in order, of w[t * top_k + j] * y[r] with r =
+    pos[t * top_k + j] (the host-routed path's grouped rows) or t * top_k + j (pos None):
+    a row's experts in ascending order.  out float32 [n, d] C-contiguous."""
+    n, d = out.shape
+    assert out.flags.c_contiguous and y.flags.c_contiguous and y.shape[1] == d
+    _launch1d(_mods.fn("moe_combine"), n * d,
+              (y, pos if pos is not None else np.uint64(0), w, np.int32(n), np.int32(top_k), np.int32(d), out,
+               np.int32(1 if accumulate else 0)))
 
 
 def _launch1d(f, n, args, block=256):

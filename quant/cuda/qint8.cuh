@@ -599,15 +599,13 @@ DEV void mvs_store(float (&acc)[R][NR], float* y, const float* bias, int ldy, in
     }
 }
 
-template <class T, int NR, int R>
-__global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
-        const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,
-        float* y0, float* y1, float* y2,
-        const float* b0, const float* b1, const float* b2,
-        int M0, int M1, int M2,
-        int K, long long row_bytes, const signed char* __restrict__ xq, const float* __restrict__ xd,
-        const float* __restrict__ xs, int ldy0, int ldy1, int ldy2, int mode) {
-    PDL_EARLY_TRIGGER();
+// mvs for one weight W (y, bias, M: its output): the warp's R rows.  PRE: chunk 0's
+// weights are loaded before the PDL wait, which the body then makes (no kernel writes
+// weights); else the caller has waited (mvs_id: which weights is itself an input).
+template <class T, int NR, int R, bool PRE>
+DEV void mvs_run(const u8* __restrict__ W, float* y, const float* bias, int M, int K, long long row_bytes,
+                 const signed char* __restrict__ xq, const float* __restrict__ xd, const float* __restrict__ xs,
+                 int ldy, int mode) {
     constexpr int CB = MVS_CW / T::QK * T::BB;        // bytes of a row's full chunk
     constexpr int NV = (CB + 30) / 16;                // 16-byte words covering them at any alignment
     constexpr int LPL = (R * NV + 31) / 32;           // loads a lane
@@ -615,12 +613,6 @@ __global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
     static_assert(R * NR <= 32, "a lane per output");
     __shared__ uint4 smem[MVS_WARPS][R * NV + 1];     // +1: lda2 reads a word past a block
 
-    const int wsel = blockIdx.y;
-    const u8* W = wsel == 0 ? W0 : (wsel == 1 ? W1 : W2);
-    float* y = wsel == 0 ? y0 : (wsel == 1 ? y1 : y2);
-    const float* bias = wsel == 0 ? b0 : (wsel == 1 ? b1 : b2);
-    const int M = wsel == 0 ? M0 : (wsel == 1 ? M1 : M2);
-    const int ldy = wsel == 0 ? ldy0 : (wsel == 1 ? ldy1 : ldy2);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int m0 = (blockIdx.x * MVS_WARPS + warp) * R;
     if (m0 >= M) return;                              // the whole warp
@@ -655,9 +647,11 @@ __global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
 #pragma unroll
         for (int n = 0; n < NR; n++) acc[r][n] = 0.f;
 
-    issue(0, true, false);                            // weights before the wait (no kernel writes them)
-    PDL_WAIT();
-    PDL_LATE_TRIGGER();
+    issue(0, true, false);                            // weights before the wait (PRE: no kernel writes them)
+    if constexpr (PRE) {
+        PDL_WAIT();
+        PDL_LATE_TRIGGER();
+    }
     issue(0, false, true);
     for (int c = 0; c < nch; c++) {
         __syncwarp();                                 // the last chunk's reads are done
@@ -674,3 +668,20 @@ __global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
     mvs_store<NR, R, csum_v<T>>(acc, y, bias, ldy, m0, nrows, lane, mode);
 }
 
+template <class T, int NR, int R>
+__global__ void __launch_bounds__(32 * MVS_WARPS) mvs(
+        const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2,
+        float* y0, float* y1, float* y2,
+        const float* b0, const float* b1, const float* b2,
+        int M0, int M1, int M2,
+        int K, long long row_bytes, const signed char* __restrict__ xq, const float* __restrict__ xd,
+        const float* __restrict__ xs, int ldy0, int ldy1, int ldy2, int mode) {
+    PDL_EARLY_TRIGGER();
+    const int wsel = blockIdx.y;
+    const u8* W = wsel == 0 ? W0 : (wsel == 1 ? W1 : W2);
+    float* y = wsel == 0 ? y0 : (wsel == 1 ? y1 : y2);
+    const float* bias = wsel == 0 ? b0 : (wsel == 1 ? b1 : b2);
+    const int M = wsel == 0 ? M0 : (wsel == 1 ? M1 : M2);
+    const int ldy = wsel == 0 ? ldy0 : (wsel == 1 ? ldy1 : ldy2);
+    mvs_run<T, NR, R, true>(W, y, bias, M, K, row_bytes, xq, xd, xs, ldy, mode);
+}

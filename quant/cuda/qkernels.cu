@@ -4,6 +4,7 @@
 #include "qint8.cuh"
 #include "qmvk.cuh"
 #include "qfloat.cuh"
+#include "qmoe.cuh"
 #ifndef MV_UNROLL
 #define MV_UNROLL 1
 #endif

@@ -16,10 +16,15 @@
   replayed from the second chunk of that length on; other multi-token steps run
   eagerly (~750 launches through Python a step: on small models the host, not the
   GPU, sets an eager prompt's speed).
+* A mixture of experts routes decode steps (up to GRAPH_ROWS rows) on the device
+  (quant/cuda qmoe.cuh: top-k, matvecs by expert id, the weighted sum), so they are
+  captured and replayed like a dense model's; prompts, and experts of a type without an
+  id-indexed kernel, route on the host (moe.py) and run eagerly.
 """
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +79,10 @@ GRAPH_ROWS = MV_MAX_ROWS
 # to 64 at every depth.
 ATT_TILE_KEYS = int(os.environ.get("LLAMBA_ATT_TILE_KEYS", "16"))
 ATT_MAX_SPLITS = int(os.environ.get("LLAMBA_ATT_SPLITS", "64"))
+# a mixture of experts' decode steps (up to GRAPH_ROWS rows) routed on the device (moe:
+# _moe_on_device), so they are captured as CUDA graphs; 0: every step routed on the host
+# (the grouped path prompts take), the A/B for the bench and the tests' reference
+MOE_ON_DEVICE = os.environ.get("LLAMBA_MOE_DEVICE", "1") != "0"
 
 
 # prompt chunks of exactly this many tokens (Engine.prefill's chunk: every chunk of a long
@@ -394,7 +403,13 @@ class CUDABackend:
         self.last_profile = None
         self._argmax_state: dict = {}   # rows -> (best u64, count u32 (zeroed), ids int32) [rows]
         self._mask_dev: dict = {}       # shape -> the device copy of a step's token masks
-        self._moe_combine = None        # the moe op's weighted sum of a token's experts (ElementwiseKernel)
+        self._pmoe = None               # deferred weighted sum of a decode moe op (y, w, k, out): see add
+        self.moe_on_device = MOE_ON_DEVICE
+        # the moe ops of the step being run: [all, routed on the device]; and per model,
+        # whether its last eager step of up to GRAPH_ROWS rows routed every one on the
+        # device (then its decode steps may be captured: _graph_safe)
+        self._moe_calls = [0, 0]
+        self._moe_device_models = weakref.WeakKeyDictionary()
 
     # ---- memory ------------------------------------------------------------------
     def check_fits(self, lm, n_ctx: int, block_size: int = 16, cache_blocks: int = 0, cache_type="f16"):
@@ -462,8 +477,8 @@ class CUDABackend:
             for e, v in enumerate(views):
                 data[e * stride:e * stride + per].set(np.ascontiguousarray(v.data).reshape(-1))
         self.weight_bytes += data.nbytes
-        return [qc.DeviceWeight(v.name, v.qtype, tuple(v.shape), data[e * stride:(e + 1) * stride], v.row_nbytes)
-                for e, v in enumerate(views)]
+        return qc.DeviceExperts([qc.DeviceWeight(v.name, v.qtype, tuple(v.shape), data[e * stride:(e + 1) * stride],
+                                                 v.row_nbytes) for e, v in enumerate(views)], data, stride)
 
     def alloc_kv(self, n_layers, n_slots, n_kv_heads, head_dim, cache_type="f16"):
         self.kv = CUDAKVStorage(self.cp, n_layers, n_slots, n_kv_heads, head_dim, cache_type)
@@ -508,9 +523,9 @@ class CUDABackend:
         with self.stream:
             # one-token decode steps, and speculative verify steps (up to GRAPH_ROWS
             # tokens of one sequence, logits for every row): each shape its own graph
-            # (not a mixture of experts: which experts run is decided on the host each step)
+            # (a mixture of experts only where it routes on the device: _graph_safe)
             graphable = (self.use_graphs and step.block_tables.shape[0] == 1
-                         and not getattr(model, "routes_tokens", False)
+                         and self._graph_safe(model, n)
                          and (n == 1 and len(step.logit_rows) == 1
                               or 1 < n <= GRAPH_ROWS and len(step.logit_rows) == n
                               or n == PROMPT_GRAPH_ROWS and len(step.logit_rows) == 1 and not argmax))
@@ -519,12 +534,25 @@ class CUDABackend:
             flat, layout = _pack_step(step)
             buf = cp.asarray(flat)
             dstep = _DevStep(step, _views(buf, layout), *self._attn_plan(n, self._split_ctx(step), model))
+            self._moe_calls = [0, 0]
             out = self._run(model, dstep)
+            if self._moe_calls[0] and n <= GRAPH_ROWS:
+                self._moe_device_models[model] = self._moe_calls[0] == self._moe_calls[1]
             if argmax:
                 if masks is not None:
                     self._apply_masks(out, _mask_rows(masks(), out.shape[0]))
                 return self._argmax(out).get().astype(np.int64)
             return out.get()
+
+    def _graph_safe(self, model, n: int) -> bool:
+        """Whether a step of n tokens may be captured: yes unless the model routes tokens
+        (a mixture of experts: which experts run depends on the data) and its moe ops wait
+        for the host.  They do not in decode steps (n <= GRAPH_ROWS) of a model whose last
+        eager such step routed every moe op on the device (moe: experts with an id-indexed
+        kernel), so its first decode step runs eagerly and the next ones replay."""
+        if not getattr(model, "routes_tokens", False):
+            return True
+        return n <= GRAPH_ROWS and self._moe_device_models.get(model, False)
 
     def _argmax(self, x, host_out=None):
         """Device argmax of each row of x [rows, n] float32 (argmax_rows): int32 [rows] on
@@ -547,7 +575,7 @@ class CUDABackend:
 
     def _run_as(self, model, dstep, ops):
         self.arena.reset()
-        self._pnorm, self._pglu, self._propes = None, None, []
+        self._pnorm, self._pglu, self._propes, self._pmoe = None, None, [], None
         self._unmat.clear()
         out = model.forward(ops, dstep)
         self._flush()
@@ -814,6 +842,11 @@ class CUDABackend:
     # The delay never crosses another op, so inputs are unchanged when a deferred op runs.  A folded op's own output is never written: reading it raises
     # (no model does).
     def _flush(self, keep_ropes=False):
+        if self._pmoe is not None:             # a decode moe op's sum, not taken by add
+            y, w, k, out = self._pmoe
+            self._pmoe = None
+            self.qc.moe_combine(y, w, k, out)
+            self._unmat.discard(out.data.ptr)
         if self._pnorm is not None:
             x, w, eps, out = self._pnorm
             self._pnorm = None
@@ -893,6 +926,14 @@ class CUDABackend:
         self._mm(x, [W], acc=acc)
 
     def add(self, x, y):
+        pm = self._pmoe
+        if pm is not None and pm[3] is y and x.shape == y.shape and x.flags.c_contiguous:
+            # the decode moe op's weighted sum, added into x where it is made (one launch)
+            self._pmoe = None
+            self._flush()
+            self._check(x)
+            self.qc.moe_combine(pm[0], pm[1], pm[2], x, accumulate=True)
+            return
         self._flush()
         self._check(x, y)
         self._launch("add_inplace", x.size, (x, y, np.int64(x.size)))
@@ -904,13 +945,57 @@ class CUDABackend:
         return g
 
     def moe(self, x, router, experts, top_k, norm_topk):
-        """Mixture of experts, as the CPU backend's (cpu.py): the router's logits go to the
-        host, which picks each token's experts and groups the step's rows by expert
-        (moe.py); each chosen expert then runs once on its run of gathered rows, the
-        others are not read.  The host wait makes this op's steps eager (no CUDA graph)."""
+        """Mixture of experts, as the CPU backend's (cpu.py): steps of up to exact_rows rows
+        (decode, speculative verify, the server's batched decode) route on the device where
+        the experts have id-indexed kernels (_moe_on_device: no host wait, so decode steps are
+        captured as CUDA graphs); other steps (prompts) on the host (_moe_on_host).  Both give
+        a row the same bits.  Experts kept in system memory (--cpu-moe) run on the CPU
+        (cuda_host_moe.py).  A branch that waits for the host must not count in
+        self._moe_calls[1] (the step could not be captured)."""
+        self._moe_calls[0] += 1
         if self.host_experts is not None and self.host_experts.owns(experts):
             # experts kept in system memory (--cpu-moe): the router here, the experts on the CPU
             return self.host_experts.moe(x, router, experts, top_k, norm_topk)
+        if self.moe_on_device and x.shape[0] <= self.exact_rows and self.qc.moe_ids_ok(experts, top_k):
+            self._moe_calls[1] += 1
+            return self._moe_on_device(x, router, experts, top_k, norm_topk)
+        return self._moe_on_host(x, router, experts, top_k, norm_topk)
+
+    def _moe_on_device(self, x, router, experts, top_k, norm_topk):
+        """The moe op without the host: the router's logits (a matvec), each row's top k and
+        weights with x's rounding in one launch (moe_route: moe.py's route bit for bit), gate
+        and up of every (row, slot) pair by expert id (matvec_ids), down with SiLU . up folded
+        into its rounding, then the rows' weighted sums, deferred to the add that takes them
+        (summed into the residual there: one launch).  A pair's sums are those the host path's
+        matvec of its expert makes, so both paths agree bit for bit."""
+        cp, qc = self.cp, self.qc
+        self._flush()
+        self._check(x)
+        x = x.reshape(x.shape[0], -1)
+        if not x.flags.c_contiguous:
+            x = cp.ascontiguousarray(x)
+            self._pdl.fence()
+        n, d = x.shape
+        gates, ups, downs = experts
+        ff, P = gates.shape[0], n * top_k
+        logits = self._buf((n, len(gates)))
+        qc.matmul(x, [router], [logits], ws=self.ws)
+        ids, w = self._buf((P,), np.int32), self._buf((P,))
+        acts = qc.moe_route(x, logits, top_k, norm_topk, ids, w, qc.act_block(gates), self.ws)
+        g, u = self._buf((P, ff)), self._buf((P, ff))
+        qc.matvec_ids(x, [gates, ups], ids, [g, u], top_k, self.ws, acts=acts)
+        y = self._buf((P, d))
+        qc.matvec_ids(g, [downs], ids, [y], 1, self.ws, prologue=("silu", u))
+        out = self._buf((n, d))
+        self._pmoe = (y, w, top_k, out)
+        self._unmat.add(out.data.ptr)         # written by the add that takes it, or by _flush
+        return out
+
+    def _moe_on_host(self, x, router, experts, top_k, norm_topk):
+        """The router's logits go to the host, which picks each token's experts and groups
+        the step's rows by expert (moe.py); each chosen expert then runs once on its run of
+        gathered rows, the others are not read.  The host wait makes this op's steps eager
+        (no CUDA graph)."""
         cp = self.cp
         self._flush()
         self._check(x)
@@ -937,14 +1022,7 @@ class CUDABackend:
         for a, b, e in runs:
             self.qc.matmul(g[a:b], [downs[e]], [y[a:b]], ws=self.ws)
         out = self._buf((n, d))
-        if self._moe_combine is None:
-            self._moe_combine = cp.ElementwiseKernel(
-                "raw float32 y, raw int32 pos, raw float32 w, int32 k, int32 d", "float32 out",
-                "const int t = i / d, c = i % d; float s = 0.f;"
-                "for (int j = 0; j < k; ++j) s += w[t * k + j] * y[(long long)pos[t * k + j] * d + c];"
-                "out = s;", "llamba_moe_combine")
-        self._moe_combine(y, pos_d, w_d, np.int32(top_k), np.int32(d), out)
-        self._pdl.fence()
+        self.qc.moe_combine(y, w_d, top_k, out, pos=pos_d)
         return out
 
     def rope(self, x, step, inv_freq, neox, pos_scale=1.0):

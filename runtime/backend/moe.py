@@ -8,13 +8,62 @@ and an expert no token chose is not read at all (decode reads k experts' blocks)
 Each token's output is then the sum of its experts' rows, weighted, in ascending
 expert order (`combine`): a token's arithmetic never depends on the other tokens of
 the step (batch invariance, with the matmuls' own up to exact_rows).
+
+The CUDA backend routes decode steps on the device (quant/cuda/qmoe.cuh, moe_route_warp)
+by the same operations in the same order, so its experts and weights equal `route`'s bit
+for bit: softmax terms by `exp_det` (one fixed sequence of correctly rounded float64
+operations, which CUDA repeats exactly; the C library's exp and CUDA's may differ in the
+last bit), the sums in the same order, ties to the lower index.
 """
 from __future__ import annotations
+
+import math
 
 import numba as nb
 import numpy as np
 
 _JIT = dict(cache=True, nogil=True)
+
+# exp_det: x = k ln2 + r (k = rint(x / ln2), Cody and Waite's two-part ln2), exp(r) by
+# its Taylor series to r^13 / 13! in Horner's order (|r| <= ln2 / 2: truncation ~4e-18),
+# times 2^k.  Constants as hex literals, the same in qmoe.cuh.
+_INV_LN2 = float.fromhex("0x1.71547652b82fep+0")
+_LN2_HI = float.fromhex("0x1.62e42fee00000p-1")
+_LN2_LO = float.fromhex("0x1.a39ef35793c76p-33")
+_EXP_C = tuple(float.fromhex(h) for h in (
+    "0x1.0000000000000p+0", "0x1.0000000000000p+0", "0x1.0000000000000p-1", "0x1.5555555555555p-3",
+    "0x1.5555555555555p-5", "0x1.1111111111111p-7", "0x1.6c16c16c16c17p-10", "0x1.a01a01a01a01ap-13",
+    "0x1.a01a01a01a01ap-16", "0x1.71de3a556c734p-19", "0x1.27e4fb7789f5cp-22", "0x1.ae64567f544e4p-26",
+    "0x1.1eed8eff8d898p-29", "0x1.6124613a86d09p-33"))     # 1 / n!, n = 0..13
+
+
+@nb.njit(**_JIT)
+def exp_det(x):
+    """exp(x) for float64 x by a fixed sequence of IEEE float64 operations (no fused
+    multiply-add, which Numba does not form): within ~2e-16 of exp, and the same bits as
+    qmoe.cuh's exp_det on the GPU.  0 below -745.2 (and for NaN), inf above 709.7."""
+    if not (x > -745.2):
+        return 0.0
+    if x > 709.7:
+        return np.inf
+    k = np.rint(x * _INV_LN2)
+    r = (x - k * _LN2_HI) - k * _LN2_LO
+    c = _EXP_C
+    p = c[13]
+    p = p * r + c[12]
+    p = p * r + c[11]
+    p = p * r + c[10]
+    p = p * r + c[9]
+    p = p * r + c[8]
+    p = p * r + c[7]
+    p = p * r + c[6]
+    p = p * r + c[5]
+    p = p * r + c[4]
+    p = p * r + c[3]
+    p = p * r + c[2]
+    p = p * r + c[1]
+    p = p * r + c[0]
+    return math.ldexp(p, int(k))
 
 
 @nb.njit(**_JIT)
@@ -22,7 +71,8 @@ def route(logits, k, norm, ids, w):
     """Per row of logits [n, E]: the k experts of highest softmax probability (the lower
     index first on a tie), written in ascending expert order to ids [n, k] with their
     probabilities in w [n, k], renormalized to sum to 1 when norm (HF norm_topk_prob;
-    llama.cpp's qwen3moe always).  Softmax in float64, one row at a time."""
+    llama.cpp's qwen3moe always).  Softmax in float64 (exp_det), one row at a time; the
+    GPU's moe_route_warp repeats every operation in this order."""
     n, E = logits.shape
     p = np.empty(E, np.float64)
     taken = np.zeros(E, np.bool_)
@@ -32,7 +82,7 @@ def route(logits, k, norm, ids, w):
             m = max(m, logits[t, e])
         s = 0.0
         for e in range(E):
-            p[e] = np.exp(np.float64(logits[t, e]) - m)
+            p[e] = exp_det(np.float64(logits[t, e]) - np.float64(m))
             s += p[e]
         taken[:] = False
         for _ in range(k):

@@ -66,7 +66,12 @@ def test_weight_kernels_compile(arch):
              + [f"mvs<{t},{n},2>" for t in INT8_STRUCTS for n in (1, 2)]
              # the float-weight matvec
              + [f"mvf<{t},{n},{r}>" for t in ("TF16", "TBF16", "TF32") for n, r in ((1, 2), (1, 4), (8, 1))]
-             + [f"q8_act<{bs},{p}>" for bs in (32, 256) for p in range(4)])
+             + [f"q8_act<{bs},{p}>" for bs in (32, 256) for p in range(4)]
+             # a mixture of experts at decode (qmoe.cuh): routing, the matvecs by expert id
+             + [f"moe_route_q8<{bs}>" for bs in (32, 256)]
+             + [f"mvk4k_id<{r},2,{v}>" for r in (1, 2) for v in (1, 3)]
+             + [f"mvkt_id<{t},{r},2,1>" for t in ("MQ4_0", "MQ6_K") for r in (1, 2)]
+             + [f"mvs_id<{t},{r}>" for t in INT8_STRUCTS for r in (2, 4)])
     # deq_f16's block size comes from the backend (quant.cuda.DEQ_THREADS, whose module
     # needs CuPy): checked here at its value
     _compile(QUANT_CUDA / "qkernels.cu", arch, options=("-DDEQ_THREADS=256",), names=names)
