@@ -4,7 +4,11 @@ Speed does not depend on weight values, and the GPU machine has no network, so
 benchmarks build their models there: random quantized blocks whose f16 scale
 fields are overwritten with small sane values (so activations stay finite),
 written with gguf's GGUFWriter and loaded through the normal loader.
-No CuPy needed here.
+No CuPy needed here.  Tensors are streamed to the file as they are made: one at a
+time into reused buffers, or, for files of PARALLEL_BYTES and more (an M30 file is
+~17 GiB), by a thread a core, each writing its tensors at their offsets (fresh memory
+and page cache, not the bytes, set the time: a core each fills them at once).  `python -m lab.synth SHAPE OUT.gguf [--mix Q4_K_M] [--tokenizer TOK]`
+writes one (tests on PYTHONPATH).
 """
 from __future__ import annotations
 
@@ -26,15 +30,20 @@ _BLOCK = {GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q5_0: (32, 
           GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210)}
 
 
+# files at least this big are made by a thread a core (each tensor its own random draws:
+# other values than one thread's, for the same seed)
+PARALLEL_BYTES = 2 << 30
+
+
 class _Noise:
     """Random bytes, made fast by tiling one random pattern (values don't matter for speed)."""
 
-    def __init__(self, seed=0, pattern_bytes=1 << 24):
+    def __init__(self, seed=0, pattern_bytes=1 << 24, pattern=None):
         self.rng = np.random.default_rng(seed)
-        self.pattern = self.rng.integers(0, 256, pattern_bytes, dtype=np.uint8)
+        self.pattern = self.rng.integers(0, 256, pattern_bytes, dtype=np.uint8) if pattern is None else pattern
 
-    def bytes(self, n: int) -> np.ndarray:
-        out = np.empty(n, np.uint8)
+    def bytes(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        out = np.empty(n, np.uint8) if out is None else out[:n]
         P = self.pattern.size
         for o in range(0, n, P):
             k = min(P, n - o)
@@ -43,8 +52,9 @@ class _Noise:
         return out
 
 
-def random_weight(qtype, shape, noise: _Noise | None = None, std: float = 0.02) -> np.ndarray:
-    """uint8 [rows, row_nbytes] of random blocks of `qtype` whose weights have roughly `std`."""
+def random_weight(qtype, shape, noise: _Noise | None = None, std: float = 0.02, out=None) -> np.ndarray:
+    """uint8 [rows, row_nbytes] of random blocks of `qtype` whose weights have roughly `std`
+    (in `out`'s memory when given: a uint8 buffer of at least that many bytes)."""
     noise = noise or _Noise()
     qtype = GGMLType(int(qtype))
     rows, cols = int(np.prod(shape[:-1])), int(shape[-1])
@@ -55,7 +65,7 @@ def random_weight(qtype, shape, noise: _Noise | None = None, std: float = 0.02) 
         # random sign and mantissa, exponent of std or twice it: as fast as the noise
         # (an 8B model's normal draws would take minutes)
         e = int(np.floor(np.log2(std)))
-        bits = noise.bytes(rows * cols * 2).view(np.uint16)
+        bits = noise.bytes(rows * cols * 2, out).view(np.uint16)
         # kept: the sign, the mantissa and the exponent's lowest bit; set: its others
         if qtype == GGMLType.F16:            # 1 sign, 5 exponent (bias 15), 10 mantissa bits
             bits &= 0x87FF
@@ -66,7 +76,7 @@ def random_weight(qtype, shape, noise: _Noise | None = None, std: float = 0.02) 
         return bits.view(np.uint8).reshape(rows, -1)
     qk, bb = _BLOCK[qtype]
     nblocks = rows * cols // qk
-    raw = noise.bytes(nblocks * bb).reshape(nblocks, bb)
+    raw = noise.bytes(nblocks * bb, out).reshape(nblocks, bb)
     # scales for roughly `std`: q spans ~16 levels (Q4), ~32 (Q5), ~256 (Q8); K-quant
     # sub-scales are 6-bit (mean ~32); Q6_K sub-scales are set to 1..16 below
     vals = {"d": std / 5, "m": -std * 1.5, "d8": std / 70, "dk": std / 150, "d6": std / 160}
@@ -79,11 +89,12 @@ def random_weight(qtype, shape, noise: _Noise | None = None, std: float = 0.02) 
 
 
 # llama.cpp's Q4_K_M: Q4_K everywhere but Q6_K for the output/embedding and for
-# attn_v / ffn_down in the first and last eighth of the layers and every third between
+# attn_v / ffn_down (experts' too: llama-quant.cpp matches "ffn_down" in the name) in the
+# first and last eighth of the layers and every third between
 def _q4_k_m(name: str, n_layers: int) -> GGMLType:
     if name in ("token_embd.weight", "output.weight"):
         return GGMLType.Q6_K
-    if name.endswith("attn_v.weight") or name.endswith("ffn_down.weight"):
+    if name.endswith("attn_v.weight") or name.endswith(("ffn_down.weight", "ffn_down_exps.weight")):
         i = int(name.split(".")[1])
         if i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2:
             return GGMLType.Q6_K
@@ -121,21 +132,26 @@ SHAPES = {
                 vocab=151936, tied=True, rope_theta=1e6, n_experts=128, n_experts_used=8, d_ff_expert=256),
     "Q3D": dict(arch="qwen3", n_layers=28, d_model=1024, d_ff=3072, n_heads=16, n_kv_heads=8,
                 vocab=151936, tied=True, rope_theta=1e6),
+    # issue 40's GPU MoE: Qwen3-30B-A3B (48 layers, d 2048, 32 q / 4 kv heads of 128, 128
+    # experts of 768, 8 a token; 30.5B parameters, 3.3B active); Q4_K_M ~17.3 GiB
+    "M30": dict(arch="qwen3moe", n_layers=48, d_model=2048, d_ff=0, n_heads=32, n_kv_heads=4,
+                vocab=151936, tied=False, rope_theta=1e6, n_experts=128, n_experts_used=8, d_ff_expert=768,
+                head_dim=128),
 }
 
 
 def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, vocab, tied,
                       mix="Q4_K_M", rope_theta=1e4, ctx=4096, seed=0, n_experts=0, n_experts_used=0,
-                      d_ff_expert=0, tokenizer_from=None):
+                      d_ff_expert=0, tokenizer_from=None, head_dim=None):
     """A random-weight GGUF of this shape and quantization mix at `path`.  arch qwen3moe:
     n_experts experts of d_ff_expert a layer, n_experts_used a token, an F32 router whose
     logits have a spread of about 1 (clear choices, as a trained router's).  tokenizer_from:
     a GGUF whose tokenizer.* keys (vocabulary, merges, chat template) the file gets, so the
     CLI, the server and constraints run on it (its vocabulary should have `vocab` tokens or
-    fewer)."""
+    fewer).  head_dim: when it is not d_model / n_heads (Qwen3's 128 at d 2048, 32 heads)."""
     import gguf
     noise = _Noise(seed)
-    hd = d_model // n_heads
+    hd = head_dim or d_model // n_heads
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"random {arch} {n_layers}x{d_model} {mix}")
     w.add_block_count(n_layers)
@@ -144,6 +160,9 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
     w.add_feed_forward_length(d_ff)
     w.add_head_count(n_heads)
     w.add_head_count_kv(n_kv_heads)
+    if hd != d_model // n_heads:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(rope_theta)
     if n_experts:
@@ -158,15 +177,24 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
                 w.add_key_value(key, f.contents(), vtype,
                                 sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
 
+    # each tensor: its info now, its bytes made when written (in this order: the noise's
+    # draws are those of making them all first)
+    tensors = []
+
     def mat(name, rows, cols, n=0, t=None, std=0.02):
         t = t if t is not None else mix_type(mix, name, n_layers, cols)
-        a = random_weight(t, (max(n, 1) * rows, cols), noise, std)
-        w.add_tensor(name, a.reshape((n, rows, -1) if n else a.shape), raw_dtype=gguf.GGMLQuantizationType(int(t)))
+        rb = row_nbytes(t, cols)
+        shape = (n, rows, rb) if n else (rows, rb)
+
+        def make(buf, noise, t=t, rows=rows, cols=cols, n=n, std=std, shape=shape):
+            return random_weight(t, (max(n, 1) * rows, cols), noise, std, out=buf).reshape(shape)
+        tensors.append((name, shape, np.dtype(np.uint8), int(np.prod(shape)), gguf.GGMLQuantizationType(int(t)), make))
 
     def vec(name, n, value=None):
-        v = np.full(n, value, np.float32) if value is not None else \
-            (noise.rng.standard_normal(n, dtype=np.float32) * 0.02)
-        w.add_tensor(name, v)
+        def make(buf, noise, n=n, value=value):
+            return (np.full(n, value, np.float32) if value is not None else
+                    noise.rng.standard_normal(n, dtype=np.float32) * 0.02)
+        tensors.append((name, (n,), np.dtype(np.float32), 4 * n, None, make))
 
     mat("token_embd.weight", vocab, d_model)
     vec("output_norm.weight", d_model, 1.0)
@@ -196,11 +224,68 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
         mat(p + "ffn_gate.weight", d_ff, d_model)
         mat(p + "ffn_up.weight", d_ff, d_model)
         mat(p + "ffn_down.weight", d_model, d_ff)
+    for name, shape, dtype, nbytes, raw, _ in tensors:
+        w.add_tensor_info(name, shape, dtype, nbytes, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    total = sum(t[3] for t in tensors)
+    if total >= PARALLEL_BYTES:
+        _write_parallel(w, path, tensors, noise.pattern, seed)
+        return Path(path)
+    bufs = {}                   # bytes -> a buffer reused by every tensor of that size
+    for name, shape, dtype, nbytes, raw, make in tensors:
+        buf = bufs.get(nbytes)
+        if buf is None and nbytes >= 1 << 20:
+            buf = bufs[nbytes] = np.empty(nbytes, np.uint8)
+        a = make(buf, noise)
+        assert a.nbytes == nbytes, (name, a.shape, nbytes)
+        w.write_tensor_data(a)
     w.close()
     return Path(path)
+
+
+def _write_parallel(w, path, tensors, pattern, seed, workers=None):
+    """The tensors' bytes at the offsets GGUFWriter gave them (after its tensor infos, each
+    padded to its alignment), made and written by `workers` threads (a core each: NumPy's
+    fills and copies and pwrite run without the GIL), tensor i from its own noise."""
+    import os
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    align = w.data_alignment
+    pad = lambda n: -(-n // align) * align
+    fout = w.fout[0]
+    o = pad(fout.tell())
+    offsets = []
+    for t in tensors:
+        offsets.append(o)
+        o += pad(t[3])
+    w.close()
+    local = threading.local()
+    fd = os.open(str(path), os.O_WRONLY)
+    try:
+        os.ftruncate(fd, o)
+
+        def one(i):
+            name, shape, dtype, nbytes, raw, make = tensors[i]
+            bufs = getattr(local, "bufs", None)
+            if bufs is None:
+                bufs = local.bufs = {}
+            buf = bufs.get(nbytes)
+            if buf is None and nbytes >= 1 << 20:
+                buf = bufs[nbytes] = np.empty(nbytes, np.uint8)
+            a = np.ascontiguousarray(make(buf, _Noise((seed, i), pattern=pattern)))
+            assert a.nbytes == nbytes, (name, a.shape, nbytes)
+            mv, done = memoryview(a.reshape(-1).view(np.uint8)), 0
+            while done < nbytes:
+                done += os.pwrite(fd, mv[done:], offsets[i] + done)
+
+        with ThreadPoolExecutor(workers or os.cpu_count() or 4) as ex:
+            # largest first, so the pool ends evenly
+            for f in [ex.submit(one, i) for i in sorted(range(len(tensors)), key=lambda i: -tensors[i][3])]:
+                f.result()
+    finally:
+        os.close(fd)
 
 
 def load_weights_only(path):
@@ -244,3 +329,23 @@ def trim_gguf(src, dst, n_layers: int, vocab: int, keep_tokenizer: bool = False)
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def main(argv=None) -> int:
+    import argparse
+    import time
+    ap = argparse.ArgumentParser(description="write a random-weight GGUF of a real shape")
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("out")
+    ap.add_argument("--mix", default="Q4_K_M")
+    ap.add_argument("--tokenizer", default=None, help="a GGUF whose tokenizer.* keys the file gets "
+                    "(llama.cpp loads no file without them; tests/gpu/prepare_device.py's qwen-tok.tok)")
+    a = ap.parse_args(argv)
+    t = time.perf_counter()
+    p = write_random_gguf(a.out, mix=a.mix, tokenizer_from=a.tokenizer, **SHAPES[a.shape])
+    print(f"{p}: {p.stat().st_size / 2**30:.2f} GiB written in {time.perf_counter() - t:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
