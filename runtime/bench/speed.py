@@ -138,6 +138,22 @@ def plot_depths(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def weight_bytes_per_token(lm) -> int:
+    """Weight bytes a decoded token reads: all but the embedding table (one row of it is
+    read) unless it doubles as the output layer; of a mixture of experts' expert tensors
+    (ffn_*_exps) the chosen share, n_experts_used of n_experts."""
+    cfg = lm.config
+    total = 0
+    for name, t in lm.tensors.items():
+        if name == "token_embd.weight" and not cfg.tied_output:
+            continue
+        if cfg.n_experts and name.endswith("_exps.weight"):
+            total += t.nbytes * cfg.n_experts_used // cfg.n_experts
+        else:
+            total += t.nbytes
+    return int(total)
+
+
 def mean_sd(runs) -> tuple[float, float]:
     return statistics.mean(runs), (statistics.stdev(runs) if len(runs) > 1 else 0.0)
 
@@ -191,11 +207,7 @@ def run_bench(args) -> int:
     else:
         runs = {name: timed_runs(fn, args.repetitions, engine) for name, fn in tests}
         peer_rows = []
-    # bytes read per decoded token: all weights except the embedding table
-    # (only one row of it is read) unless it doubles as the output layer
-    per_tok = lm.weight_bytes
-    if not lm.config.tied_output:
-        per_tok -= lm.tensors["token_embd.weight"].nbytes
+    per_tok = weight_bytes_per_token(lm)
     for name, _ in tests:
         m, sd = mean_sd(runs[name])
         rows.append({**model_desc, "test": name, "t_s": m, "sd": sd, "depth": 0, "runs": runs[name]})

@@ -258,7 +258,7 @@ def graph_parts(eng, reps=100):
 def bench_ours(path, reps, n_prompt, n_gen, sweep=None, profile=False, host_paths=("new",), parts=False):
     import cupy as cp
     from lab.synth import load_weights_only
-    from runtime.bench.speed import measure, time_pp
+    from runtime.bench.speed import measure, time_pp, weight_bytes_per_token
     from runtime.engine import Engine
     lm = load_weights_only(path)
     t0 = time.perf_counter()
@@ -281,7 +281,7 @@ def bench_ours(path, reps, n_prompt, n_gen, sweep=None, profile=False, host_path
     eng.step([seq], [[101]])
     eng.release(seq)
     prof = eng.backend.last_profile
-    per_tok = lm.weight_bytes - (0 if lm.config.tied_output else lm.tensors["token_embd.weight"].nbytes)
+    per_tok = weight_bytes_per_token(lm)       # (a mixture of experts: the chosen experts' share)
     row = {"pp": pp, "tg": tg, "load_s": load_s, "weight_bytes": lm.weight_bytes,
            "bytes_per_token": per_tok, "weight_GBps": per_tok * tg[0] / 1e9, "memory": mem,
            "estimate": est, "graph_replays": eng.backend.graph_replays,
@@ -397,6 +397,9 @@ def main(argv=None):
     ap.add_argument("--mega-profile", action="store_true", help="time each op of a megakernel step (clock stamps)")
     ap.add_argument("--graph-parts", action="store_true",
                     help="time the pieces a decode graph adds around the forward (copies, argmax)")
+    ap.add_argument("--keep", action="store_true", help="keep the model files in --dir (e.g. for llama-bench after)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="a GGUF whose tokenizer the files get (llama.cpp loads none without; .devmodels/qwen-tok.tok)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import cupy as cp
@@ -568,7 +571,7 @@ def main(argv=None):
         for mix in args.mixes.split(","):
             path = d / f"{shape}-{mix}.gguf"
             t = time.perf_counter()
-            write_random_gguf(path, mix=mix, **spec)
+            write_random_gguf(path, mix=mix, tokenizer_from=args.tokenizer, **spec)
             log(f"{path.name}: written in {time.perf_counter() - t:.1f}s, {path.stat().st_size / 2**30:.2f} GiB")
             for variant in model_variants:
                 use(variant)
@@ -595,7 +598,8 @@ def main(argv=None):
             qc.MVK_ON, qc.MVK_RULES = set(mvk_on_default), rules_default
             qc.set_weight_hints(*hints_default)
             cm.ENABLED = mega_default
-            path.unlink()
+            if not args.keep:
+                path.unlink()
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1, default=str))
         if args.hf:
