@@ -50,7 +50,8 @@ DEV void moe_route_warp(const float* __restrict__ lg, int E, int k, int norm, in
     for (int e = lane; e < E; e += 32) m = fmaxf(m, lg[e]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
-    for (int e = lane; e < E; e += 32) p[e] = exp_det(__dsub_rn((double)lg[e], (double)m));
+#pragma unroll 4
+    for (int e = lane; e < E; e += 32) p[e] = exp_det(__dsub_rn((double)lg[e], (double)m));   // (independent: overlapped)
     __syncwarp();
     double s = 0.0;
     if (lane == 0)
