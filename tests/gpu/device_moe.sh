@@ -27,8 +27,14 @@ export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy-cache}
 export LLAMBA_CUDA_LAZY=${LLAMBA_CUDA_LAZY:-1}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/nvidia-smi.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
+  # the CPU reference's Numba kernels compile for minutes on a fresh machine: into the cache
+  # by a process of their own while the GPU-only tests run
+  timeout ${TEST_TIMEOUT:-540} python3 -m lab.cpu_warm >"$OUT/cpu-warm.txt" 2>&1 &
+  WARM=$!
   timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -m gpu tests/gpu/test_moe_device_gpu.py tests/gpu/test_moe_gpu.py \
     ${KEXPR:+-k "$KEXPR"} --maxfail=${MAXFAIL:-10} -rs --durations=10 -p no:cacheprovider 2>&1 | tee "$OUT/moe-tests.txt"
+  wait $WARM
+  cat "$OUT/cpu-warm.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   TOK=${TOK:-$(ls .devmodels/qwen-tok.tok .devrun/qwen-tok.tok 2>/dev/null | head -1)}
