@@ -49,7 +49,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   }
   peer
   # ours: decode steps routed on the device and replayed from CUDA graphs
-  timeout ${BENCH_TIMEOUT:-300} python3 -m runtime bench -m "$M30" --device cuda -p 512 -n 128 -r "$REPS" --json \
+  LLAMBA_MOE_DEVICE=1 timeout ${BENCH_TIMEOUT:-300} python3 -m runtime bench -m "$M30" --device cuda -p 512 -n 128 -r "$REPS" --json \
     2>"$OUT/m30-llamba.log" | tee "$OUT/m30-llamba.json"
   tail -3 "$OUT/m30-llamba.log"
   peer
