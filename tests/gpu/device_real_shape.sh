@@ -4,7 +4,7 @@
 #   1. what a JSON-schema constraint costs a greedy decode step at batch 1
 #      (python -m runtime.bench.constrain --device cuda), and
 #   2. our server on the GPU under bench-serve at C = 1, 8, 32 clients.
-#   SHAPES="Q05 Q15" tests/gpu/device_real_shape.sh
+#   SHAPES="Q05 Q15" tests/gpu/device_real_shape.sh     (CONSTRAIN=0: the server part only)
 # Carry: .devrun (wheels in .devrun/whl: gguf, platformdirs, llguidance, and the server's
 # fastapi, starlette, uvicorn, pydantic, pydantic-core, annotated-types, typing-inspection,
 # opentelemetry-api (fastapi imports it);
@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/tmp/numba-cache CUPY_CACHE_DIR=/tmp/c
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/nvidia-smi.txt"
 for S in ${SHAPES:-Q05 Q15}; do
   python3 -m lab.gpu_real_shape "$S" "/tmp/$S.gguf" --tokenizer .devrun/qwen-tok.tok || exit 1
-  timeout ${CONSTRAIN_TIMEOUT:-150} python3 -m runtime.bench.constrain -m "/tmp/$S.gguf" --device cuda -n 64 -r 3 \
+  [ "${CONSTRAIN:-1}" = 0 ] || timeout ${CONSTRAIN_TIMEOUT:-150} python3 -m runtime.bench.constrain -m "/tmp/$S.gguf" --device cuda -n 64 -r 3 \
     2>&1 | tee "$OUT/constrain-$S.txt"
   python3 -m runtime serve -m "/tmp/$S.gguf" --device cuda -np 32 -c 4096 --port 18080 >"$OUT/serve-$S.log" 2>&1 &
   PID=$!
