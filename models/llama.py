@@ -39,8 +39,8 @@ class Llama:
                 q = b.rmsnorm(q, L["attn_q_norm"], cfg.rms_eps)
                 k = b.rmsnorm(k, L["attn_k_norm"], cfg.rms_eps)
             if cfg.uses_rope(i):
-                b.rope(q, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale)
-                b.rope(k, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale)
+                b.rope(q, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale, cfg.rope_mscale)
+                b.rope(k, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale, cfg.rope_mscale)
             a = b.attention(q, k, b.heads(v, cfg.n_kv_heads), i, step)
             b.matmul_add(a, L["attn_output"], x)
             h = b.rmsnorm(x, L["ffn_norm"], cfg.rms_eps)
