@@ -68,7 +68,7 @@ FAMILIES = {
                                          original_max_position_embeddings=64, rope_parameters={
                                              "rope_type": "longrope", "rope_theta": 10000.0,
                                              "short_factor": [1.0, 1.25, 1.6, 2.5],
-                                             "long_factor": [1.0, 3.0, 9.0, 30.0]}), "phi3"),
+                                             "long_factor": [2.0, 6.0, 18.0, 54.0]}), "phi3"),
     # Qwen3-30B-A3B shape, small: 8 experts of 32, 2 a token (renormalized), every layer MoE
     "qwen3moe": ("Qwen3MoeConfig", dict(num_hidden_layers=2, head_dim=32, rope_theta=1000000.0, num_experts=8,
                                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
