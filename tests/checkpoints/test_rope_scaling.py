@@ -73,6 +73,18 @@ def test_bf16_and_f32_folders(tmp_path, family, dtype):
     _check(engine_logits(lm, ids), transformers_logits(d, ids), f"{family} {dtype}")
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3moe", "smollm3"])
+def test_yarn_on_the_other_families(tmp_path, family):
+    """(Llama and Qwen3 with YaRN are families of their own in test_tiny_families.py.)"""
+    d = make_tiny(family, tmp_path / family, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0},
+        max_position_embeddings=128)
+    ids = prompt_ids()
+    lm = load_model(d)
+    assert lm.config.rope_yarn == YarnScaling(4.0, 32)
+    _check(engine_logits(lm, ids), transformers_logits(d, ids), f"{family} yarn")
+
+
 # ---- LongRoPE's two regimes ------------------------------------------------------------------------------
 
 def _longrope_files(tiny, lcpp, tmp_path):

@@ -76,6 +76,12 @@ FAMILIES = {
                  "qwen3moe"),
 }
 
+# checkpoints make_tiny also makes that the family tests do not run (llama.cpp's Qwen2
+# converter does not know SmolLM2's pre-tokenizer)
+OTHER_CHECKPOINTS = {
+    "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0), "qwen2"),
+}
+
 
 def tokenizer_dir() -> Path:
     """SmolLM2's tokenizer as an HF folder (tokenizer.json, tokenizer_config.json), made once."""
@@ -101,7 +107,7 @@ def make_tiny(family: str, folder: Path, seed: int = 0, dtype: str = "float16", 
     import torch
     import transformers
 
-    cls_name, args, _ = FAMILIES[family]
+    cls_name, args, _ = FAMILIES.get(family) or OTHER_CHECKPOINTS[family]
     config = getattr(transformers, cls_name)(**{**_COMMON, **args, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
