@@ -98,6 +98,23 @@ class ModelConfig:
     def rope_uses_long_factors(self) -> bool:
         return self.rope_factors_long is not None and self.rope_context > self.rope_original_context
 
+    def rope_scaling(self) -> dict | None:
+        """What scales this model's RoPE, for `info` (None: plain RoPE)."""
+        if self.rope_yarn is not None:
+            y = self.rope_yarn
+            return {"type": "yarn", "factor": y.factor, "original_context": y.original_context,
+                    "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "truncate": y.truncate,
+                    "magnitude": round(self.rope_mscale, 6)}
+        if self.rope_factors_long is not None:
+            return {"type": "longrope", "original_context": self.rope_original_context,
+                    "factors": "long" if self.rope_uses_long_factors else "short",
+                    "magnitude": round(self.rope_mscale, 6)}
+        if self.rope_freq_factors is not None:
+            return {"type": "llama3"}
+        if self.rope_scale != 1.0:
+            return {"type": "linear", "factor": self.rope_scale}
+        return None
+
     def for_context(self, n_ctx: int) -> "ModelConfig":
         """This config for an engine of n_ctx tokens a sequence: LongRoPE takes its long
         factors when n_ctx exceeds the original context (llama.cpp's rule), else the short."""

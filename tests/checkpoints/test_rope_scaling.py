@@ -255,3 +255,13 @@ def test_hf_longrope_factor_lists_must_fit_the_rotated_dims(tiny, tmp_path):
     e = edit_config(d, tmp_path / "ck", rope_parameters={**rope, "long_factor": [1.0] * 8})
     with pytest.raises(CheckpointError, match="long_factor must list 4 numbers"):
         load_model(e)
+
+
+def test_info_says_which_longrope_factors_a_context_takes(tiny, capsys):
+    from runtime.cli import main
+    folder = tiny("phi3-longrope")[0]
+    for ctx, factors in ((64, "short"), (65, "long")):
+        assert main(["info", str(folder), "-c", str(ctx), "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["rope_scaling"] == {"type": "longrope", "original_context": 64, "factors": factors,
+                                        "magnitude": round(math.sqrt(2), 6)}
