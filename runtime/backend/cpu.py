@@ -378,7 +378,10 @@ class CPUBackend:
         self.scratch.call(np.copyto, out, x)
         return out
 
-    def attention(self, q, k, v, layer, step):
+    def attention(self, q, k, v, layer, step, sinks=None):
+        """Causal attention of q's rows over the layer's cache (after writing k, v to it),
+        inside the layer's window.  sinks: a float32 logit per query head that joins each
+        row's softmax denominator (gpt-oss's attention sinks), or None."""
         n, h, d = q.shape
         kv = self.kv
         slots, tables = step.slots_for(layer), step.tables_for(layer)
@@ -404,7 +407,7 @@ class CPUBackend:
         call(K.paged_attention, q, kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.k_quant,
              kv.v_quant, step.block_size, tables, step.seq_of_token, step.positions, window,
              np.float32(step.attn_scale), splits, tile_t0, tile_n, n_tiles,
-             part_m, part_l, part_acc, out)
+             part_m, part_l, part_acc, out, _NO_SINKS if sinks is None else sinks)
         return out.reshape(n, h * d)
 
 
@@ -422,4 +425,5 @@ class _Experts(list):
 
 # queries per prefill tile: each K/V block is converted once per tile and kv head
 ATTN_TILE = 16
+_NO_SINKS = np.zeros(0, np.float32)     # paged_attention's "no attention sinks"
 
