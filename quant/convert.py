@@ -144,6 +144,10 @@ def _write_metadata(w, ck, tok, scheme: str, folder: Path) -> None:
         w.add_sliding_window(cfg.sliding_window)    # Mistral's window over every layer
     elif cfg.arch == "phi3":
         w.add_sliding_window(cfg.sliding_window)    # as llama.cpp's converter: 0 for none
+    elif cfg.arch == "gpt-oss":
+        w.add_sliding_window(cfg.sliding_window)
+        if tuple(cfg.local_layers or ()) != tuple(range(0, cfg.n_layers, 2)):   # not llama.cpp's default
+            w.add_sliding_window_pattern([cfg.is_local_layer(i) for i in range(cfg.n_layers)])
     if cfg.n_experts:
         w.add_expert_count(cfg.n_experts)
         w.add_expert_used_count(cfg.n_experts_used)
@@ -181,7 +185,7 @@ def _check_expressible(cfg) -> None:
     if cfg.n_experts and not cfg.expert_norm_topk:
         raise ConvertError(f"{cfg.arch}: norm_topk_prob is false; GGUF readers (llama.cpp's {cfg.arch}) always "
                            f"renormalize the chosen experts' weights")
-    if cfg.arch != "gemma3" and cfg.local_layers is not None and cfg.sliding_window:
+    if cfg.arch not in ("gemma3", "gpt-oss") and cfg.local_layers is not None and cfg.sliding_window:
         raise ConvertError(f"{cfg.arch}: sliding-window layers {list(cfg.local_layers)} cannot be written to a "
                            f"GGUF file that llama.cpp reads the same way")
 

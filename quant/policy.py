@@ -55,8 +55,10 @@ def tensor_type(scheme: str, name: str, shape: tuple[int, ...], n_layers: int,
     1-D tensors (norms, biases) stay F32, as llama.cpp keeps them."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme '{scheme}' (have {', '.join(SCHEMES)})")
-    if len(shape) < 2 or name.endswith(".ffn_gate_inp.weight"):
-        return GGMLType.F32      # a MoE router too: llama.cpp's converter writes it F32 and never quantizes it
+    if len(shape) < 2 or name.endswith((".ffn_gate_inp.weight", ".bias")):
+        # a MoE router too, and gpt-oss's experts' biases [E, cols]: llama.cpp's converter writes them
+        # F32 and never quantizes them
+        return GGMLType.F32
     if scheme in ("f32", "f16", "bf16"):
         return GGMLType[scheme.upper()]
     ncols = shape[-1]

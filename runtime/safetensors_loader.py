@@ -25,7 +25,7 @@ import numpy as np
 
 from models import MOE_ARCHS, tensor_shapes, unfuse
 from models.hf_config import (CheckpointError, config_from_hf, expert_name, fix_layout, gguf_name, hf_arch,
-                              layout_changes)
+                              layout_changes, parts)
 from quant import GGMLType, QTensor, quantize
 from quant.policy import tensor_type
 
@@ -130,6 +130,32 @@ class ExpertStack:
         return sum(s.nbytes(h) for s, h in self.parts)
 
 
+class Cut:
+    """A GGUF tensor cut from an HF tensor that stores it differently (models.hf_config.Part:
+    gpt-oss's experts, transposed, gate and up interleaved), read through the Shard
+    interface; its bytes are a copy, in the stored dtype."""
+
+    def __init__(self, shard: Shard, hf_name: str, part):
+        self.shard, self.hf_name, self.part = shard, hf_name, part
+        self.path = shard.path
+
+    def dtype_name(self, name: str) -> str:
+        return self.shard.dtype_name(self.hf_name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.part.shape(self.shard.shape(self.hf_name))
+
+    def array(self, name: str) -> np.ndarray:
+        return self.part.apply(self.shard.array(self.hf_name))
+
+    def raw(self, name: str) -> np.ndarray:
+        return np.ascontiguousarray(self.array(name)).reshape(-1).view(np.uint8)
+
+    def nbytes(self, name: str) -> int:
+        return self.shard.nbytes(self.hf_name) * int(np.prod(self.shape(name))) // \
+            max(1, int(np.prod(self.shard.shape(self.hf_name))))
+
+
 def _stack_experts(experts: dict[str, dict[int, tuple[Shard, str]]], sources: dict) -> None:
     """GGUF name -> ExpertStack of experts 0..E-1 (each present once) into sources."""
     for g, by_index in experts.items():
@@ -201,6 +227,11 @@ class Checkpoint:
             ex = expert_name(hf_name) if arch in MOE_ARCHS else None
             if ex is not None:
                 experts.setdefault(ex[0], {})[ex[1]] = (shard, hf_name)
+                continue
+            cuts = parts(hf_name, arch)
+            if cuts is not None:
+                for g, part in cuts:
+                    self.sources[g] = (Cut(shard, hf_name, part), hf_name)
                 continue
             g = gguf_name(hf_name, arch)
             if g is not None:

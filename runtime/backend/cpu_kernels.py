@@ -97,6 +97,27 @@ def gelu_mul(g, u):
             gi[j] = v * _sigmoid(c * (v + np.float32(0.044715) * v * v * v)) * ui[j]
 
 
+# gpt-oss's experts: SwiGLU with the gate clamped from above and up on both sides, and
+# up shifted by one; alpha and limit are fixed by the architecture (llama.cpp's too)
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
+
+
+@nb.njit(**_JIT_VEC)
+def swiglu_oai_mul(g, u):
+    """g = (clamp(u, -7, 7) + 1) * v * sigmoid(1.702 v), v = min(g, 7), in place."""
+    n, d = g.shape
+    a = np.float32(SWIGLU_OAI_ALPHA)
+    lim = np.float32(SWIGLU_OAI_LIMIT)
+    for i in range(n):
+        gi = g[i]
+        ui = u[i]
+        for j in range(d):
+            v = min(gi[j], lim)
+            w = min(max(ui[j], -lim), lim)
+            gi[j] = (w + np.float32(1.0)) * (v * _sigmoid(a * v))
+
+
 @nb.njit(**_JIT)
 def add_inplace(x, y):
     n, d = x.shape

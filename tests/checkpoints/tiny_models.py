@@ -59,6 +59,12 @@ FAMILIES = {
                                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                                         decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
                  "qwen3moe"),
+    # gpt-oss-20b shape, small: 8 experts of 32, 2 a token, biases everywhere, attention sinks, a
+    # sliding window of 8 (a 96-token prompt crosses it) in every other layer, head dim 64
+    "gptoss": ("GptOssConfig", dict(head_dim=64, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                    sliding_window=8, tie_word_embeddings=False,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 150000.0}),
+               "gpt-oss"),
 }
 
 
@@ -94,6 +100,10 @@ def make_tiny(family: str, folder: Path, seed: int = 0, dtype: str = "float16", 
         for name, p in model.named_parameters():
             if name.endswith("embed_tokens.weight"):
                 p.normal_(0.0, 1.0)
+            elif name.endswith("self_attn.sinks"):      # gpt-oss: from well below the scores to above
+                p.uniform_(-2.0, 3.0)
+            elif name.endswith("experts.gate_up_proj"):  # gpt-oss: large enough that its clamp (7) acts
+                p.normal_(0.0, 3.0 / math.sqrt(p.shape[1]))
             elif p.ndim >= 2:       # (3-D: a layer's experts, [n_experts, out, in])
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
             elif name.endswith("norm.weight"):
