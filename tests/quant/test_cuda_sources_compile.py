@@ -78,8 +78,8 @@ def test_weight_kernels_compile(arch):
 
 
 # (head dim, query heads per kv head) of the models Llamba runs: SmolLM2, Qwen2.5-0.5B,
-# Qwen2.5-1.5B, Llama 3 8B, Gemma 3 270M, and a multi-head-attention model
-@pytest.mark.parametrize("hd,g", [(64, 3), (64, 7), (128, 6), (128, 4), (256, 4), (64, 1)])
+# Qwen2.5-1.5B, Llama 3 8B, Gemma 3 270M, a multi-head-attention model, gpt-oss-20b/120b
+@pytest.mark.parametrize("hd,g", [(64, 3), (64, 7), (128, 6), (128, 4), (256, 4), (64, 1), (64, 8)])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_step_kernels_compile(arch, hd, g):
     from runtime.backend.cuda import _prefill_pq
