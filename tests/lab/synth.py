@@ -137,15 +137,22 @@ SHAPES = {
     "M30": dict(arch="qwen3moe", n_layers=48, d_model=2048, d_ff=0, n_heads=32, n_kv_heads=4,
                 vocab=151936, tied=False, rope_theta=1e6, n_experts=128, n_experts_used=8, d_ff_expert=768,
                 head_dim=128),
+    # gpt-oss-20b's shape (without its YaRN scaling, which changes no speed): 32 experts of
+    # 2880, 4 a token, head dim 64, a 128-token window every other layer
+    "G20": dict(arch="gpt-oss", n_layers=24, d_model=2880, d_ff=2880, n_heads=64, n_kv_heads=8,
+                vocab=201088, tied=False, rope_theta=150000.0, n_experts=32, n_experts_used=4, d_ff_expert=2880,
+                head_dim=64, sliding_window=128),
 }
 
 
 def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, vocab, tied,
                       mix="Q4_K_M", rope_theta=1e4, ctx=4096, seed=0, n_experts=0, n_experts_used=0,
-                      d_ff_expert=0, tokenizer_from=None, head_dim=None):
+                      d_ff_expert=0, tokenizer_from=None, head_dim=None, sliding_window=0):
     """A random-weight GGUF of this shape and quantization mix at `path`.  arch qwen3moe:
     n_experts experts of d_ff_expert a layer, n_experts_used a token, an F32 router whose
-    logits have a spread of about 1 (clear choices, as a trained router's).  tokenizer_from:
+    logits have a spread of about 1 (clear choices, as a trained router's).  arch gpt-oss
+    (the same experts, with biases; q/k/v/o biases, attention sinks of spread 1, a window
+    of sliding_window in every other layer).  tokenizer_from:
     a GGUF whose tokenizer.* keys (vocabulary, merges, chat template) the file gets, so the
     CLI, the server and constraints run on it (its vocabulary should have `vocab` tokens or
     fewer).  head_dim: when it is not d_model / n_heads (Qwen3's 128 at d 2048, 32 heads)."""
@@ -169,6 +176,8 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
         w.add_expert_count(n_experts)
         w.add_expert_used_count(n_experts_used)
         w.add_expert_feed_forward_length(d_ff_expert)
+    if arch == "gpt-oss":
+        w.add_sliding_window(sliding_window)
     if tokenizer_from is not None:
         r = gguf.GGUFReader(str(tokenizer_from))
         for key, f in r.fields.items():
@@ -190,11 +199,13 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
             return random_weight(t, (max(n, 1) * rows, cols), noise, std, out=buf).reshape(shape)
         tensors.append((name, shape, np.dtype(np.uint8), int(np.prod(shape)), gguf.GGMLQuantizationType(int(t)), make))
 
-    def vec(name, n, value=None):
-        def make(buf, noise, n=n, value=value):
-            return (np.full(n, value, np.float32) if value is not None else
-                    noise.rng.standard_normal(n, dtype=np.float32) * 0.02)
-        tensors.append((name, (n,), np.dtype(np.float32), 4 * n, None, make))
+    def vec(name, n, value=None, std=0.02):
+        shape = n if isinstance(n, tuple) else (n,)
+
+        def make(buf, noise, shape=shape, value=value, std=std):
+            return (np.full(shape, value, np.float32) if value is not None else
+                    noise.rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
+        tensors.append((name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)), None, make))
 
     mat("token_embd.weight", vocab, d_model)
     vec("output_norm.weight", d_model, 1.0)
@@ -203,15 +214,26 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
     for i in range(n_layers):
         p = f"blk.{i}."
         vec(p + "attn_norm.weight", d_model, 1.0)
-        vec(p + "ffn_norm.weight", d_model, 1.0)
+        vec(p + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight"), d_model, 1.0)
         mat(p + "attn_q.weight", n_heads * hd, d_model)
         mat(p + "attn_k.weight", n_kv_heads * hd, d_model)
         mat(p + "attn_v.weight", n_kv_heads * hd, d_model)
         mat(p + "attn_output.weight", d_model, n_heads * hd)
-        if arch == "qwen2":
+        if arch in ("qwen2", "gpt-oss"):
             vec(p + "attn_q.bias", n_heads * hd)
             vec(p + "attn_k.bias", n_kv_heads * hd)
             vec(p + "attn_v.bias", n_kv_heads * hd)
+        if arch == "gpt-oss":
+            vec(p + "attn_output.bias", d_model)
+            vec(p + "attn_sinks.weight", n_heads, std=1.0)
+            mat(p + "ffn_gate_inp.weight", n_experts, d_model, t=GGMLType.F32, std=d_model ** -0.5)
+            vec(p + "ffn_gate_inp.bias", n_experts, std=0.1)
+            mat(p + "ffn_gate_exps.weight", d_ff_expert, d_model, n_experts)
+            mat(p + "ffn_up_exps.weight", d_ff_expert, d_model, n_experts)
+            mat(p + "ffn_down_exps.weight", d_model, d_ff_expert, n_experts)
+            for part, cols in (("gate", d_ff_expert), ("up", d_ff_expert), ("down", d_model)):
+                vec(p + f"ffn_{part}_exps.bias", (n_experts, cols))
+            continue
         if arch in ("qwen3", "qwen3moe"):
             vec(p + "attn_q_norm.weight", hd, 1.0)
             vec(p + "attn_k_norm.weight", hd, 1.0)
