@@ -292,7 +292,7 @@ class CPUBackend:
                 return self._moe_fused(x, logits, experts, top_k, norm_topk, kinds, biases, glu)
         return self._moe_by_expert(x, logits, experts, top_k, norm_topk, biases, glu)
 
-    def _moe_fused(self, x, logits, experts, top_k, norm_topk, kinds, biases, glu):
+    def _moe_fused(self, x, logits, experts, top_k, norm_topk, kinds, biases=None, glu="silu"):
         call, get = self.scratch.call, self.arena.get
         n, d = x.shape
         gw, uw, dw = (e.whole for e in experts)
@@ -345,7 +345,7 @@ class CPUBackend:
         call(moe.combine, y, pos, w, out)
         return out
 
-    def _moe_by_expert(self, x, logits, experts, top_k, norm_topk, biases, glu):
+    def _moe_by_expert(self, x, logits, experts, top_k, norm_topk, biases=None, glu="silu"):
         self.recordable = False             # the experts a step runs depend on its data
         n, d = x.shape
         w, tokens, starts, pos = moe.plan(logits, top_k, norm_topk)

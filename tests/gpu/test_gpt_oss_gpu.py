@@ -143,3 +143,18 @@ def test_split_backend_matches_cpu(engines):
     want, got = ref.prefill(a, ids), split.prefill(b, ids)
     ref.release(a)
     assert _rel(got, want) < 5e-2
+
+
+def test_cpu_moe_matches_cpu(engines):
+    """--n-cpu-moe 2: layers 0-1's experts and their biases in system memory, run by the
+    CPU backend on the router logits (with the router's bias) the GPU computed."""
+    from runtime.engine import Engine
+    mix, lm, _, ref = engines
+    eng = Engine(lm, device="cuda", cpu_moe=2, n_ctx=256)
+    assert isinstance(eng.model.layers[0]["ffn_gate_exps.bias"], np.ndarray)       # on the host
+    assert not isinstance(eng.model.layers[2]["ffn_gate_exps.bias"], np.ndarray)   # on the GPU
+    ids = np.random.default_rng(8).integers(1, lm.config.vocab_size, 30).tolist()
+    a, b = ref.new_sequence(), eng.new_sequence()
+    want, got = ref.prefill(a, ids), eng.prefill(b, ids)
+    ref.release(a)
+    assert _rel(got, want) < 5e-2
