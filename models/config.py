@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,6 +14,20 @@ import numpy as np
 
 class UnsupportedArchitecture(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN's frequency ramp (transformers' _compute_yarn_parameters): frequencies that turn
+    fewer than beta_slow times over the original context are divided by `factor`, those
+    that turn more than beta_fast times are kept, a linear ramp between.  truncate rounds
+    the ramp's ends to whole dims (transformers' default, and what ggml always does);
+    gpt-oss's config.json turns it off.  Its magnitude factor is ModelConfig.rope_mscale."""
+    factor: float
+    original_context: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass
@@ -33,6 +49,17 @@ class ModelConfig:
     rope_scale: float = 1.0        # linear position scaling (gemma3 global layers: 8)
     # llama3 RoPE scaling: each inv_freq is divided by its factor (GGUF rope_freqs.weight)
     rope_freq_factors: np.ndarray | None = field(default=None, compare=False, repr=False)
+    rope_yarn: YarnScaling | None = None
+    # LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini): each inv_freq is divided by its short factor,
+    # or by its long one where the engine's context exceeds rope_original_context (as
+    # llama.cpp chooses: once for the engine, since keys are rotated when they are cached)
+    rope_factors_short: np.ndarray | None = field(default=None, compare=False, repr=False)
+    rope_factors_long: np.ndarray | None = field(default=None, compare=False, repr=False)
+    rope_original_context: int = 0
+    rope_context: int = 0          # the context the engine runs with (for_context); 0: not chosen, short
+    # YaRN / LongRoPE magnitude (transformers' attention_factor): cos and sin of the rotated
+    # dims are multiplied by it, in q and in k; the dims RoPE leaves alone are not
+    rope_mscale: float = 1.0
     nope_layers: tuple = ()        # smollm3: layers that apply no RoPE at all
     sliding_window: int = 0        # 0: every layer attends to the whole context
     sliding_pattern: int = 0       # gemma3: every Nth layer is global, the rest local
@@ -70,6 +97,34 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    @property
+    def rope_uses_long_factors(self) -> bool:
+        return self.rope_factors_long is not None and self.rope_context > self.rope_original_context
+
+    def rope_scaling(self) -> dict | None:
+        """What scales this model's RoPE, for `info` (None: plain RoPE)."""
+        if self.rope_yarn is not None:
+            y = self.rope_yarn
+            return {"type": "yarn", "factor": y.factor, "original_context": y.original_context,
+                    "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "truncate": y.truncate,
+                    "magnitude": round(self.rope_mscale, 6)}
+        if self.rope_factors_long is not None:
+            return {"type": "longrope", "original_context": self.rope_original_context,
+                    "factors": "long" if self.rope_uses_long_factors else "short",
+                    "magnitude": round(self.rope_mscale, 6)}
+        if self.rope_freq_factors is not None:
+            return {"type": "llama3"}
+        if self.rope_scale != 1.0:
+            return {"type": "linear", "factor": self.rope_scale}
+        return None
+
+    def for_context(self, n_ctx: int) -> "ModelConfig":
+        """This config for an engine of n_ctx tokens a sequence: LongRoPE takes its long
+        factors when n_ctx exceeds the original context (llama.cpp's rule), else the short."""
+        if self.rope_factors_long is None or self.rope_context == n_ctx:
+            return self
+        return dataclasses.replace(self, rope_context=int(n_ctx))
+
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "smollm3", "phi3", "gpt-oss")
 MOE_ARCHS = ("qwen3moe", "gpt-oss")
@@ -82,8 +137,12 @@ _GGUF_KEYS = {"context_length", "embedding_length", "block_count", "feed_forward
               "attention.head_count", "attention.head_count_kv", "attention.key_length",
               "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.freq_base",
               "rope.dimension_count", "vocab_size", "rope.scaling.type", "rope.scaling.factor",
-              # informational once the scaling type is known to be none or linear
-              "rope.scaling.original_context_length", "rope.scaling.finetuned"}
+              # YaRN's and LongRoPE's original context; informational for none and linear
+              "rope.scaling.original_context_length", "rope.scaling.finetuned",
+              # YaRN (llama.cpp's converter writes transformers' beta_fast, beta_slow and
+              # attention_factor under these); a magnitude on cos and sin for any scaling
+              "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow", "rope.scaling.yarn_attn_factor",
+              "rope.scaling.attn_factor"}
 _GGUF_ARCH_KEYS = {
     "llama": {"attention.sliding_window"},       # written by our converter for Mistral (HF sliding_window)
     "gemma3": {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa"},
@@ -100,9 +159,20 @@ _GGUF_ARCH_KEYS = {
 # keys that some converters write with a value that changes nothing
 _GGUF_NEUTRAL = {"tensor_data_layout": lambda v: v == "Meta AI original pth",   # GGUF's own q/k layout
                  "attention.causal": lambda v: bool(v),
-                 "expert_count": lambda v: int(v) == 0, "expert_used_count": lambda v: int(v) == 0}
-# rope.scaling.type values we implement (linear: positions divided by the factor)
-_ROPE_SCALING_OK = ("none", "linear")
+                 "expert_count": lambda v: int(v) == 0, "expert_used_count": lambda v: int(v) == 0,
+                 # ggml's YaRN ramp weight; 1 (its default for yarn) is transformers' YaRN
+                 "rope.scaling.yarn_ext_factor": lambda v: float(v) == 1.0}
+# rope.scaling.type values we implement (linear: positions divided by the factor; yarn;
+# longrope: the factors are the tensors rope_factors_short/long.weight)
+_ROPE_SCALING_OK = ("none", "linear", "yarn", "longrope")
+# families whose transformers code takes YaRN (gpt-oss too, once it is a family here)
+YARN_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "smollm3")
+# families whose YaRN does not round the ramp's ends (config.json truncate: false); a GGUF
+# file has no key for it
+YARN_UNTRUNCATED_ARCHS = ("gpt-oss",)
+# families that may carry LongRoPE factors (llama.cpp reads rope_factors_long/short for these)
+LONGROPE_ARCHS = ("phi3",)
+LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 
 
 class UnsupportedModelFile(ValueError):
@@ -111,12 +181,45 @@ class UnsupportedModelFile(ValueError):
 
 def rope_inv_freq(cfg: ModelConfig, theta: float) -> np.ndarray:
     """RoPE's inverse frequencies for `cfg`'s rotated dims, divided by the llama3
-    frequency factors where the model has them (llama.cpp's rope_freqs)."""
+    frequency factors where the model has them (llama.cpp's rope_freqs), bent by YaRN's
+    ramp, or divided by LongRoPE's short or long factors (ModelConfig.for_context)."""
     dim = cfg.rope_dim or cfg.head_dim
     inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     if cfg.rope_freq_factors is not None:
         inv = inv / np.asarray(cfg.rope_freq_factors, np.float64)
+    if cfg.rope_yarn is not None:
+        inv = inv * yarn_freq_scale(cfg.rope_yarn, dim, theta)
+    if cfg.rope_factors_long is not None:
+        factors = cfg.rope_factors_long if cfg.rope_uses_long_factors else cfg.rope_factors_short
+        inv = inv / np.asarray(factors, np.float64)
     return inv.astype(np.float32)
+
+
+def yarn_freq_scale(y: YarnScaling, dim: int, theta: float) -> np.ndarray:
+    """What YaRN multiplies each of the dim/2 inverse frequencies by: transformers'
+    inv_freq_interpolation * (1 - e) + inv_freq_extrapolation * e, with e its ramp."""
+    def correction_dim(rotations):
+        return dim * math.log(y.original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001          # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrapolated = 1.0 - ramp  # 1: the frequency is kept, 0: divided by the factor
+    return (1.0 - extrapolated) / y.factor + extrapolated
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude for a context stretched by factor (transformers' yarn_get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def longrope_mscale(factor: float, original_context: int) -> float:
+    """LongRoPE's default magnitude (transformers' _compute_longrope_parameters and
+    llama.cpp's converter): sqrt(1 + ln(factor) / ln(original context))."""
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original_context))
 
 
 def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
@@ -187,6 +290,8 @@ def check_tensors(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: s
     want = tensor_shapes(cfg)
     if cfg.arch in ROPE_FREQS_ARCHS:
         want["rope_freqs.weight"] = ((cfg.rope_dim or cfg.head_dim) // 2,)
+    if cfg.rope_original_context:      # LongRoPE: both factor tensors (config_from_gguf saw one)
+        want.update({n: ((cfg.rope_dim or cfg.head_dim) // 2,) for n in LONGROPE_TENSORS})
     missing = [n for n in want if n not in shapes and n != "rope_freqs.weight"]
     if missing:
         raise UnsupportedModelFile(f"{where}: lacks tensor {missing[0]} that a {cfg.arch} model needs"
@@ -207,9 +312,6 @@ def config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedArchitecture(
             f"model architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
-    if "rope_factors_long.weight" in shapes or "rope_factors_short.weight" in shapes:
-        raise UnsupportedModelFile(f"{arch}: LongRoPE scaling (rope_factors_long/short) is not implemented by "
-                                   f"Llamba; refusing rather than running the model with the wrong positions")
     known = _GGUF_KEYS | _GGUF_ARCH_KEYS.get(arch, set())
     for k in meta:
         sub = k[len(arch) + 1:]
@@ -249,12 +351,7 @@ def config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
     )
     if not 0 < cfg.rope_dim <= head_dim or cfg.rope_dim % 2:
         raise UnsupportedModelFile(f"{arch}.rope.dimension_count {cfg.rope_dim} does not fit a head of {head_dim}")
-    scaling = str(get("rope.scaling.type", "none", required=False))
-    if scaling not in _ROPE_SCALING_OK:
-        raise UnsupportedModelFile(f"{arch}.rope.scaling.type '{scaling}' is not implemented by Llamba "
-                                   f"(only {', '.join(_ROPE_SCALING_OK)}); refusing rather than running it wrong")
-    if scaling == "linear":
-        cfg.rope_scale = float(get("rope.scaling.factor", 1.0, required=False) or 1.0)
+    _rope_scaling_from_gguf(cfg, get, shapes)
     if arch in ("llama", "phi3"):
         # every layer windowed, as transformers runs Mistral and Phi-3 (llama.cpp ignores
         # Phi-3's window and never sees Mistral's: its converter drops it)
@@ -296,6 +393,58 @@ def config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
         if cfg.n_layers == 62:   # llama.cpp: Gemma 3 27B scales by 1/sqrt(d_model / n_heads)
             cfg.attn_scale = (d_model / n_heads) ** -0.5
     return cfg
+
+
+def _rope_scaling_from_gguf(cfg: ModelConfig, get, shapes) -> None:
+    """rope.scaling.* as llama.cpp reads them: linear, YaRN (transformers' math, with the
+    beta and attention-factor keys llama.cpp's converter writes) or LongRoPE (the factors
+    are tensors, read by the loader into rope_factors_short/long)."""
+    arch = cfg.arch
+    factor = float(get("rope.scaling.factor", 0.0, required=False) or 0.0)
+    # llama.cpp: without a type, a factor means linear scaling
+    scaling = str(get("rope.scaling.type", "linear" if factor else "none", required=False))
+    if scaling not in _ROPE_SCALING_OK:
+        raise UnsupportedModelFile(f"{arch}.rope.scaling.type '{scaling}' is not implemented by Llamba "
+                                   f"(only {', '.join(_ROPE_SCALING_OK)}); refusing rather than running it wrong")
+    original = int(get("rope.scaling.original_context_length", 0, required=False) or 0) or cfg.context_length
+    # llama.cpp multiplies cos and sin by it whatever the scaling (LongRoPE's magnitude)
+    cfg.rope_mscale = float(get("rope.scaling.attn_factor", 1.0, required=False))
+    longrope = [n for n in LONGROPE_TENSORS if n in shapes]
+    if longrope:
+        if arch not in LONGROPE_ARCHS:
+            raise UnsupportedModelFile(f"{arch}: LongRoPE factors ({longrope[0]}) are read for "
+                                       f"{', '.join(LONGROPE_ARCHS)} only; refusing rather than ignoring them")
+        if scaling not in ("none", "longrope"):
+            raise UnsupportedModelFile(f"{arch}: LongRoPE factors with rope.scaling.type '{scaling}' as well; "
+                                       f"Llamba does not combine them")
+        cfg.rope_original_context = original
+    elif scaling == "longrope":
+        raise UnsupportedModelFile(f"{arch}.rope.scaling.type 'longrope' without the rope_factors_short/long "
+                                   f"tensors")
+    if scaling == "linear":
+        cfg.rope_scale = factor or 1.0
+    if scaling == "yarn":
+        if arch not in YARN_ARCHS:
+            raise UnsupportedModelFile(f"{arch}.rope.scaling.type 'yarn' is implemented for {', '.join(YARN_ARCHS)} "
+                                       f"only; refusing rather than running it wrong")
+        if not factor:
+            raise UnsupportedModelFile(f"{arch}.rope.scaling.type 'yarn' without rope.scaling.factor")
+        if "rope_freqs.weight" in shapes:
+            raise UnsupportedModelFile(f"{arch}: YaRN together with rope_freqs.weight; Llamba does not combine them")
+        cfg.rope_yarn = YarnScaling(
+            factor, original, beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0, required=False)),
+            beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0, required=False)),
+            truncate=arch not in YARN_UNTRUNCATED_ARCHS)
+        # transformers' attention_factor where the converter wrote one (llama.cpp's own
+        # qwen/llama graphs ignore the key and take yarn_mscale(factor) anyway)
+        cfg.rope_mscale *= float(get("rope.scaling.yarn_attn_factor", 0.0, required=False) or yarn_mscale(factor))
+        cfg.context_length = max(cfg.context_length, yarn_context(cfg.rope_yarn))
+
+
+def yarn_context(y: YarnScaling) -> int:
+    """The context YaRN stretches the model to: a config.json's max_position_embeddings (so
+    the GGUF's context_length) often still says the original (Qwen3: 40960, YaRN 4 x 32768)."""
+    return int(y.factor * y.original_context)
 
 
 def unfuse(cfg: ModelConfig, tensors: dict) -> dict:

@@ -9,8 +9,8 @@ Layout differences between an HF checkpoint and a GGUF file:
   GGUF (pair) form, so q/k are permuted on load.  qwen2, qwen3 and gemma3 run
   NeoX rope (halves) and need nothing.
 
-config.json keys that change the math are honoured (rope scaling: linear and
-llama3; sliding windows; SmolLM3's no_rope_layers) or refused with the reason;
+config.json keys that change the math are honoured (rope scaling: linear, llama3,
+YaRN, LongRoPE; sliding windows; SmolLM3's no_rope_layers) or refused with the reason;
 a model is never run with a piece of its math left out.
 * gemma3: HF computes RMSNorm as x * (1 + w) and stores w; GGUF stores 1 + w.
 """
@@ -20,7 +20,8 @@ import re
 
 import numpy as np
 
-from .config import MOE_ARCHS, SUPPORTED_ARCHS, ModelConfig, UnsupportedArchitecture, llama3_rope_factors
+from .config import (LONGROPE_ARCHS, MOE_ARCHS, SUPPORTED_ARCHS, YARN_ARCHS, ModelConfig, UnsupportedArchitecture,
+                     YarnScaling, llama3_rope_factors, longrope_mscale, yarn_context, yarn_mscale)
 
 # HF model_type -> GGUF architecture name
 _ARCH_OF_MODEL_TYPE = {
@@ -164,16 +165,7 @@ def config_from_hf(hf: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> Model
         name=str(hf.get("_name_or_path") or hf.get("_model_name_or_path") or ""),
         extra={"hf_config": hf},
     )
-    if rope_type == "linear":
-        cfg.rope_scale = float(rope.get("factor", 1.0))
-    elif rope_type == "llama3" and arch == "llama":
-        cfg.rope_freq_factors = llama3_rope_factors(
-            cfg.rope_dim, cfg.rope_theta, float(rope.get("factor", 8.0)), float(rope.get("low_freq_factor", 1.0)),
-            float(rope.get("high_freq_factor", 4.0)), int(rope.get("original_max_position_embeddings", 8192)))
-    elif rope_type != "default":
-        raise CheckpointError(f"config.json: rope scaling type '{rope_type}' is not implemented by Llamba for "
-                              f"{arch} (only linear{' and llama3' if arch == 'llama' else ''}); refusing rather "
-                              f"than running the model with the wrong positions")
+    _rope_scaling(cfg, hf, rope, rope_type)
     _windows(cfg, hf, arch)
     if arch in MOE_ARCHS:
         _experts(cfg, hf, n_layers)
@@ -192,6 +184,65 @@ def config_from_hf(hf: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> Model
         qpas = hf.get("query_pre_attn_scalar")
         cfg.attn_scale = float(qpas) ** -0.5 if qpas else 0.0
     return cfg
+
+
+def _original_context(hf: dict, rope: dict) -> int:
+    """The pretraining context a scaled RoPE starts from, where transformers takes it: a
+    top-level original_max_position_embeddings first (Phi-3's config has one, 4096 by
+    default), else the rope parameters', else max_position_embeddings."""
+    if hf.get("original_max_position_embeddings") is not None:
+        return int(hf["original_max_position_embeddings"])
+    if hf.get("model_type") == "phi3":
+        return 4096
+    return int(rope.get("original_max_position_embeddings") or hf.get("max_position_embeddings") or 2048)
+
+
+def _rope_scaling(cfg: ModelConfig, hf: dict, rope: dict, rope_type: str) -> None:
+    """The rope parameters' scaling as transformers' modeling_rope_utils computes it."""
+    arch = cfg.arch
+    if arch == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"        # as transformers' Phi3Config renames them
+    if rope_type == "default":
+        return
+    if rope_type == "linear":
+        cfg.rope_scale = float(rope.get("factor", 1.0))
+        return
+    original = _original_context(hf, rope)
+    max_pos = int(hf.get("max_position_embeddings") or original)
+    if rope_type == "llama3" and arch == "llama":
+        cfg.rope_freq_factors = llama3_rope_factors(
+            cfg.rope_dim, cfg.rope_theta, float(rope.get("factor", 8.0)), float(rope.get("low_freq_factor", 1.0)),
+            float(rope.get("high_freq_factor", 4.0)), original)
+    elif rope_type == "yarn" and arch in YARN_ARCHS:
+        factor = float(rope.get("factor") or max_pos / original)
+        cfg.rope_yarn = YarnScaling(factor, original, beta_fast=float(rope.get("beta_fast") or 32),
+                                    beta_slow=float(rope.get("beta_slow") or 1),
+                                    truncate=bool(rope["truncate"]) if "truncate" in rope else True)
+        attention = rope.get("attention_factor")
+        if attention is None:
+            mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+            attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                         if mscale and mscale_all_dim else yarn_mscale(factor))
+        cfg.rope_mscale = float(attention)
+        cfg.context_length = max(cfg.context_length, yarn_context(cfg.rope_yarn))
+    elif rope_type == "longrope" and arch in LONGROPE_ARCHS:
+        short, long = rope.get("short_factor"), rope.get("long_factor")
+        for name, f in (("short_factor", short), ("long_factor", long)):
+            if not isinstance(f, list) or len(f) != cfg.rope_dim // 2:
+                raise CheckpointError(f"config.json: LongRoPE {name} must list {cfg.rope_dim // 2} numbers (half the "
+                                      f"{cfg.rope_dim} rotated dims), not {str(f)[:60]}")
+        factor = float(rope.get("factor") or max_pos / original)
+        attention = rope.get("attention_factor")
+        cfg.rope_mscale = float(longrope_mscale(factor, original) if attention is None else attention)
+        cfg.rope_factors_short = np.asarray(short, np.float32)
+        cfg.rope_factors_long = np.asarray(long, np.float32)
+        cfg.rope_original_context = original
+    else:
+        kinds = ["linear"] + (["llama3"] if arch == "llama" else []) + (["yarn"] if arch in YARN_ARCHS else []) \
+            + (["longrope"] if arch in LONGROPE_ARCHS else [])
+        raise CheckpointError(f"config.json: rope scaling type '{rope_type}' is not implemented by Llamba for "
+                              f"{arch} (only {', '.join(kinds)}); refusing rather than running the model with the "
+                              f"wrong positions")
 
 
 def _experts(cfg: ModelConfig, hf: dict, n_layers: int) -> None:

@@ -3,6 +3,9 @@ qwen3 (RMS-normed q/k heads), qwen3moe (qwen3 with a mixture of experts for each
 FFN), smollm3 (no RoPE in every 4th layer) and phi3 (NeoX RoPE on part of each
 head; its fused qkv and gate_up are split on load).
 
+RoPE scaling (linear, llama3, YaRN, LongRoPE) is all in the rope op's arguments: the
+frequencies (rope_inv_freq), the position divisor and the magnitude on cos and sin.
+
 Written once against the Backend ops; the Backend decides where it runs.
 Weights are named as in GGUF files (`blk.{i}.attn_q.weight`, ...).  Sliding-window
 layers (Mistral) need nothing here: the engine gives those layers a window.
@@ -39,8 +42,8 @@ class Llama:
                 q = b.rmsnorm(q, L["attn_q_norm"], cfg.rms_eps)
                 k = b.rmsnorm(k, L["attn_k_norm"], cfg.rms_eps)
             if cfg.uses_rope(i):
-                b.rope(q, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale)
-                b.rope(k, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale)
+                b.rope(q, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale, cfg.rope_mscale)
+                b.rope(k, step, self.inv_freq, cfg.rope_neox, cfg.rope_scale, cfg.rope_mscale)
             a = b.attention(q, k, b.heads(v, cfg.n_kv_heads), i, step)
             b.matmul_add(a, L["attn_output"], x)
             h = b.rmsnorm(x, L["ffn_norm"], cfg.rms_eps)

@@ -15,6 +15,7 @@ complete, so an interrupted run never leaves a partial OUT.gguf.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -115,7 +116,8 @@ def _write_metadata(w, ck, tok, scheme: str, folder: Path) -> None:
     w.add_name(cfg.name or folder.name)
     w.add_file_type(FILE_TYPE[scheme])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_context_length(cfg.context_length)
+    # config.json's own (YaRN stretched cfg.context_length; the reader stretches it again)
+    w.add_context_length(int(cfg.extra.get("hf_config", {}).get("max_position_embeddings") or cfg.context_length))
     w.add_embedding_length(cfg.d_model)
     w.add_block_count(cfg.n_layers)
     w.add_feed_forward_length(cfg.d_ff)
@@ -133,6 +135,13 @@ def _write_metadata(w, ck, tok, scheme: str, folder: Path) -> None:
     if cfg.rope_scale != 1.0:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_scale)
+    if cfg.rope_yarn is not None:          # as llama.cpp's converter writes it (_check_expressible: the rest default)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(cfg.rope_yarn.factor)
+        w.add_rope_scaling_orig_ctx_len(cfg.rope_yarn.original_context)
+    if cfg.rope_factors_long is not None:  # LongRoPE, as llama.cpp's Phi-3 converter: the factors are tensors
+        w.add_rope_scaling_orig_ctx_len(cfg.rope_original_context)
+        w.add_rope_scaling_attn_factors(cfg.rope_mscale)
     if cfg.arch == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
         if cfg.local_layers is not None and \
@@ -185,6 +194,16 @@ def _check_expressible(cfg) -> None:
     if cfg.n_experts and not cfg.expert_norm_topk:
         raise ConvertError(f"{cfg.arch}: norm_topk_prob is false; GGUF readers (llama.cpp's {cfg.arch}) always "
                            f"renormalize the chosen experts' weights")
+    y = cfg.rope_yarn
+    if y is not None:
+        from models.config import YARN_UNTRUNCATED_ARCHS, yarn_mscale
+        if y.truncate != (cfg.arch not in YARN_UNTRUNCATED_ARCHS):
+            raise ConvertError(f"{cfg.arch}: YaRN with truncate {str(y.truncate).lower()}; a GGUF file has no key for "
+                               f"it and its readers assume {str(not y.truncate).lower()} for {cfg.arch}")
+        if (y.beta_fast, y.beta_slow) != (32.0, 1.0) or not math.isclose(cfg.rope_mscale, yarn_mscale(y.factor)):
+            raise ConvertError(f"{cfg.arch}: YaRN with beta_fast {y.beta_fast:g}, beta_slow {y.beta_slow:g}, "
+                               f"attention factor {cfg.rope_mscale:g}; GGUF readers (llama.cpp's {cfg.arch}) take "
+                               f"32, 1 and {yarn_mscale(y.factor):g} whatever the file says")
     if cfg.arch not in ("gemma3", "gpt-oss") and cfg.local_layers is not None and cfg.sliding_window:
         raise ConvertError(f"{cfg.arch}: sliding-window layers {list(cfg.local_layers)} cannot be written to a "
                            f"GGUF file that llama.cpp reads the same way")
@@ -230,8 +249,12 @@ def convert(src, out, scheme: str = "f16", progress: bool | None = None) -> dict
     extra = {}   # tensors made from config.json, not read from the checkpoint
     if cfg.rope_freq_factors is not None:
         extra["rope_freqs.weight"] = np.asarray(cfg.rope_freq_factors, np.float32)
-        plan["rope_freqs.weight"] = (extra["rope_freqs.weight"].shape, GGMLType.F32)
-        names = ["rope_freqs.weight"] + names
+    if cfg.rope_factors_long is not None:
+        extra["rope_factors_long.weight"] = np.asarray(cfg.rope_factors_long, np.float32)
+        extra["rope_factors_short.weight"] = np.asarray(cfg.rope_factors_short, np.float32)
+    for n in sorted(extra):
+        plan[n] = (extra[n].shape, GGMLType.F32)
+    names = sorted(extra) + names
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.part-{os.getpid()}")

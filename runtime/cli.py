@@ -379,6 +379,8 @@ def cmd_info(args) -> int:
                            "normalized_top_k": cfg.expert_norm_topk}
     from .backend.cuda_memory import estimate_bytes   # before loading: what a GPU would need
     n_ctx = min(args.ctx_size or 4096, cfg.context_length)
+    if cfg.for_context(n_ctx).rope_scaling():    # (LongRoPE: the factors this context takes)
+        info["rope_scaling"] = cfg.for_context(n_ctx).rope_scaling()
     # (with -ngl / --cpu-moe / --n-cpu-moe: the GPU's share; host_weights: what stays in system memory)
     placed = {"gpu_layers": args.gpu_layers} if args.gpu_layers is not None else {}
     if args.n_cpu_moe and cfg.n_experts:      # layers whose experts stay on the host

@@ -33,7 +33,9 @@ def check_policy(policy: str) -> str:
 def rope_for_layer(cfg, layer: int) -> tuple[np.ndarray, bool, float]:
     """(inv_freq, neox, pos_scale) that the model's forward uses for `layer`'s keys
     (a layer without RoPE, as in SmolLM3: zero frequencies, so a shift moves its keys
-    without rotating them)."""
+    without rotating them).  `cfg` is the engine's (ModelConfig.for_context: LongRoPE's
+    chosen factors).  YaRN's / LongRoPE's magnitude (rope_mscale) is not here: cached keys
+    carry it already, and a shift only rotates them."""
     from models.config import rope_inv_freq
     if cfg.arch == "gemma3":
         if cfg.is_local_layer(layer):

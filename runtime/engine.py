@@ -64,18 +64,18 @@ class Engine:
                                     cpu_moe=cpu_moe)
         lm = model if isinstance(model, LoadedModel) else load_model(model)
         self.loaded = lm
-        self.config = cfg = lm.config
+        self.n_ctx = min(n_ctx or 4096, lm.config.context_length)
+        # (LongRoPE picks its short or long factors by the context: keys are rotated once, when cached)
+        self.config = cfg = lm.config.for_context(self.n_ctx)
         if cpu_moe and not cfg.n_experts and announce:      # (llama.cpp's flags match no tensor there either)
             announce(f"--cpu-moe / --n-cpu-moe: {lm.path.name} has no experts; the flag has no effect")
         self.tokenizer = lm.tokenizer
         if hasattr(self.backend, "check_fits"):     # GPU: refuse what will not fit, before uploading
-            self.backend.check_fits(lm, min(n_ctx or 4096, cfg.context_length), block_size, cache_blocks,
-                                    cache_type=cache_type)
+            self.backend.check_fits(lm, self.n_ctx, block_size, cache_blocks, cache_type=cache_type)
         # the embedding table is streamed every token only where it doubles as the output layer
         tied = "output.weight" not in lm.tensors
         self.model = model_class(cfg.arch)(cfg, {n: self.backend.upload(t, streamed=tied or n != "token_embd.weight")
                                                  for n, t in lm.tensors.items()})
-        self.n_ctx = min(n_ctx or 4096, cfg.context_length)
         self.block_size = block_size
         n_blocks = cache_blocks or 2 * math.ceil(self.n_ctx / block_size)
         self.cache_type = cache_type

@@ -50,11 +50,14 @@ def load_gguf(path: Path) -> LoadedModel:
     cfg = config_from_gguf(g.metadata, shapes)
     check_tensors(cfg, shapes, path.name)
     tensors = {}
+    # RoPE scaling: divisors of the frequencies, not weights (llama3's; LongRoPE's two sets)
+    rope_divisors = {"rope_freqs.weight": "rope_freq_factors", "rope_factors_short.weight": "rope_factors_short",
+                     "rope_factors_long.weight": "rope_factors_long"}
     for name, info in g.tensors.items():
-        if name == "rope_freqs.weight":   # llama3 RoPE scaling: divisors of the frequencies, not a weight
+        if name in rope_divisors:
             if info.ggml_type != 0:
-                raise GGUFError(f"{path.name}: rope_freqs.weight is stored as ggml type {info.ggml_type}, not F32")
-            cfg.rope_freq_factors = np.frombuffer(g.tensor_bytes(name), np.float32).copy()
+                raise GGUFError(f"{path.name}: {name} is stored as ggml type {info.ggml_type}, not F32")
+            setattr(cfg, rope_divisors[name], np.frombuffer(g.tensor_bytes(name), np.float32).copy())
             continue
         tensors[name] = QTensor.from_file_bytes(name, info.ggml_type, info.shape, g.tensor_bytes(name))
     tensors = unfuse(cfg, tensors)

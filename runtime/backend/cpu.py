@@ -370,8 +370,8 @@ class CPUBackend:
         moe.combine(y, pos, w, out)
         return out
 
-    def rope(self, x, step, inv_freq, neox, pos_scale=1.0):
-        self.scratch.call(K.rope, x, step.positions, inv_freq, neox, np.float32(pos_scale))
+    def rope(self, x, step, inv_freq, neox, pos_scale=1.0, mscale=1.0):
+        self.scratch.call(K.rope, x, step.positions, inv_freq, neox, np.float32(pos_scale), np.float32(mscale))
 
     def rows(self, x, idx):
         out = self.arena.get((len(idx),) + x.shape[1:], x.dtype)

@@ -48,16 +48,17 @@ def _rotate(x, t, hh, i, half, c, s, neox):
 
 
 @nb.njit(**_JIT)
-def rope(x, positions, inv_freq, neox, pos_scale):
-    """Rotate x [N, H, D] in place by each token's position (first 2*len(inv_freq) dims)."""
+def rope(x, positions, inv_freq, neox, pos_scale, mscale):
+    """Rotate x [N, H, D] in place by each token's position (first 2*len(inv_freq) dims),
+    cos and sin times mscale (YaRN's / LongRoPE's magnitude; 1 leaves the rotation exact)."""
     n, h, d = x.shape
     half = inv_freq.shape[0]
     for t in range(n):
         p = positions[t] / pos_scale
         for i in range(half):
             ang = p * inv_freq[i]
-            c = np.float32(math.cos(ang))
-            s = np.float32(math.sin(ang))
+            c = np.float32(math.cos(ang)) * mscale
+            s = np.float32(math.sin(ang)) * mscale
             for hh in range(h):
                 _rotate(x, t, hh, i, half, c, s, neox)
 

@@ -399,7 +399,7 @@ class CUDABackend:
         self._last_graph = None
         self._pnorm = None          # deferred RMSNorm (x, w, eps, out)
         self._pglu = None           # deferred GLU (g, u, kind)
-        self._propes = []           # deferred RoPEs (x, positions, inv_freq, neox, pos_scale)
+        self._propes = []           # deferred RoPEs (x, positions, inv_freq, neox, pos_scale, mscale)
         self._unmat: set = set()    # outputs of folded ops: never written
         self.profile_next = False
         self.last_profile = None
@@ -860,8 +860,8 @@ class CUDABackend:
             self._launch(_GLU_KERNELS[kind], g.size, (g, u, np.int64(g.size)))
         if self._propes and not keep_ropes:
             ropes, self._propes = self._propes, []
-            for x, pos, inv_freq, neox, pos_scale in ropes:
-                self._rope_now(x, pos, inv_freq, neox, pos_scale)
+            for x, pos, inv_freq, neox, pos_scale, mscale in ropes:
+                self._rope_now(x, pos, inv_freq, neox, pos_scale, mscale)
 
     def _check(self, *arrays):
         for a in arrays:
@@ -1036,17 +1036,17 @@ class CUDABackend:
         self.qc.moe_combine(y, w_d, top_k, out, pos=pos_d)
         return out
 
-    def rope(self, x, step, inv_freq, neox, pos_scale=1.0):
+    def rope(self, x, step, inv_freq, neox, pos_scale=1.0, mscale=1.0):
         self._flush(keep_ropes=True)
         self._check(x)
-        self._propes.append((x, step.positions, inv_freq, neox, pos_scale))
+        self._propes.append((x, step.positions, inv_freq, neox, pos_scale, mscale))
 
-    def _rope_now(self, x, positions, inv_freq, neox, pos_scale):
+    def _rope_now(self, x, positions, inv_freq, neox, pos_scale, mscale):
         n, h, d = x.shape
         half = inv_freq.shape[0]
         self._launch("rope", n * h * half, (x, positions, self._const(inv_freq), np.int32(n), np.int32(h),
                                             np.int32(d), np.int32(half), np.int32(1 if neox else 0),
-                                            np.float32(pos_scale)))
+                                            np.float32(pos_scale), np.float32(mscale)))
 
     def end_layer(self):
         """Nothing: every op keeps its own buffers, at the addresses the captured
@@ -1076,15 +1076,16 @@ class CUDABackend:
         g = h // kvh
         slots, tables = step.slots_for(layer), step.tables_for(layer)
         r = self._propes
-        fused = (len(r) == 2 and r[0][0] is q and r[1][0] is k and r[0][2] is r[1][2] and r[0][3] == r[1][3]
-                 and r[0][4] == r[1][4] and 2 * r[0][2].shape[0] == d and self._pnorm is None and self._pglu is None
+        fused = (len(r) == 2 and r[0][0] is q and r[1][0] is k and r[0][2] is r[1][2] and r[0][3:] == r[1][3:]
+                 and 2 * r[0][2].shape[0] == d and self._pnorm is None and self._pglu is None
                  and not kv.v_quant)     # (a q8_0 V needs a block's max: kv_write_v8 below)
         if fused:
             self._propes = []
-            _, pos, inv_freq, neox, pos_scale = r[0]
+            _, pos, inv_freq, neox, pos_scale, mscale = r[0]
             self._launch("rope_qk_kv_write", n * (h + kvh) * (d // 2),
                          (q, k, v, kv.k[layer], kv.v[layer], slots, pos, self._const(inv_freq), np.int32(n),
-                          np.int32(h), np.int32(kvh), np.int32(d), np.int32(1 if neox else 0), np.float32(pos_scale)))
+                          np.int32(h), np.int32(kvh), np.int32(d), np.int32(1 if neox else 0), np.float32(pos_scale),
+                          np.float32(mscale)))
         else:
             self._flush()
             self._check(q, k, v)

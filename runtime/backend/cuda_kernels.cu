@@ -25,9 +25,10 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __r
     for (int j = threadIdx.x; j < D; j += blockDim.x) o[j] = xr[j] * r * w[j];
 }
 
-// rotate x [N, H, D] in place by each token's position; angles in double, as the CPU does
+// rotate x [N, H, D] in place by each token's position; angles in double, as the CPU does;
+// cos and sin times mscale (YaRN's / LongRoPE's magnitude, 1 for plain RoPE)
 extern "C" __global__ void rope(float* x, const int* __restrict__ positions, const float* __restrict__ inv_freq,
-                                int N, int H, int D, int half, int neox, float pos_scale) {
+                                int N, int H, int D, int half, int neox, float pos_scale, float mscale) {
     PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)N * H * half) return;
@@ -36,6 +37,8 @@ extern "C" __global__ void rope(float* x, const int* __restrict__ positions, con
     const int t = (int)(i / ((long long)half * H));
     float c, s;
     rope_cs(positions[t], pos_scale, inv_freq[k], c, s);
+    c *= mscale;
+    s *= mscale;
     float* xr = x + ((long long)t * H + hh) * D;
     const int ia = neox ? k : 2 * k, ib = neox ? k + half : 2 * k + 1;
     const float a = xr[ia], b = xr[ib];
@@ -601,7 +604,7 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part_m, const fl
 extern "C" __global__ void rope_qk_kv_write(float* q, float* k, const float* __restrict__ v,
                                             __half* kp, __half* vp, const int* __restrict__ slots,
                                             const int* __restrict__ positions, const float* __restrict__ inv_freq,
-                                            int N, int H, int KVH, int D, int neox, float pos_scale) {
+                                            int N, int H, int KVH, int D, int neox, float pos_scale, float mscale) {
     const int half = D / 2;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const bool live = i < (long long)N * (H + KVH) * half;
@@ -611,7 +614,11 @@ extern "C" __global__ void rope_qk_kv_write(float* q, float* k, const float* __r
     // the angle from the step's positions and the constant frequencies: before the wait
     // (pdl.cuh), so its double-precision sin / cos overlap the kernel ahead
     float c = 0.f, s = 0.f;
-    if (live) rope_cs(positions[t], pos_scale, inv_freq[p], c, s);
+    if (live) {
+        rope_cs(positions[t], pos_scale, inv_freq[p], c, s);
+        c *= mscale;
+        s *= mscale;
+    }
     PDL_ENTER();
     if (!live) return;
     const int ia = neox ? p : 2 * p, ib = neox ? p + half : 2 * p + 1;

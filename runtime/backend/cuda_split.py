@@ -195,11 +195,11 @@ class SplitBackend:
         g = self._w_dev(router)
         return self._be(g).moe(self._to(x, g), router, experts, top_k, norm_topk, **options)
 
-    def rope(self, x, step, inv_freq, neox, pos_scale=1.0):
+    def rope(self, x, step, inv_freq, neox, pos_scale=1.0, mscale=1.0):
         if self._dev(x):
-            self.gpu.rope(x, step.dev, inv_freq, neox, pos_scale)
+            self.gpu.rope(x, step.dev, inv_freq, neox, pos_scale, mscale)
         else:
-            self.cpu.rope(x, step, inv_freq, neox, pos_scale)
+            self.cpu.rope(x, step, inv_freq, neox, pos_scale, mscale)
 
     def rows(self, x, idx):
         if self._dev(x):

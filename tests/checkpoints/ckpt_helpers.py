@@ -10,9 +10,9 @@ PROMPT = ("The GNU General Public License is a free, copyleft license for softwa
           "works. In 1905, Albert Einstein published four papers that")
 
 
-def engine_logits(lm, ids):
+def engine_logits(lm, ids, n_ctx=256):
     from runtime.engine import Engine
-    eng = Engine(lm, n_ctx=256)
+    eng = Engine(lm, n_ctx=n_ctx)
     return eng.step([eng.new_sequence()], [ids], all_logits=True)
 
 

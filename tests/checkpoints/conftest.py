@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from make_checkpoints import checkpoint_dir, ensure_checkpoint
+from tiny_models import llama_cpp_convert, llama_cpp_converter, make_tiny, prompt_ids, transformers_logits
 
 
 @pytest.fixture(scope="session")
@@ -22,4 +23,34 @@ def made_checkpoint():
         if not (d / ".complete").exists():
             pytest.skip(f"{name} checkpoint not made here (tests/checkpoints/make_checkpoints.py {name})")
         return d
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """tiny(family) -> (folder, prompt ids, transformers' logits), made once per session."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            d = make_tiny(family, tmp_path_factory.mktemp("tiny") / family)
+            ids = prompt_ids()
+            made[family] = (d, ids, transformers_logits(d, ids))
+        return made[family]
+    return get
+
+
+@pytest.fixture(scope="session")
+def lcpp(tiny, tmp_path_factory):
+    """lcpp(family) -> the GGUF llama.cpp's convert_hf_to_gguf.py writes (f16)."""
+    script = llama_cpp_converter()
+    if script is None:
+        pytest.skip("llama.cpp's converter could not be fetched (pip download llama-cpp-python sdist failed)")
+    out = {}
+
+    def get(family):
+        if family not in out:
+            folder = tiny(family)[0]
+            out[family] = llama_cpp_convert(script, folder, tmp_path_factory.mktemp("lcpp") / f"{family}.gguf")
+        return out[family]
     return get

@@ -18,41 +18,10 @@ from models.hf_config import CheckpointError
 from runtime.context import rope_for_layer
 from runtime.gguf_file import GGUFFile
 from runtime.loader import load_model
-from tiny_models import (FAMILIES, llama_cpp_convert, llama_cpp_converter, make_tiny, prompt_ids,
-                         transformers_logits)
+from tiny_models import FAMILIES, make_tiny, prompt_ids
 
 pytest.importorskip("transformers")
 MIN_TOP1, MAX_KL = 0.99, 1e-3
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    """tiny(family) -> (folder, prompt ids, transformers' logits), made once per session."""
-    made = {}
-
-    def get(family):
-        if family not in made:
-            d = make_tiny(family, tmp_path_factory.mktemp("tiny") / family)
-            ids = prompt_ids()
-            made[family] = (d, ids, transformers_logits(d, ids))
-        return made[family]
-    return get
-
-
-@pytest.fixture(scope="session")
-def lcpp(tiny, tmp_path_factory):
-    """lcpp(family) -> the GGUF llama.cpp's convert_hf_to_gguf.py writes (f16)."""
-    script = llama_cpp_converter()
-    if script is None:
-        pytest.skip("llama.cpp's converter could not be fetched (pip download llama-cpp-python sdist failed)")
-    out = {}
-
-    def get(family):
-        if family not in out:
-            folder = tiny(family)[0]
-            out[family] = llama_cpp_convert(script, folder, tmp_path_factory.mktemp("lcpp") / f"{family}.gguf")
-        return out[family]
-    return get
 
 
 def _agree(lm, ids, ref, what, rows=None):
@@ -145,8 +114,9 @@ def test_our_gguf_reads_as_llama_cpp_s_does(tiny, lcpp, tmp_path):
             assert (a.sliding_window, b.sliding_window) == (16, 0)
             a.sliding_window = 0
         assert a == b, family
-        assert np.array_equal(a.rope_freq_factors, b.rope_freq_factors) if b.rope_freq_factors is not None \
-            else a.rope_freq_factors is None
+        for divisors in ("rope_freq_factors", "rope_factors_short", "rope_factors_long"):
+            x, y = getattr(a, divisors), getattr(b, divisors)
+            assert np.array_equal(x, y) if y is not None else x is None, (family, divisors)
 
 
 def test_layers_without_rope_shift_without_rotation(tiny):
@@ -155,11 +125,13 @@ def test_layers_without_rope_shift_without_rotation(tiny):
     assert not rope_for_layer(lm.config, 3)[0].any() and rope_for_layer(lm.config, 2)[0].all()
 
 
-@pytest.mark.parametrize("family,overrides", [("llama3", {}), ("smollm3", {"no_rope_layers": [0, 1, 1, 1]})])
+@pytest.mark.parametrize("family,overrides", [("llama3", {}), ("smollm3", {"no_rope_layers": [0, 1, 1, 1]}),
+                                               ("qwen3-yarn", {}), ("phi3-longrope", {})])
 def test_context_shift_rerotates_keys_as_the_forward_rotates_them(tmp_path, family, overrides):
     """After a context shift, layer 0's keys (which depend only on token and position)
-    equal a fresh prefill's: rope_for_layer knows the llama3 factors and a layer
-    without RoPE (here SmolLM3's layer 0) is moved, not rotated."""
+    equal a fresh prefill's: rope_for_layer knows the llama3 factors, YaRN's ramp and the
+    LongRoPE factors the engine chose, a shift does not apply YaRN's / LongRoPE's magnitude
+    a second time, and a layer without RoPE (here SmolLM3's layer 0) is moved, not rotated."""
     from runtime.engine import Engine
     lm = load_model(make_tiny(family, tmp_path / family, **overrides))
     eng = Engine(lm, n_ctx=128, overflow="shift")
@@ -189,15 +161,19 @@ def test_mistral_window_reaches_the_engine(tiny):
 
 # ---- refusing what we do not implement ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10000.0},
-    {"rope_type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8, "rope_theta": 10000.0,
-     "original_max_position_embeddings": 1024},
-    {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+@pytest.mark.parametrize("family,rope", [
+    ("llama3", {"rope_type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8, "rope_theta": 10000.0,
+                "original_max_position_embeddings": 1024}),
+    ("llama3", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+    ("gemma3", {"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                                   "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 ])
-def test_unimplemented_rope_scaling_is_refused(tiny, tmp_path, rope):
-    d = edit_config(tiny("llama3")[0], tmp_path / "ck", rope_parameters=rope)
-    with pytest.raises(CheckpointError, match=f"rope scaling type '{rope['rope_type']}' is not implemented"):
+def test_unimplemented_rope_scaling_is_refused(tiny, tmp_path, family, rope):
+    """LongRoPE outside Phi-3, dynamic NTK, YaRN on Gemma 3's global layers."""
+    d = edit_config(tiny(family)[0], tmp_path / "ck", rope_parameters=rope)
+    kind = rope.get("rope_type") or rope["full_attention"]["rope_type"]
+    with pytest.raises(CheckpointError, match=f"rope scaling type '{kind}' is not implemented"):
         load_model(d)
 
 
@@ -211,9 +187,11 @@ def test_unknown_gguf_metadata_is_refused(tiny, lcpp):
     g = GGUFFile(lcpp("qwen3"))
     shapes = {n: t.shape for n, t in g.tensors.items()}
     config_from_gguf(g.metadata, shapes)
-    for key, value in [("qwen3.attention.logit_softcapping", 30.0), ("qwen3.expert_count", 8),
-                       ("qwen3.rope.scaling.type", "yarn")]:
-        with pytest.raises(UnsupportedModelFile, match=key.split(".", 1)[1] if "type" not in key else "yarn"):
+    for key, value, says in [("qwen3.attention.logit_softcapping", 30.0, "logit_softcapping"),
+                             ("qwen3.expert_count", 8, "expert_count"),
+                             ("qwen3.rope.scaling.type", "dynamic", "'dynamic' is not implemented"),
+                             ("qwen3.rope.scaling.yarn_log_multiplier", 0.1, "yarn_log_multiplier")]:
+        with pytest.raises(UnsupportedModelFile, match=says):
             config_from_gguf({**g.metadata, key: value}, shapes)
     # what older converters write and changes nothing is accepted
     config_from_gguf({**g.metadata, "qwen3.expert_count": 0, "qwen3.attention.causal": True,
@@ -248,21 +226,6 @@ def test_smollm3_odd_nope_pattern_loads_but_does_not_convert(tmp_path):
     assert load_model(d).config.nope_layers == (1,)
     with pytest.raises(ConvertError, match="every 4th layer"):
         convert(d, tmp_path / "x.gguf", "f16", progress=False)
-
-
-def test_phi3_longrope_is_refused(tiny, lcpp, tmp_path):
-    """Phi-3 128k / Phi-4-mini scale RoPE with LongRoPE, which we do not implement:
-    refused from config.json and from a GGUF that carries the factor tensors."""
-    d = edit_config(tiny("phi3")[0], tmp_path / "ck", rope_parameters={
-        "rope_type": "longrope", "long_factor": [1.5] * 4, "short_factor": [1.0] * 4, "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.5}, original_max_position_embeddings=1024)
-    with pytest.raises(CheckpointError, match="rope scaling type 'longrope' is not implemented"):
-        load_model(d)
-    g = GGUFFile(lcpp("phi3"))
-    shapes = {n: t.shape for n, t in g.tensors.items()}
-    assert "blk.0.attn_qkv.weight" in shapes and "blk.0.ffn_gate.weight" not in shapes
-    with pytest.raises(UnsupportedModelFile, match="LongRoPE"):
-        config_from_gguf(g.metadata, {**shapes, "rope_factors_long.weight": (4,), "rope_factors_short.weight": (4,)})
 
 
 def test_phi3_fused_weights_split_into_views(tiny):

@@ -54,6 +54,21 @@ FAMILIES = {
     # Phi-4-mini shape: fused qkv and gate_up, RoPE on 3/4 of each head... here on half
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, sliding_window=16, tie_word_embeddings=False,
                                 rope_theta=10000.0), "phi3"),
+    # YaRN (Qwen3's 128k recipe, gpt-oss's defaults) with an original context of 32, so that a
+    # 96-token prompt runs past it; factor * original = max_position_embeddings, as transformers wants
+    "qwen3-yarn": ("Qwen3Config", dict(head_dim=32, max_position_embeddings=128, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}), "qwen3"),
+    "llama-yarn": ("LlamaConfig", dict(max_position_embeddings=256, rope_parameters={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}),
+                   "llama"),
+    # Phi-3-mini-128k / Phi-4-mini shape: LongRoPE on part of each head (Phi-4-mini: 3/4), the
+    # original context (top-level in Phi-3's config.json) 64; factor 4096 / 64 makes the
+    # magnitude sqrt(2).  The engine's context picks the factors (tests/checkpoints/test_rope_scaling.py)
+    "phi3-longrope": ("Phi3Config", dict(partial_rotary_factor=0.5, tie_word_embeddings=False,
+                                         original_max_position_embeddings=64, rope_parameters={
+                                             "rope_type": "longrope", "rope_theta": 10000.0,
+                                             "short_factor": [1.0, 1.25, 1.6, 2.5],
+                                             "long_factor": [2.0, 6.0, 18.0, 54.0]}), "phi3"),
     # Qwen3-30B-A3B shape, small: 8 experts of 32, 2 a token (renormalized), every layer MoE
     "qwen3moe": ("Qwen3MoeConfig", dict(num_hidden_layers=2, head_dim=32, rope_theta=1000000.0, num_experts=8,
                                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
@@ -65,6 +80,12 @@ FAMILIES = {
                                     sliding_window=8, tie_word_embeddings=False,
                                     rope_parameters={"rope_type": "default", "rope_theta": 150000.0}),
                "gpt-oss"),
+}
+
+# checkpoints make_tiny also makes that the family tests do not run (llama.cpp's Qwen2
+# converter does not know SmolLM2's pre-tokenizer)
+OTHER_CHECKPOINTS = {
+    "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0), "qwen2"),
 }
 
 
@@ -92,7 +113,7 @@ def make_tiny(family: str, folder: Path, seed: int = 0, dtype: str = "float16", 
     import torch
     import transformers
 
-    cls_name, args, _ = FAMILIES[family]
+    cls_name, args, _ = FAMILIES.get(family) or OTHER_CHECKPOINTS[family]
     config = getattr(transformers, cls_name)(**{**_COMMON, **args, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -115,7 +136,7 @@ def make_tiny(family: str, folder: Path, seed: int = 0, dtype: str = "float16", 
     for p in tokenizer_dir().iterdir():
         if not p.name.startswith("."):
             shutil.copy(p, folder / p.name)
-    if family == "phi3":      # llama.cpp's Phi-3 converter reads a BPE vocabulary only under this name (Phi-4's)
+    if cls_name == "Phi3Config":      # llama.cpp's Phi-3 converter reads a BPE vocabulary only under this name (Phi-4's)
         tc = json.loads((folder / "tokenizer_config.json").read_text())
         tc["tokenizer_class"] = "GPT2Tokenizer"
         (folder / "tokenizer_config.json").write_text(json.dumps(tc))

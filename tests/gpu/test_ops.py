@@ -52,23 +52,30 @@ def test_rmsnorm_glu_add_rows(backends):
 
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("pos_scale", [1.0, 8.0])
-def test_rope(backends, neox, pos_scale):
+@pytest.mark.parametrize("rope_dim,mscale", [(64, 1.0), (64, 1.3466), (48, 1.19)])
+def test_rope(backends, neox, pos_scale, rope_dim, mscale):
+    """mscale: YaRN's / LongRoPE's magnitude on cos and sin; with partial RoPE (Phi-4-mini)
+    the dims past rope_dim stay as they are."""
     import cupy as cp
     cpu, gpu = backends
     rng = np.random.default_rng(1)
     x = rng.standard_normal((6, 4, 64)).astype(np.float32)
     pos = np.array([0, 1, 7, 100, 4000, 31], np.int32)
-    inv_freq = (1.0 / 10000 ** (np.arange(0, 64, 2) / 64)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, rope_dim, 2) / rope_dim)).astype(np.float32)
 
     class S:
         positions = pos
     ref = x.copy()
-    cpu.rope(ref, S, inv_freq, neox, pos_scale)
+    cpu.rope(ref, S, inv_freq, neox, pos_scale, mscale)
+    if mscale != 1.0 and neox:
+        assert np.array_equal(ref[..., rope_dim:], x[..., rope_dim:])
+        assert np.allclose(np.linalg.norm(ref[..., :rope_dim], axis=-1),
+                           mscale * np.linalg.norm(x[..., :rope_dim], axis=-1), rtol=1e-5)
 
     class D:
         positions = cp.asarray(pos)
     xd = cp.asarray(x)
-    gpu.rope(xd, D, inv_freq, neox, pos_scale)
+    gpu.rope(xd, D, inv_freq, neox, pos_scale, mscale)
     gpu._flush()
     assert _rel(xd.get(), ref) < 1e-6
 
@@ -182,23 +189,26 @@ def test_paged_attention(backends, hd, heads, kvh, case, sinks, monkeypatch):
     assert np.array_equal(gpu.kv.k[0].get().view(np.uint16), cpu.kv.k[0])
     assert np.array_equal(gpu.kv.v[0].get().view(np.uint16), cpu.kv.v[0])
     if case == "prefill":
-        # RoPE of q and k folded into the KV write, against CPU RoPE then attention
+        # RoPE of q and k folded into the KV write, against CPU RoPE then attention; with
+        # YaRN's magnitude on cos and sin too (mscale, the same for q and k)
         inv_freq = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
-        qr, kr = q.copy(), k.copy()
-        cpu.rope(qr, step, inv_freq, True)
-        cpu.rope(kr, step, inv_freq, True)
-        cpu.arena.reset()
-        ref2 = cpu.attention(qr, kr, v, 0, step, sinks=sk).copy()
-        qd, kd = cp.asarray(q), cp.asarray(k)
-        gpu.arena.reset()
-        gpu.rope(qd, dstep, inv_freq, True)
-        gpu.rope(kd, dstep, inv_freq, True)
-        got2 = gpu.attention(qd, kd, cp.asarray(v), 0, dstep, sinks=sk_d).get()
-        assert _rel(got2, ref2) < 1e-5
-        # rotated keys in fp16: equal up to one fp16 rounding step (the GPU may fuse a*c - b*s)
-        k_gpu = gpu.kv.k[0].get().astype(np.float32)
-        k_cpu = cpu.kv.k[0].view(np.float16).astype(np.float32)
-        assert np.allclose(k_gpu, k_cpu, rtol=2e-3, atol=1e-6)
+        for mscale in (1.0, 1.3466):
+            qr, kr = q.copy(), k.copy()
+            cpu.rope(qr, step, inv_freq, True, 1.0, mscale)
+            cpu.rope(kr, step, inv_freq, True, 1.0, mscale)
+            cpu.arena.reset()
+            ref2 = cpu.attention(qr, kr, v, 0, step, sinks=sk).copy()
+            qd, kd = cp.asarray(q), cp.asarray(k)
+            gpu.arena.reset()
+            gpu.rope(qd, dstep, inv_freq, True, 1.0, mscale)
+            gpu.rope(kd, dstep, inv_freq, True, 1.0, mscale)
+            assert len(gpu._propes) == 2          # deferred: attention fuses them into the KV write
+            got2 = gpu.attention(qd, kd, cp.asarray(v), 0, dstep, sinks=sk_d).get()
+            assert _rel(got2, ref2) < 1e-5, mscale
+            # rotated keys in fp16: equal up to one fp16 rounding step (the GPU may fuse a*c - b*s)
+            k_gpu = gpu.kv.k[0].get().astype(np.float32)
+            k_cpu = cpu.kv.k[0].view(np.float16).astype(np.float32)
+            assert np.allclose(k_gpu, k_cpu, rtol=2e-3, atol=1e-6), mscale
 
 
 @pytest.mark.parametrize("hd,heads,kvh", [(64, 9, 3), (128, 12, 2), (256, 4, 1)])

@@ -98,6 +98,8 @@ def why_not(be, model) -> str | None:
     hd = cfg.head_dim
     if hd not in (64, 128, 256) or (cfg.rope_dim or hd) != hd or 2 * model.inv_freq.shape[0] != hd:
         return "head size / partial RoPE"
+    if cfg.rope_mscale != 1.0:
+        return "YaRN / LongRoPE magnitude on cos and sin (rope_mscale)"
     if cfg.n_heads % cfg.n_kv_heads:
         return "heads"
     if max(cfg.d_model, cfg.d_ff, cfg.n_heads * hd) > 256 * 128:
