@@ -165,10 +165,11 @@ _GGUF_NEUTRAL = {"tensor_data_layout": lambda v: v == "Meta AI original pth",   
 # rope.scaling.type values we implement (linear: positions divided by the factor; yarn;
 # longrope: the factors are the tensors rope_factors_short/long.weight)
 _ROPE_SCALING_OK = ("none", "linear", "yarn", "longrope")
-# families whose transformers code takes YaRN (gpt-oss too, once it is a family here)
-YARN_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "smollm3")
+# families whose transformers code takes YaRN
+YARN_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "smollm3", "gpt-oss")
 # families whose YaRN does not round the ramp's ends (config.json truncate: false); a GGUF
-# file has no key for it
+# file has no key for it.  (gpt-oss: OpenAI's reference and transformers do not round;
+# ggml always does, so llama.cpp runs gpt-oss's dims 8-17 with a slightly other ramp)
 YARN_UNTRUNCATED_ARCHS = ("gpt-oss",)
 # families that may carry LongRoPE factors (llama.cpp reads rope_factors_long/short for these)
 LONGROPE_ARCHS = ("phi3",)

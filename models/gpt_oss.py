@@ -6,7 +6,8 @@ A pre-norm decoder like Llama's, with:
   denominator and brings no value (the backends' attention op takes them);
 - sliding-window layers (128 tokens) alternating with full-attention ones: the engine
   gives each layer its window (ModelConfig.is_local_layer);
-- NeoX RoPE with the YaRN scaling of models/config.py's shared inv_freq path;
+- NeoX RoPE with YaRN scaling (factor 32 over 4096, ramp ends not rounded: models/config.py's
+  shared rope_inv_freq and rope_mscale);
 - a mixture of experts in every layer: a router with a bias, top k of its logits and a
   softmax over those k, experts with biases and a clamped SwiGLU (the moe op's options).
 
@@ -37,8 +38,8 @@ class GptOss:
                                 (L["attn_q.bias"], L["attn_k.bias"], L["attn_v.bias"]))
             q = b.heads(q, cfg.n_heads)
             k = b.heads(k, cfg.n_kv_heads)
-            b.rope(q, step, self.inv_freq, True, cfg.rope_scale)
-            b.rope(k, step, self.inv_freq, True, cfg.rope_scale)
+            b.rope(q, step, self.inv_freq, True, cfg.rope_scale, cfg.rope_mscale)
+            b.rope(k, step, self.inv_freq, True, cfg.rope_scale, cfg.rope_mscale)
             a = b.attention(q, k, b.heads(v, cfg.n_kv_heads), i, step, sinks=L["attn_sinks"])
             b.add(x, b.matmul(a, L["attn_output"], L["attn_output.bias"]))
             h = b.rmsnorm(x, L["post_attention_norm"], cfg.rms_eps)

@@ -75,10 +75,14 @@ FAMILIES = {
                                         decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
                  "qwen3moe"),
     # gpt-oss-20b shape, small: 8 experts of 32, 2 a token, biases everywhere, attention sinks, a
-    # sliding window of 8 (a 96-token prompt crosses it) in every other layer, head dim 64
+    # sliding window of 8 (a 96-token prompt crosses it) in every other layer, head dim 64; its
+    # YaRN (factor 32, betas 32 and 1, ramp ends not rounded) over an original context of 128,
+    # so that the ramp ends mid-dim (8.09: rounding would move it)
     "gptoss": ("GptOssConfig", dict(head_dim=64, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
-                                    sliding_window=8, tie_word_embeddings=False,
-                                    rope_parameters={"rope_type": "default", "rope_theta": 150000.0}),
+                                    sliding_window=8, tie_word_embeddings=False, rope_parameters={
+                                        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "truncate": False, "original_max_position_embeddings": 128,
+                                        "rope_theta": 150000.0}),
                "gpt-oss"),
 }
 
