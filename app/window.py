@@ -570,7 +570,7 @@ class MainWindow(QMainWindow):
             self.store.update(self.stream_msg.id, self.stream_text, complete=False)
             self.stream_msg.content = self.stream_text
             self.stream_view.set_text(self.stream_text)
-            self.stream_view.note.setText("")
+            self.stream_view.note.setText("thinking…" if self.stream_view.thinking else "")
             self._dirty = False
         if self._live is not None:
             self.panel.update_live(json.loads(self._live))
