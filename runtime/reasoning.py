@@ -154,7 +154,6 @@ def _split_harmony(text: str) -> Parts:
             if j < 0:
                 break
             state, i = "header", j + len(H_START)
-    thinking = (state == "body" and channel in REASONING_CHANNELS) or (state in ("header", "between") and not answer)
-    sep = "\n\n"
-    return Parts(reasoning=sep.join(r for r in reasoning if r), answer="".join(answer), thinking=thinking,
-                 format="harmony")
+    said = "".join(answer)
+    thinking = (state == "body" and channel in REASONING_CHANNELS) or (state in ("header", "between") and not said)
+    return Parts(reasoning="\n\n".join(r for r in reasoning if r), answer=said, thinking=thinking, format="harmony")

@@ -162,10 +162,26 @@ def transformers_logits(folder, ids) -> np.ndarray:
 def llama_cpp_converter() -> Path | None:
     """Path of llama.cpp's convert_hf_to_gguf.py (with its conversion/ and gguf-py/),
     fetched once from the llama-cpp-python sdist; None if it cannot be fetched."""
-    root = CACHE / f"llama.cpp-{LLAMA_CPP_PYTHON}"
-    script = root / "convert_hf_to_gguf.py"
+    root = _llama_cpp_files(f"llama.cpp-{LLAMA_CPP_PYTHON}", lambda rel: rel == "convert_hf_to_gguf.py" or
+                            rel.startswith(("conversion/", "gguf-py/")))
+    return root / "convert_hf_to_gguf.py" if root is not None else None
+
+
+def llama_cpp_template(name: str) -> Path | None:
+    """A chat template of llama.cpp's test set (models/templates/NAME: the models' own
+    templates, e.g. openai-gpt-oss-120b.jinja), fetched once from the llama-cpp-python
+    sdist; None if it cannot be fetched."""
+    root = _llama_cpp_files(f"llama.cpp-{LLAMA_CPP_PYTHON}-templates", lambda rel: rel.startswith("models/templates/"))
+    p = root / "models" / "templates" / name if root is not None else None
+    return p if p is not None and p.is_file() else None
+
+
+def _llama_cpp_files(folder: str, wanted) -> Path | None:
+    """CACHE/folder holding the files of the sdist's vendor/llama.cpp whose relative path
+    `wanted` accepts, extracted once; None if the sdist cannot be fetched."""
+    root = CACHE / folder
     if (root / ".complete").exists():
-        return script
+        return root
     dl = CACHE / f"sdist-{os.getpid()}"
     shutil.rmtree(dl, ignore_errors=True)
     try:
@@ -181,17 +197,16 @@ def llama_cpp_converter() -> Path | None:
         with tarfile.open(tars[0]) as tf:
             for m in tf.getmembers():
                 rel = m.name[len(prefix):] if m.name.startswith(prefix) else None
-                if rel and m.isfile() and (rel == "convert_hf_to_gguf.py" or rel.startswith(("conversion/",
-                                                                                              "gguf-py/"))):
+                if rel and m.isfile() and wanted(rel):
                     dst = tmp / rel
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     dst.write_bytes(tf.extractfile(m).read())
-        if not (tmp / "convert_hf_to_gguf.py").exists():
+        if not tmp.exists():
             return None
         (tmp / ".complete").write_text(tars[0].name + "\n")
         shutil.rmtree(root, ignore_errors=True)
         tmp.rename(root)
-        return script
+        return root
     except (OSError, subprocess.SubprocessError, tarfile.TarError):
         return None
     finally:
