@@ -27,7 +27,7 @@ _SCALES = {
 }
 _BLOCK = {GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q5_0: (32, 22),
           GGMLType.Q5_1: (32, 24), GGMLType.Q8_0: (32, 34), GGMLType.Q4_K: (256, 144),
-          GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210)}
+          GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210), GGMLType.MXFP4: (32, 17)}
 
 
 # files at least this big are made by a thread a core (each tensor its own random draws:
@@ -80,7 +80,11 @@ def random_weight(qtype, shape, noise: _Noise | None = None, std: float = 0.02, 
     # scales for roughly `std`: q spans ~16 levels (Q4), ~32 (Q5), ~256 (Q8); K-quant
     # sub-scales are 6-bit (mean ~32); Q6_K sub-scales are set to 1..16 below
     vals = {"d": std / 5, "m": -std * 1.5, "d8": std / 70, "dk": std / 150, "d6": std / 160}
-    for off, kind in _SCALES[qtype]:
+    if qtype == GGMLType.MXFP4:
+        # E8M0 exponent byte: values kvalue * 2^(e - 128), kvalues (|v| <= 12) spread ~6
+        e = 128 + int(np.floor(np.log2(std / 6)))
+        raw[:, 0] = e + noise.rng.integers(0, 2, nblocks, dtype=np.uint8)
+    for off, kind in _SCALES.get(qtype, ()):
         jitter = (0.5 + noise.rng.random(nblocks, dtype=np.float32)).astype(np.float32)
         raw[:, off:off + 2] = (jitter * vals[kind]).astype(np.float16).view(np.uint8).reshape(nblocks, 2)
     if qtype == GGMLType.Q6_K:
@@ -106,7 +110,10 @@ _K_FALLBACK = {GGMLType.Q4_K: GGMLType.Q5_0, GGMLType.Q5_K: GGMLType.Q5_1, GGMLT
 
 
 def mix_type(mix: str, name: str, n_layers: int, cols: int) -> GGMLType:
-    """The type of matrix `name` with rows of `cols` values in quantization mix `mix`."""
+    """The type of matrix `name` with rows of `cols` values in quantization mix `mix`
+    (MXFP4_MOE: llama.cpp's, gpt-oss's files: experts MXFP4, other matrices Q8_0)."""
+    if mix == "MXFP4_MOE":
+        return GGMLType.MXFP4 if "_exps." in name else GGMLType.Q8_0
     t = _q4_k_m(name, n_layers) if mix == "Q4_K_M" else GGMLType[mix]
     if cols % 256 and t in _K_FALLBACK:         # as llama.cpp quantizes such rows (Qwen2.5-0.5B: 896)
         t = _K_FALLBACK[t]
@@ -137,8 +144,18 @@ SHAPES = {
     "M30": dict(arch="qwen3moe", n_layers=48, d_model=2048, d_ff=0, n_heads=32, n_kv_heads=4,
                 vocab=151936, tied=False, rope_theta=1e6, n_experts=128, n_experts_used=8, d_ff_expert=768,
                 head_dim=128),
-    # gpt-oss-20b's shape (without its YaRN scaling, which changes no speed): 32 experts of
-    # 2880, 4 a token, head dim 64, a 128-token window every other layer
+    # gpt-oss-20b's shape on a qwen3moe body (for MXFP4_MOE until the gpt-oss family runs):
+    # 24 layers, d_model 2880, 64 query / 8 KV heads of 64, 32 experts of 2880, 4 a token,
+    # vocabulary 201088 (its attention sinks, biases and sliding windows aside).  GO4: its first
+    # 4 layers and SmolLM2's 49152-token vocabulary (CPU benches: tokenizer_from=SmolLM2's GGUF).
+    "GO20": dict(arch="qwen3moe", n_layers=24, d_model=2880, d_ff=0, n_heads=64, n_kv_heads=8,
+                 vocab=201088, tied=False, rope_theta=15e4, n_experts=32, n_experts_used=4, d_ff_expert=2880,
+                 head_dim=64),
+    "GO4": dict(arch="qwen3moe", n_layers=4, d_model=2880, d_ff=0, n_heads=64, n_kv_heads=8,
+                vocab=49152, tied=False, rope_theta=15e4, n_experts=32, n_experts_used=4, d_ff_expert=2880,
+                head_dim=64),
+    # gpt-oss-20b itself (the gpt-oss family: sinks, biases, a 128-token window every other
+    # layer; without its YaRN scaling, which changes no speed): as GO20, mix MXFP4_MOE
     "G20": dict(arch="gpt-oss", n_layers=24, d_model=2880, d_ff=2880, n_heads=64, n_kv_heads=8,
                 vocab=201088, tied=False, rope_theta=150000.0, n_experts=32, n_experts_used=4, d_ff_expert=2880,
                 head_dim=64, sliding_window=128),
