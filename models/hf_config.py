@@ -334,6 +334,24 @@ def parts(hf_name: str, arch: str) -> list[tuple[str, Part]] | None:
     return None
 
 
+_MXFP4_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj_blocks$")
+
+
+def mxfp4_parts(hf_name: str, arch: str) -> list[tuple[str, int | None]] | None:
+    """gpt-oss's own checkpoint keeps its experts in MXFP4: `*_blocks` (uint8 [E, rows,
+    cols / 32, 16]) with `*_scales` (uint8 [E, rows, cols / 32]), rows as GGUF has them (not
+    transposed).  For a `*_blocks` name: [(GGUF name, first row or None)], gate and up
+    interleaved by rows in gate_up (llama.cpp's converter cuts them the same way); None for
+    any other name (its `*_scales` is read beside it)."""
+    m = _MXFP4_RE.match(hf_name) if arch == "gpt-oss" else None
+    if m is None:
+        return None
+    i, part = m.groups()
+    if part == "gate_up":
+        return [(f"blk.{i}.ffn_gate_exps.weight", 0), (f"blk.{i}.ffn_up_exps.weight", 1)]
+    return [(f"blk.{i}.ffn_down_exps.weight", None)]
+
+
 def expert_name(hf_name: str) -> tuple[str, int] | None:
     """(GGUF name of the 3-D tensor, expert index) for one expert's HF matrix, else None."""
     m = _EXPERT_RE.match(hf_name)
@@ -392,10 +410,6 @@ def gguf_name(hf_name: str, arch: str) -> str | None:
             return f"blk.{m.group(1)}.attn_sinks.weight"
         if m and m.group(2) == "mlp.experts.down_proj_bias":
             return f"blk.{m.group(1)}.ffn_down_exps.bias"
-        if hf_name.endswith(("_blocks", "_scales")):
-            raise CheckpointError(f"tensor '{hf_name}': the checkpoint stores its experts in MXFP4 blocks, which "
-                                  f"Llamba does not read from a Hugging Face folder yet; use a GGUF file (llama.cpp's "
-                                  f"convert_hf_to_gguf.py keeps them as MXFP4) or a BF16 checkpoint")
     m = _LAYER_RE.match(hf_name)
     if m:
         i, part, kind = m.groups()

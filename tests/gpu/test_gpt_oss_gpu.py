@@ -22,7 +22,7 @@ SHAPE = dict(arch="gpt-oss", n_layers=4, d_model=256, d_ff=256, n_heads=8, n_kv_
              rope_theta=150000.0, n_experts=8, n_experts_used=2, d_ff_expert=256, head_dim=64, sliding_window=16)
 
 
-@pytest.fixture(scope="module", params=["F16", "Q8_0", "Q4_K_M"])
+@pytest.fixture(scope="module", params=["F16", "Q8_0", "Q4_K_M", "MXFP4_MOE"])
 def engines(request, tmp_path_factory):
     from lab.synth import load_weights_only, write_random_gguf
     from runtime.engine import Engine
