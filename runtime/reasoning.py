@@ -81,6 +81,22 @@ def opens_reasoning(prompt_tail: str) -> bool:
     return i >= 0 and prompt_tail.find(THINK_CLOSE, i) < 0
 
 
+class Deltas:
+    """A streamed answer's pieces in, (new reasoning text, new answer text) out: what
+    `split` of the text so far adds to what it gave before (each is a prefix of the next)."""
+
+    def __init__(self):
+        self.text = ""
+        self._r = self._a = 0
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        self.text += piece
+        p = split(self.text)
+        out = p.reasoning[self._r:], p.answer[self._a:]
+        self._r, self._a = len(p.reasoning), len(p.answer)
+        return out
+
+
 def _partial_tail(text: str, marks) -> int:
     """Length of the longest tail of text that is a proper prefix of one of `marks`."""
     best = 0

@@ -176,6 +176,17 @@ def test_harmony_answer_splits_into_reasoning_and_answer_as_it_streams():
                                                       "thinking": "The user says hi. Reply briefly."}
 
 
+def test_deltas_give_each_piece_its_share():
+    """Fed a token's text at a time, Deltas hands out the reasoning and the answer exactly once."""
+    for text in (HARMONY_ANSWER, "<think>\nLet me see.\n</think>\n\nSure.", "plain"):
+        d, r, a = reasoning.Deltas(), "", ""
+        for k in range(0, len(text), 3):
+            dr, da = d.feed(text[k:k + 3])
+            r, a = r + dr, a + da
+        whole = reasoning.split(text)
+        assert (r, a) == (whole.reasoning, whole.answer)
+
+
 def test_think_tags_split_and_an_opened_tag():
     p = reasoning.split("<think>\nLet me see.\n</think>\n\nSure.")
     assert (p.reasoning, p.answer, p.thinking, p.format) == ("Let me see.", "Sure.", False, "think")
