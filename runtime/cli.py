@@ -290,8 +290,8 @@ def cmd_chat(args) -> int:
         # terminal; its answer to stdout
         deltas, dim = reasoning.Deltas(), sys.stderr.isatty()
         thought = False
-        for piece in chat.send(user):
-            r, a = deltas.feed(piece)
+        for piece in [*chat.send(user), None]:
+            r, a = deltas.feed(piece) if piece is not None else deltas.finish()
             if r:
                 sys.stderr.write(f"\x1b[2m{r}\x1b[0m" if dim else r)
                 sys.stderr.flush()

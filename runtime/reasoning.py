@@ -48,17 +48,18 @@ def detect(text: str) -> str:
     return ""
 
 
-def split(text: str, fmt: str | None = None) -> Parts:
-    """Reasoning and answer of a whole or partial answer (markers that may still be coming,
-    e.g. a trailing `<|chan`, are left out of both)."""
+def split(text: str, fmt: str | None = None, final: bool = False) -> Parts:
+    """Reasoning and answer of a whole or partial answer: markers that may still be coming
+    (e.g. a trailing `<|chan`) are left out of both, unless the answer is `final` (then
+    such a tail was text)."""
     fmt = detect(text) if fmt is None else fmt
-    if not fmt and text and \
+    if not fmt and text and not final and \
             any(m.startswith(text) for m in (H_CHANNEL, THINK_OPEN)):
         return Parts()          # the first marker still arriving
     if fmt == "harmony":
-        return _split_harmony(text)
+        return _split_harmony(text, final)
     if fmt == "think":
-        return _split_think(text)
+        return _split_think(text, final)
     return Parts(answer=text)
 
 
@@ -89,12 +90,16 @@ class Deltas:
         self.text = ""
         self._r = self._a = 0
 
-    def feed(self, piece: str) -> tuple[str, str]:
+    def feed(self, piece: str, final: bool = False) -> tuple[str, str]:
         self.text += piece
-        p = split(self.text)
+        p = split(self.text, final=final)
         out = p.reasoning[self._r:], p.answer[self._a:]
         self._r, self._a = len(p.reasoning), len(p.answer)
         return out
+
+    def finish(self) -> tuple[str, str]:
+        """The answer ended: what was held back as a possible marker, as text."""
+        return self.feed("", final=True)
 
 
 def _partial_tail(text: str, marks) -> int:
@@ -108,7 +113,7 @@ def _partial_tail(text: str, marks) -> int:
     return best
 
 
-def _split_think(text: str) -> Parts:
+def _split_think(text: str, final: bool = False) -> Parts:
     reasoning, answer = [], []
     inside = False
     i = 0
@@ -117,7 +122,7 @@ def _split_think(text: str) -> Parts:
         j = text.find(mark, i)
         if j < 0:
             rest = text[i:]
-            rest = rest[:len(rest) - _partial_tail(rest, (mark,))]
+            rest = rest[:len(rest) - (0 if final else _partial_tail(rest, (mark,)))]
             (reasoning if inside else answer).append(rest)
             break
         (reasoning if inside else answer).append(text[i:j])
@@ -127,7 +132,7 @@ def _split_think(text: str) -> Parts:
                  format="think")
 
 
-def _split_harmony(text: str) -> Parts:
+def _split_harmony(text: str, final: bool = False) -> Parts:
     """Messages of the assistant's turn; the first header's `<|start|>assistant` was in the prompt."""
     reasoning, answer = [], []
     i, n = 0, len(text)
@@ -151,7 +156,7 @@ def _split_harmony(text: str) -> Parts:
             out = reasoning if channel in REASONING_CHANNELS else answer
             if not ends:
                 rest = text[i:]
-                out.append(rest[:len(rest) - _partial_tail(rest, _H_MARKS)])
+                out.append(rest[:len(rest) - (0 if final else _partial_tail(rest, _H_MARKS))])
                 break
             k, m = min(ends)
             out.append(text[i:k])
@@ -166,7 +171,7 @@ def _split_harmony(text: str) -> Parts:
             j = text.find(H_START, i)
             gap = text[i:] if j < 0 else text[i:j]
             if gap.strip():
-                answer.append(gap[:len(gap) - _partial_tail(gap, _H_MARKS)] if j < 0 else gap)
+                answer.append(gap[:len(gap) - _partial_tail(gap, _H_MARKS)] if j < 0 and not final else gap)
             if j < 0:
                 break
             state, i = "header", j + len(H_START)

@@ -178,13 +178,16 @@ def test_harmony_answer_splits_into_reasoning_and_answer_as_it_streams():
 
 def test_deltas_give_each_piece_its_share():
     """Fed a token's text at a time, Deltas hands out the reasoning and the answer exactly once."""
-    for text in (HARMONY_ANSWER, "<think>\nLet me see.\n</think>\n\nSure.", "plain"):
+    for text in (HARMONY_ANSWER, "<think>\nLet me see.\n</think>\n\nSure.", "plain", "<", "<thi", "a <|chan"):
         d, r, a = reasoning.Deltas(), "", ""
         for k in range(0, len(text), 3):
             dr, da = d.feed(text[k:k + 3])
             r, a = r + dr, a + da
-        whole = reasoning.split(text)
+        dr, da = d.finish()          # (a tail that looked like a marker's start was text)
+        r, a = r + dr, a + da
+        whole = reasoning.split(text, final=True)
         assert (r, a) == (whole.reasoning, whole.answer)
+        assert r + a == text or whole.format, text
 
 
 def test_think_tags_split_and_an_opened_tag():
