@@ -106,12 +106,14 @@ class MessageView(QFrame):
         self.body.anchorClicked.connect(self._link)
         lay.addWidget(self.body)
 
-    def set_text(self, text: str) -> None:
+    def set_text(self, text: str, final: bool = True) -> None:
+        """final: the whole message (not a streamed answer's text so far, whose tail may be
+        the start of a reasoning marker)."""
         self.raw = self.text = text
         if self.role == "user":
             self.body.setPlainText(text)       # what the user typed is shown as typed
             return
-        parts = reasoning.split(text)
+        parts = reasoning.split(text, final=final)
         self.text, self.thinking = parts.answer, parts.thinking
         shown = bool(parts.reasoning or parts.thinking)
         self.reasoning_toggle.setVisible(shown)
