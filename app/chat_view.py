@@ -10,6 +10,8 @@ from PySide6.QtGui import QGuiApplication, QTextOption
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QTextBrowser,
                                QToolButton, QVBoxLayout, QWidget)
 
+from runtime import reasoning
+
 from . import markdown
 
 
@@ -47,7 +49,9 @@ class MessageView(QFrame):
     def __init__(self, role: str, position: int, colours: dict, md_palette):
         super().__init__()
         self.role, self.position = role, position
-        self.text = ""
+        self.text = ""              # what Copy copies: the answer (a model's reasoning left out)
+        self.raw = ""               # the message as stored (reasoning markers and all)
+        self.thinking = False       # the answer so far ends inside the model's reasoning
         self.codes: list[str] = []
         self.md_palette = md_palette
         self.setObjectName("bubble")
@@ -81,17 +85,51 @@ class MessageView(QFrame):
         self.buttons["Edit"].setVisible(role == "user")
         self.buttons["Regenerate"].setVisible(False)
         lay.addLayout(head)
+        # a model's reasoning (runtime/reasoning.py: Qwen3's <think>, gpt-oss's analysis
+        # channel) apart from its answer, folded until asked for
+        self.reasoning_toggle = QToolButton()
+        self.reasoning_toggle.setCheckable(True)
+        self.reasoning_toggle.setAutoRaise(True)
+        self.reasoning_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.reasoning_toggle.setArrowType(Qt.ArrowType.RightArrow)
+        self.reasoning_toggle.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.reasoning_toggle.setStyleSheet(f"color: {colours['muted']};")
+        self.reasoning_toggle.toggled.connect(self._fold)
+        self.reasoning_toggle.hide()
+        lay.addWidget(self.reasoning_toggle)
+        self.reasoning = AutoHeightBrowser()
+        self.reasoning.setStyleSheet(f"QTextBrowser {{ background: transparent; color: {colours['muted']}; "
+                                     f"border-left: 2px solid {colours['border']}; padding-left: 6px; }}")
+        self.reasoning.hide()
+        lay.addWidget(self.reasoning)
         self.body = AutoHeightBrowser()
         self.body.anchorClicked.connect(self._link)
         lay.addWidget(self.body)
 
-    def set_text(self, text: str) -> None:
-        self.text = text
+    def set_text(self, text: str, final: bool = True) -> None:
+        """final: the whole message (not a streamed answer's text so far, whose tail may be
+        the start of a reasoning marker)."""
+        self.raw = self.text = text
         if self.role == "user":
             self.body.setPlainText(text)       # what the user typed is shown as typed
-        else:
-            html, self.codes = markdown.render(text, self.md_palette)
-            self.body.setHtml(html)
+            return
+        parts = reasoning.split(text, final=final)
+        self.text, self.thinking = parts.answer, parts.thinking
+        shown = bool(parts.reasoning or parts.thinking)
+        self.reasoning_toggle.setVisible(shown)
+        if shown:
+            words = len(parts.reasoning.split())
+            self.reasoning_toggle.setText(("Thinking…" if parts.thinking else "Reasoning")
+                                          + (f" ({words} words)" if words else ""))
+            if self.reasoning.toPlainText() != parts.reasoning:
+                self.reasoning.setPlainText(parts.reasoning)
+        html, self.codes = markdown.render(parts.answer, self.md_palette)
+        self.body.setHtml(html)
+        self.body.setVisible(bool(parts.answer) or not shown)
+
+    def _fold(self, unfolded: bool) -> None:
+        self.reasoning_toggle.setArrowType(Qt.ArrowType.DownArrow if unfolded else Qt.ArrowType.RightArrow)
+        self.reasoning.setVisible(unfolded)
 
     def _link(self, url):
         s = url.toString()

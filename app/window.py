@@ -569,8 +569,8 @@ class MainWindow(QMainWindow):
         if self._dirty and self.stream_msg is not None:
             self.store.update(self.stream_msg.id, self.stream_text, complete=False)
             self.stream_msg.content = self.stream_text
-            self.stream_view.set_text(self.stream_text)
-            self.stream_view.note.setText("")
+            self.stream_view.set_text(self.stream_text, final=False)
+            self.stream_view.note.setText("thinking…" if self.stream_view.thinking else "")
             self._dirty = False
         if self._live is not None:
             self.panel.update_live(json.loads(self._live))
@@ -589,6 +589,7 @@ class MainWindow(QMainWindow):
                           stats={k: final[k] for k in ("prompt_tokens", "generated_tokens", "tokens_per_s",
                                                        "prompt_tokens_per_s", "stop_reason")})
         self.stream_msg.complete = True
+        self.stream_view.set_text(self.stream_text)         # (whole: a tail held as a possible marker shows)
         reason = final.get("stop_reason", "")
         note = {"cancelled": "stopped", "length": "max tokens reached", "context": "context full"}.get(reason, "")
         self.stream_view.note.setText(note)

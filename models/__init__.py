@@ -10,5 +10,8 @@ def model_class(arch: str):
     if arch == "gemma3":
         from .gemma3 import Gemma3
         return Gemma3
+    if arch == "gpt-oss":
+        from .gpt_oss import GptOss
+        return GptOss
     raise UnsupportedArchitecture(f"model architecture '{arch}' is not supported "
                                   f"(supported: {', '.join(SUPPORTED_ARCHS)})")

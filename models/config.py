@@ -76,6 +76,9 @@ class ModelConfig:
     n_experts_used: int = 0
     d_ff_expert: int = 0
     expert_norm_topk: bool = False
+    # gpt-oss: the experts' GLU (backend glu kinds: silu, swiglu_oai); the router and the
+    # experts have biases, attention has q/k/v/o biases and a sink logit per head
+    expert_glu: str = "silu"
     name: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -123,8 +126,8 @@ class ModelConfig:
         return dataclasses.replace(self, rope_context=int(n_ctx))
 
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "smollm3", "phi3")
-MOE_ARCHS = ("qwen3moe",)
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "smollm3", "phi3", "gpt-oss")
+MOE_ARCHS = ("qwen3moe", "gpt-oss")
 
 # Metadata keys under "{arch}." that Llamba reads (and honours).  Any other key
 # there may change the math in a way we do not implement (logit soft-capping,
@@ -147,6 +150,11 @@ _GGUF_ARCH_KEYS = {
     # llama.cpp's qwen3moe: softmax routing, normalized top-k, no shared experts (a key for
     # any of those, e.g. expert_shared_feed_forward_length or expert_gating_func, is refused)
     "qwen3moe": {"expert_count", "expert_used_count", "expert_feed_forward_length"},
+    # llama.cpp's gpt-oss (openai-moe): top-k of the biased router logits, softmax over
+    # them; sliding-window layers by pattern (2: every other layer from the first, or
+    # llama.cpp's per-layer array); a separate sliding-window RoPE base is refused
+    "gpt-oss": {"expert_count", "expert_used_count", "expert_feed_forward_length", "attention.sliding_window",
+                "attention.sliding_window_pattern"},
 }
 # keys that some converters write with a value that changes nothing
 _GGUF_NEUTRAL = {"tensor_data_layout": lambda v: v == "Meta AI original pth",   # GGUF's own q/k layout
@@ -157,10 +165,11 @@ _GGUF_NEUTRAL = {"tensor_data_layout": lambda v: v == "Meta AI original pth",   
 # rope.scaling.type values we implement (linear: positions divided by the factor; yarn;
 # longrope: the factors are the tensors rope_factors_short/long.weight)
 _ROPE_SCALING_OK = ("none", "linear", "yarn", "longrope")
-# families whose transformers code takes YaRN (gpt-oss too, once it is a family here)
-YARN_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "smollm3")
+# families whose transformers code takes YaRN
+YARN_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "smollm3", "gpt-oss")
 # families whose YaRN does not round the ramp's ends (config.json truncate: false); a GGUF
-# file has no key for it
+# file has no key for it.  (gpt-oss: OpenAI's reference and transformers do not round;
+# ggml always does, so llama.cpp runs gpt-oss's dims 8-17 with a slightly other ramp)
 YARN_UNTRUNCATED_ARCHS = ("gpt-oss",)
 # families that may carry LongRoPE factors (llama.cpp reads rope_factors_long/short for these)
 LONGROPE_ARCHS = ("phi3",)
@@ -262,6 +271,12 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 del layer[n]
             layer.update({"ffn_gate_inp.weight": (E, d), "ffn_gate_exps.weight": (E, fe, d),
                           "ffn_up_exps.weight": (E, fe, d), "ffn_down_exps.weight": (E, d, fe)})
+        if cfg.arch == "gpt-oss":    # biases everywhere, sinks, and the FFN's norm named as llama.cpp does
+            del layer["ffn_norm.weight"]
+            layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,), "attn_output.bias": (d,),
+                          "attn_sinks.weight": (cfg.n_heads,), "post_attention_norm.weight": (d,),
+                          "ffn_gate_inp.bias": (E,), "ffn_gate_exps.bias": (E, fe), "ffn_up_exps.bias": (E, fe),
+                          "ffn_down_exps.bias": (E, d)})
         out.update({p + k: v for k, v in layer.items()})
     return out
 
@@ -328,7 +343,7 @@ def config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
         vocab_size=int(vocab), context_length=int(get("context_length", 2048)),
         rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_neox=arch in ("qwen2", "qwen3", "qwen3moe", "gemma3", "phi3"),
+        rope_neox=arch in ("qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss"),
         rope_dim=int(get("rope.dimension_count", head_dim, required=False) or head_dim),
         qkv_bias="blk.0.attn_q.bias" in shapes,
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
@@ -353,6 +368,17 @@ def config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelCon
         cfg.d_ff_expert = _one(fe, "expert_feed_forward_length") if fe is not None \
             else cfg.d_ff // cfg.n_experts_used
         cfg.expert_norm_topk = True      # llama.cpp's qwen3moe always renormalizes the top-k weights
+                                         # (gpt-oss: softmax over the top k logits, the same: moe.py)
+    if arch == "gpt-oss":
+        cfg.expert_glu = "swiglu_oai"
+        cfg.sliding_window = int(get("attention.sliding_window"))
+        pattern = get("attention.sliding_window_pattern", 2, required=False)
+        if hasattr(pattern, "__len__"):           # llama.cpp's per-layer form: true = sliding window
+            local = tuple(i for i, s in enumerate(pattern) if s)
+        else:                                     # llama.cpp's set_swa_pattern: the last of every n is global
+            n = int(pattern)
+            local = tuple(i for i in range(cfg.n_layers) if n == 0 or i % n < n - 1)
+        cfg.local_layers = local
     if arch == "smollm3":
         # llama.cpp: every 4th layer (1-based) of SmolLM3 has no RoPE; there is no key for it
         cfg.nope_layers = tuple(i for i in range(cfg.n_layers) if (i + 1) % 4 == 0)

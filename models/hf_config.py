@@ -27,11 +27,13 @@ from .config import (LONGROPE_ARCHS, MOE_ARCHS, SUPPORTED_ARCHS, YARN_ARCHS, Mod
 _ARCH_OF_MODEL_TYPE = {
     "llama": "llama", "mistral": "llama", "smollm": "llama",
     "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "smollm3": "smollm3", "phi3": "phi3",
-    "gemma3": "gemma3", "gemma3_text": "gemma3",
+    "gemma3": "gemma3", "gemma3_text": "gemma3", "gpt_oss": "gpt-oss",
 }
 # the activation of each family's GLU (config.json hidden_act / hidden_activation)
 _ACTIVATION = {"llama": ("silu",), "qwen2": ("silu",), "qwen3": ("silu",), "qwen3moe": ("silu",), "smollm3": ("silu",),
-               "phi3": ("silu",), "gemma3": ("gelu_pytorch_tanh",)}
+               "phi3": ("silu",), "gemma3": ("gelu_pytorch_tanh",),
+               # (gpt-oss's config says silu; its experts run the clamped SwiGLU whatever it says)
+               "gpt-oss": ("silu",)}
 
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -63,9 +65,13 @@ _LAYER_NAMES_BY_ARCH = {
     "gemma3": {"post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"},
+    "gpt-oss": {"post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp",
+                "mlp.experts.down_proj": "ffn_down_exps"},
 }
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# gpt-oss names a few tensors without the .weight / .bias suffix
+_GPT_OSS_RE = re.compile(r"model\.layers\.(\d+)\.(self_attn\.sinks|mlp\.experts\.(?:gate_up|down)_proj(?:_bias)?)$")
 # one expert's matrix in an HF MoE checkpoint; GGUF stacks a layer's experts into one 3-D tensor
 _EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 # wrappers around the text model in multimodal checkpoints (e.g. Gemma3ForConditionalGeneration)
@@ -151,7 +157,7 @@ def config_from_hf(hf: dict, tensor_shapes: dict[str, tuple[int, ...]]) -> Model
         vocab_size=vocab, context_length=int(hf.get("max_position_embeddings") or 2048),
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
-        rope_neox=arch in ("qwen2", "qwen3", "qwen3moe", "gemma3", "phi3"),
+        rope_neox=arch in ("qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss"),
         rope_dim=int(head_dim * float(prf)),
         qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
@@ -249,8 +255,22 @@ def _experts(cfg: ModelConfig, hf: dict, n_layers: int) -> None:
         raise CheckpointError(f"config.json lacks '{keys[0]}'")
     cfg.n_experts = int(need("num_experts", "num_local_experts"))
     cfg.n_experts_used = int(need("num_experts_per_tok"))
-    cfg.d_ff_expert = int(need("moe_intermediate_size"))
-    cfg.expert_norm_topk = bool(hf.get("norm_topk_prob", False))
+    if cfg.arch == "gpt-oss":
+        # every expert is intermediate_size wide; a softmax over the top k router logits
+        # (renormalized top-k probabilities: moe.py); the clamped SwiGLU, whose constants
+        # llama.cpp fixes (1.702, 7): other values are refused, not run differently there
+        cfg.d_ff_expert = int(need("intermediate_size"))
+        cfg.expert_norm_topk = True
+        cfg.expert_glu = "swiglu_oai"
+        for key, want in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+            if float(hf.get(key, want)) != want:
+                raise CheckpointError(f"config.json: {key}={hf[key]} is not implemented by Llamba (gpt-oss's "
+                                      f"clamped SwiGLU with {want})")
+        if hf.get("attention_bias") is False:
+            raise CheckpointError("config.json: attention_bias false is not implemented for gpt-oss")
+    else:
+        cfg.d_ff_expert = int(need("moe_intermediate_size"))
+        cfg.expert_norm_topk = bool(hf.get("norm_topk_prob", False))
     if not 0 < cfg.n_experts_used <= cfg.n_experts:
         raise CheckpointError(f"config.json: num_experts_per_tok {cfg.n_experts_used} with {cfg.n_experts} experts")
     dense = set(hf.get("mlp_only_layers") or [])
@@ -263,6 +283,73 @@ def _experts(cfg: ModelConfig, hf: dict, n_layers: int) -> None:
         if hf.get(key):
             raise CheckpointError(f"config.json: {key}={hf[key]}: shared experts are not implemented by Llamba "
                                   f"for {cfg.arch}")
+
+
+class Part:
+    """How one GGUF tensor is cut from an HF one that stores it differently (gpt-oss's
+    experts): the last two axes swapped (HF keeps them as x @ W), then every other row
+    along the output axis from `start` (gate and up interleaved in one tensor, gate
+    first) where start is not None; the output axis is the last for a bias."""
+
+    def __init__(self, transpose: bool, start: int | None = None, bias: bool = False):
+        self.transpose, self.start, self.bias = transpose, start, bias
+
+    def apply(self, a: np.ndarray) -> np.ndarray:
+        if self.transpose:
+            a = a.swapaxes(-1, -2)
+        if self.start is not None:
+            a = a[..., self.start::2] if self.bias else a[..., self.start::2, :]
+        return a
+
+    def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        s = list(shape)
+        if self.transpose:
+            s[-1], s[-2] = s[-2], s[-1]
+        if self.start is not None:
+            ax = -1 if self.bias else -2
+            s[ax] = (s[ax] - self.start + 1) // 2
+        return tuple(s)
+
+
+def parts(hf_name: str, arch: str) -> list[tuple[str, Part]] | None:
+    """The GGUF tensors cut from HF tensor `hf_name` (Part), or None where it maps to one
+    GGUF tensor as stored (gguf_name).  gpt-oss: gate_up_proj [E, d, 2 ff] (gate and up
+    interleaved) -> ffn_gate_exps / ffn_up_exps [E, ff, d]; down_proj [E, ff, d] ->
+    ffn_down_exps [E, d, ff]; gate_up_proj_bias [E, 2 ff] -> the two biases [E, ff]
+    (llama.cpp's converter cuts them the same way)."""
+    if arch != "gpt-oss":
+        return None
+    m = _GPT_OSS_RE.match(hf_name)
+    if m is None:
+        return None
+    i, part = m.groups()
+    p = f"blk.{i}."
+    if part == "mlp.experts.gate_up_proj":
+        return [(p + "ffn_gate_exps.weight", Part(True, 0)), (p + "ffn_up_exps.weight", Part(True, 1))]
+    if part == "mlp.experts.gate_up_proj_bias":
+        return [(p + "ffn_gate_exps.bias", Part(False, 0, bias=True)),
+                (p + "ffn_up_exps.bias", Part(False, 1, bias=True))]
+    if part == "mlp.experts.down_proj":
+        return [(p + "ffn_down_exps.weight", Part(True))]
+    return None
+
+
+_MXFP4_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj_blocks$")
+
+
+def mxfp4_parts(hf_name: str, arch: str) -> list[tuple[str, int | None]] | None:
+    """gpt-oss's own checkpoint keeps its experts in MXFP4: `*_blocks` (uint8 [E, rows,
+    cols / 32, 16]) with `*_scales` (uint8 [E, rows, cols / 32]), rows as GGUF has them (not
+    transposed).  For a `*_blocks` name: [(GGUF name, first row or None)], gate and up
+    interleaved by rows in gate_up (llama.cpp's converter cuts them the same way); None for
+    any other name (its `*_scales` is read beside it)."""
+    m = _MXFP4_RE.match(hf_name) if arch == "gpt-oss" else None
+    if m is None:
+        return None
+    i, part = m.groups()
+    if part == "gate_up":
+        return [(f"blk.{i}.ffn_gate_exps.weight", 0), (f"blk.{i}.ffn_up_exps.weight", 1)]
+    return [(f"blk.{i}.ffn_down_exps.weight", None)]
 
 
 def expert_name(hf_name: str) -> tuple[str, int] | None:
@@ -317,6 +404,12 @@ def gguf_name(hf_name: str, arch: str) -> str | None:
         return None
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
+    if arch == "gpt-oss":
+        m = _GPT_OSS_RE.match(hf_name)
+        if m and m.group(2) == "self_attn.sinks":
+            return f"blk.{m.group(1)}.attn_sinks.weight"
+        if m and m.group(2) == "mlp.experts.down_proj_bias":
+            return f"blk.{m.group(1)}.ffn_down_exps.bias"
     m = _LAYER_RE.match(hf_name)
     if m:
         i, part, kind = m.groups()

@@ -33,6 +33,10 @@ _SPLIT_PRE = {
         "qwen2",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
         "llama-bpe",
+    # o200k (GPT-4o, gpt-oss's o200k_harmony)
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+": "gpt-4o",
 }
 
 
@@ -153,6 +157,10 @@ def _write_metadata(w, ck, tok, scheme: str, folder: Path) -> None:
         w.add_sliding_window(cfg.sliding_window)    # Mistral's window over every layer
     elif cfg.arch == "phi3":
         w.add_sliding_window(cfg.sliding_window)    # as llama.cpp's converter: 0 for none
+    elif cfg.arch == "gpt-oss":
+        w.add_sliding_window(cfg.sliding_window)
+        if tuple(cfg.local_layers or ()) != tuple(range(0, cfg.n_layers, 2)):   # not llama.cpp's default
+            w.add_sliding_window_pattern([cfg.is_local_layer(i) for i in range(cfg.n_layers)])
     if cfg.n_experts:
         w.add_expert_count(cfg.n_experts)
         w.add_expert_used_count(cfg.n_experts_used)
@@ -200,7 +208,7 @@ def _check_expressible(cfg) -> None:
             raise ConvertError(f"{cfg.arch}: YaRN with beta_fast {y.beta_fast:g}, beta_slow {y.beta_slow:g}, "
                                f"attention factor {cfg.rope_mscale:g}; GGUF readers (llama.cpp's {cfg.arch}) take "
                                f"32, 1 and {yarn_mscale(y.factor):g} whatever the file says")
-    if cfg.arch != "gemma3" and cfg.local_layers is not None and cfg.sliding_window:
+    if cfg.arch not in ("gemma3", "gpt-oss") and cfg.local_layers is not None and cfg.sliding_window:
         raise ConvertError(f"{cfg.arch}: sliding-window layers {list(cfg.local_layers)} cannot be written to a "
                            f"GGUF file that llama.cpp reads the same way")
 

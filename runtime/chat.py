@@ -5,6 +5,7 @@ both drive this class.
 """
 from __future__ import annotations
 
+from . import reasoning
 from .context import check_policy, fit_turns
 from .engine import Engine
 from .generate import GenStats, Generation
@@ -40,8 +41,11 @@ class ChatSession:
         from .chat_template import encode_chat
         lm = self.engine.loaded
         msgs = [{"role": "system", "content": self.system}] if self.system else []
-        return encode_chat(self.engine.tokenizer, lm.chat_template, msgs + messages,
-                           arch=self.engine.config.arch)
+        # earlier answers as the template wants them: the answer as content, the reasoning
+        # apart (reasoning.py; gpt-oss's template refuses channel markers in content)
+        msgs += [{**m, **reasoning.for_template(m["content"])}
+                 if m.get("role") == "assistant" and isinstance(m.get("content"), str) else m for m in messages]
+        return encode_chat(self.engine.tokenizer, lm.chat_template, msgs, arch=self.engine.config.arch)
 
     def prompt_ids(self) -> list[int]:
         """The prompt the model sees; under drop-turns, the oldest turns are left out
@@ -96,6 +100,12 @@ class ChatSession:
             self.engine.release(self.seq)
             self.seq = None
 
+    def _opens_reasoning(self, ids: list[int]) -> bool:
+        tok = self.engine.tokenizer
+        if tok is None or not ids:
+            return False
+        return reasoning.opens_reasoning(tok.decode(ids[-16:]))
+
     def _answer(self, should_stop, on_step):
         ids = self.prompt_ids()
         seq = self._sequence_for(ids)
@@ -105,6 +115,9 @@ class ChatSession:
         self.last_generation = gen
         reply = {"role": "assistant", "content": ""}
         self.messages.append(reply)
+        if self._opens_reasoning(ids):      # the template opened <think>: the answer says so itself
+            reply["content"] = reasoning.THINK_OPEN
+            yield reasoning.THINK_OPEN
         try:
             for piece in gen:
                 reply["content"] += piece

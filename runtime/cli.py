@@ -271,6 +271,7 @@ def _spec_line(sp: dict) -> str:
 
 
 def cmd_chat(args) -> int:
+    from . import reasoning
     from .chat import ChatSession
     eng = _engine(args)
     chat = ChatSession(eng, system=args.system, params=_params(args), max_tokens=args.n_predict,
@@ -285,9 +286,22 @@ def cmd_chat(args) -> int:
             return 0
         if not user.strip():
             return 0
-        for piece in chat.send(user):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        # the model's reasoning (think tags, gpt-oss's analysis channel) to stderr, dimmed on a
+        # terminal; its answer to stdout
+        deltas, dim = reasoning.Deltas(), sys.stderr.isatty()
+        thought = False
+        for piece in [*chat.send(user), None]:
+            r, a = deltas.feed(piece) if piece is not None else deltas.finish()
+            if r:
+                sys.stderr.write(f"\x1b[2m{r}\x1b[0m" if dim else r)
+                sys.stderr.flush()
+                thought = True
+            if a:
+                if thought:
+                    sys.stderr.write("\n\n")
+                    thought = False
+                sys.stdout.write(a)
+                sys.stdout.flush()
         st = chat.last_stats
         print(f"\n[{st.generated_tokens} tokens, {st.tokens_per_s:.1f} t/s]", file=sys.stderr)
         if st.speculative:

@@ -30,7 +30,7 @@ class LoadedModel:
         cfg = self.config
         if not cfg.n_experts:
             return self.n_params
-        idle = sum(math.prod(t.shape) for n, t in self.tensors.items() if n.endswith("_exps.weight"))
+        idle = sum(math.prod(t.shape) for n, t in self.tensors.items() if "_exps." in n)   # (and their biases)
         return self.n_params - idle * (cfg.n_experts - cfg.n_experts_used) // cfg.n_experts
 
     @property

@@ -25,7 +25,7 @@ import numpy as np
 
 from models import MOE_ARCHS, tensor_shapes, unfuse
 from models.hf_config import (CheckpointError, config_from_hf, expert_name, fix_layout, gguf_name, hf_arch,
-                              layout_changes)
+                              layout_changes, mxfp4_parts, parts)
 from quant import GGMLType, QTensor, quantize
 from quant.policy import tensor_type
 
@@ -38,7 +38,9 @@ QUANT_SCHEMES = {"none": None, "int8": "q8_0", "int4": "q4_k_m"}
 
 _DTYPES = {"F32": (np.dtype(np.float32), GGMLType.F32),
            "F16": (np.dtype(np.float16), GGMLType.F16),
-           "BF16": (np.dtype(ml_dtypes.bfloat16), GGMLType.BF16)}
+           "BF16": (np.dtype(ml_dtypes.bfloat16), GGMLType.BF16),
+           # gpt-oss's MXFP4 experts (PackedMXFP4: made of a *_blocks and a *_scales tensor)
+           "MXFP4": (np.dtype(np.uint8), GGMLType.MXFP4)}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -130,6 +132,79 @@ class ExpertStack:
         return sum(s.nbytes(h) for s, h in self.parts)
 
 
+class Cut:
+    """A GGUF tensor cut from an HF tensor that stores it differently (models.hf_config.Part:
+    gpt-oss's experts, transposed, gate and up interleaved), read through the Shard
+    interface; its bytes are a copy, in the stored dtype."""
+
+    def __init__(self, shard: Shard, hf_name: str, part):
+        self.shard, self.hf_name, self.part = shard, hf_name, part
+        self.path = shard.path
+
+    def dtype_name(self, name: str) -> str:
+        return self.shard.dtype_name(self.hf_name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.part.shape(self.shard.shape(self.hf_name))
+
+    def array(self, name: str) -> np.ndarray:
+        return self.part.apply(self.shard.array(self.hf_name))
+
+    def raw(self, name: str) -> np.ndarray:
+        return np.ascontiguousarray(self.array(name)).reshape(-1).view(np.uint8)
+
+    def nbytes(self, name: str) -> int:
+        return self.shard.nbytes(self.hf_name) * int(np.prod(self.shape(name))) // \
+            max(1, int(np.prod(self.shard.shape(self.hf_name))))
+
+
+class PackedMXFP4:
+    """An MXFP4 expert tensor of gpt-oss's checkpoint (`*_blocks` and `*_scales`, models.
+    hf_config.mxfp4_parts) as GGML MXFP4 blocks [E, rows, cols], read through the Shard
+    interface: bits moved only (quant.encode.mxfp4_from_packed), every other row from
+    `start` where gate and up share the tensor.  `array` dequantizes (to requantize it)."""
+
+    def __init__(self, blocks: tuple[Shard, str], scales: tuple[Shard, str], start: int | None):
+        self.blocks, self.scales, self.start = blocks, scales, start
+        self.path = blocks[0].path
+        (bs, bn), (ss, sn) = blocks, scales
+        b, sc = bs.shape(bn), ss.shape(sn)
+        if bs.dtype_name(bn) != "U8" or ss.dtype_name(sn) != "U8" or len(b) != 4 or b[3] != 16 or b[:3] != sc:
+            raise CheckpointError(f"{self.path.name}: '{bn}' {bs.dtype_name(bn)} {list(b)} and '{sn}' "
+                                  f"{ss.dtype_name(sn)} {list(sc)} are not MXFP4 blocks and their scales")
+        rows = b[1] if start is None else (b[1] - start + 1) // 2
+        self._shape = (b[0], rows, b[2] * 32)
+
+    def dtype_name(self, name: str) -> str:
+        return "MXFP4"
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape
+
+    def check(self, name: str) -> None:
+        """(the shapes and dtypes were checked when it was made)"""
+
+    def raw(self, name: str) -> np.ndarray:
+        from quant.encode import mxfp4_from_packed
+        (bs, bn), (ss, sn) = self.blocks, self.scales
+        b = bs.raw(bn).reshape(bs.shape(bn))
+        sc = ss.raw(sn).reshape(ss.shape(sn))
+        if self.start is not None:
+            b, sc = b[:, self.start::2], sc[:, self.start::2]
+        E, rows, cols = self._shape
+        return mxfp4_from_packed(b.reshape(E * rows, -1), sc.reshape(E * rows, -1)).reshape(-1)
+
+    def array(self, name: str) -> np.ndarray:
+        from quant import dequantize
+        E, rows, cols = self._shape
+        t = QTensor(name, GGMLType.MXFP4, (E * rows, cols), self.raw(name).reshape(E * rows, -1))
+        return dequantize(t).reshape(self._shape)
+
+    def nbytes(self, name: str) -> int:
+        E, rows, cols = self._shape
+        return E * rows * cols // 32 * 17
+
+
 def _stack_experts(experts: dict[str, dict[int, tuple[Shard, str]]], sources: dict) -> None:
     """GGUF name -> ExpertStack of experts 0..E-1 (each present once) into sources."""
     for g, by_index in experts.items():
@@ -198,9 +273,24 @@ class Checkpoint:
         self.sources: dict[str, tuple[Shard, str]] = {}   # GGUF name -> (shard, HF name)
         experts: dict[str, dict[int, tuple[Shard, str]]] = {}
         for hf_name, shard in where.items():
+            packed = mxfp4_parts(hf_name, arch)
+            if packed is not None:
+                sn = hf_name.removesuffix("_blocks") + "_scales"
+                if sn not in where:
+                    raise CheckpointError(f"{self.folder}: '{hf_name}' without its '{sn}'")
+                for g, start in packed:
+                    self.sources[g] = (PackedMXFP4((shard, hf_name), (where[sn], sn), start), hf_name)
+                continue
+            if hf_name.endswith("_scales") and mxfp4_parts(hf_name.removesuffix("_scales") + "_blocks", arch):
+                continue        # (read with its *_blocks)
             ex = expert_name(hf_name) if arch in MOE_ARCHS else None
             if ex is not None:
                 experts.setdefault(ex[0], {})[ex[1]] = (shard, hf_name)
+                continue
+            cuts = parts(hf_name, arch)
+            if cuts is not None:
+                for g, part in cuts:
+                    self.sources[g] = (Cut(shard, hf_name, part), hf_name)
                 continue
             g = gguf_name(hf_name, arch)
             if g is not None:
@@ -220,7 +310,7 @@ class Checkpoint:
             if s.shape(h) != shape:
                 raise CheckpointError(f"{s.path.name}: tensor '{h}' has shape {list(s.shape(h))}, "
                                       f"config.json implies {list(shape)}")
-            s.array(h)   # dtype check up front, so a bad tensor fails before any work is done
+            s.check(h) if hasattr(s, "check") else s.array(h)   # dtype check up front, before any work
         extra = sorted(set(self.sources) - set(want))
         if extra:
             raise CheckpointError(f"{self.folder}: unexpected tensors for {self.config.arch}: "

@@ -94,7 +94,11 @@ _BAILINGMOE = (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p
 _TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
            r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
            r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_CONTRACTION = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+# o200k's (GPT-4o, gpt-oss) as its tokenizer.json and tiktoken write it: the contractions
+# case-insensitive, which also takes Unicode case folds ("'ſ" is "'s").  llama.cpp spells them
+# '[sS]... and so splits "it'ſ" as "it" + "'ſ" where tiktoken keeps "it'ſ" (nothing else differs:
+# tests/runtime/test_harmony.py); the model's own tokenizer is the reference here.
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
 _GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _CONTRACTION +
           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CONTRACTION +
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -456,6 +460,11 @@ class Tokenizer:
             i = vocab.get(text)
             if i is not None and attrs[i] & ATTR_CONTROL:
                 stops.add(i)
+        _message_end_is_not_eog(stops, tokens, attrs)     # (as from a GGUF file: gpt-oss's <|end|>)
+        for text in _ALWAYS_RENDER_TEXTS:
+            i = vocab.get(text)
+            if i is not None:
+                attrs[i] = ATTR_USER_DEFINED
         template = config.get("chat_template")
         if isinstance(template, list):   # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -722,12 +731,8 @@ def _llama_cpp_special_fixups(md, tokens, vocab, attrs, eos_id, special_id) -> s
     for i in (eos_id, eot_id, eom_id):
         if i is not None:
             eog.add(i)
+    _message_end_is_not_eog(eog, tokens, attrs)
     texts = {tokens[i]: i for i in eog}
-    if "<|end|>" in texts and (("<|return|>" in texts and "<|call|>" in texts) or
-                               ("<|calls|>" in texts and "<|flush|>" in texts)):
-        i = texts["<|end|>"]
-        eog.discard(i)
-        attrs[i] = ATTR_USER_DEFINED
     if "<|tool_response>" in texts and "</s>" in texts:
         i = texts["</s>"]
         eog.discard(i)
@@ -749,6 +754,18 @@ def _llama_cpp_special_fixups(md, tokens, vocab, attrs, eos_id, special_id) -> s
             if t in vocab:
                 attrs[vocab[t]] &= ~ATTR_RSTRIP
     return eog
+
+
+def _message_end_is_not_eog(eog: set, tokens, attrs) -> None:
+    """llama.cpp's rule: where <|return|> and <|call|> end a turn (gpt-oss's harmony; or
+    <|calls|> and <|flush|>), <|end|> only ends a message within it (the reasoning, before
+    the answer): not an end of generation, and rendered as text (in `eog`, `attrs`, in place)."""
+    texts = {tokens[i]: i for i in eog}
+    if "<|end|>" in texts and (("<|return|>" in texts and "<|call|>" in texts) or
+                               ("<|calls|>" in texts and "<|flush|>" in texts)):
+        i = texts["<|end|>"]
+        eog.discard(i)
+        attrs[i] = ATTR_USER_DEFINED
 
 
 def _add_matched_tokens(backend: _RustTokenizer, tokens, attrs) -> None:

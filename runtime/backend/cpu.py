@@ -110,7 +110,7 @@ class CPUBackend:
     exact_rows = 16             # steps up to this many tokens are batch-invariant (engine._splits' rule)
     plans_ok = True             # a subclass that overrides an op must route its kernels through
                                 # scratch.call and set this again to keep the plans (cpu_plan.py)
-    moe_fused = True            # K-quant experts through quant/moe_cpu.py (False: one matmul an expert)
+    moe_fused = True            # VNNI-type experts through quant/moe_cpu.py (False: one matmul an expert)
     # ... at up to this many tokens a step (prompts too: int8 activations on the experts' rows,
     # as llama.cpp's; LLAMBA_MOE_FUSED_ROWS=16 keeps prompts on the per-expert bf16 GEMMs)
     moe_fused_rows = int(os.environ.get("LLAMBA_MOE_FUSED_ROWS", 1 << 30))
@@ -139,10 +139,11 @@ class CPUBackend:
         """Weights keep their file's block layout: the matrices decoding streams are
         copied into huge-page memory where the system offers it (hugepages.py), the
         rest stay memory-mapped (streamed=False: an embedding table of which a token
-        reads one row); 1-D tensors (norms, biases) become float32 vectors; 3-D expert
+        reads one row); 1-D tensors (norms, biases) become float32 vectors (experts'
+        biases [E, cols] float32 matrices); 3-D expert
         tensors a list of 2-D views, one an expert (QTensor.experts)."""
-        if len(t.shape) == 1:
-            return quant.dequantize(t).astype(np.float32).reshape(-1)
+        if len(t.shape) == 1 or t.name.endswith(".bias"):     # (experts' biases: [E, cols])
+            return quant.dequantize(t).astype(np.float32).reshape(t.shape)
         if self.hugepages is not None and streamed:
             data = self.hugepages.place(t.data)
             if data is not None:
@@ -255,17 +256,21 @@ class CPUBackend:
         self.scratch.call(K.add_inplace, x, y)
 
     def glu(self, g, u, kind):
-        self.scratch.call(K.silu_mul if kind == "silu" else K.gelu_mul, g, u)
+        """g = act(g) * u in place; kind: silu, gelu (tanh form) or swiglu_oai (gpt-oss)."""
+        self.scratch.call(_GLU[kind], g, u)
         return g
 
-    def moe(self, x, router, experts, top_k, norm_topk):
+    def moe(self, x, router, experts, top_k, norm_topk, router_bias=None, biases=None, glu="silu"):
         """Mixture of experts: out[t] = sum over token t's top_k experts e (by softmax of
         x[t] @ router.T, renormalized when norm_topk) of w[t, e] * down_e(silu(gate_e x[t])
         * up_e x[t]).  experts: (gates, ups, downs), a 2-D matrix an expert each.  The
         step's rows are gathered by expert (moe.py), so each chosen expert's weights are
-        read once and the others not at all.
+        read once and the others not at all.  Options (gpt-oss; moe.py): router_bias
+        added to the logits, biases (gate, up, down) [E, cols] added to each expert's
+        outputs, glu the experts' activation (a glu() kind).
 
-        K-quant experts on VNNI CPUs (quant/moe_cpu.py): routing, grouping and every chosen
+        Experts of the VNNI kernels' types (K-quants, the 32-element formats and MXFP4) on
+        VNNI CPUs (quant/moe_cpu.py): routing, grouping and every chosen
         expert's matmuls in a fixed sequence of kernel calls on the 3-D tensors' bytes, so
         a small step records and replays (cpu_plan.py); bit for bit what the
         expert-by-expert path gives wherever that runs int8 activations (runs of fewer
@@ -274,9 +279,9 @@ class CPUBackend:
         400-token prompt against transformers: top-1 0.765 both, mean KL 0.00798 ->
         0.00800).  Other expert types: one matmul call per chosen expert."""
         x = self._rows2d(x)
-        return self.moe_routed(x, self.matmul(x, router), experts, top_k, norm_topk)
+        return self.moe_routed(x, self.matmul(x, router, router_bias), experts, top_k, norm_topk, biases, glu)
 
-    def moe_routed(self, x, logits, experts, top_k, norm_topk):
+    def moe_routed(self, x, logits, experts, top_k, norm_topk, biases=None, glu="silu"):
         """The moe op from the router's logits [n, E] on: routing, the chosen experts and
         their weighted sum (x: float32 [n, d], C-contiguous).  The CUDA backend's experts
         kept in system memory (--cpu-moe: cuda_host_moe.py) run here, on the logits its
@@ -285,10 +290,10 @@ class CPUBackend:
         if self.moe_fused and n <= self.moe_fused_rows and isinstance(experts[0], _Experts):
             kinds = moe_cpu.fused_kinds(*(e.whole for e in experts))
             if kinds is not None:
-                return self._moe_fused(x, logits, experts, top_k, norm_topk, kinds)
-        return self._moe_by_expert(x, logits, experts, top_k, norm_topk)
+                return self._moe_fused(x, logits, experts, top_k, norm_topk, kinds, biases, glu)
+        return self._moe_by_expert(x, logits, experts, top_k, norm_topk, biases, glu)
 
-    def _moe_fused(self, x, logits, experts, top_k, norm_topk, kinds):
+    def _moe_fused(self, x, logits, experts, top_k, norm_topk, kinds, biases=None, glu="silu"):
         call, get = self.scratch.call, self.arena.get
         n, d = x.shape
         gw, uw, dw = (e.whole for e in experts)
@@ -302,41 +307,53 @@ class CPUBackend:
         target = 8 * self.threads
         res = get((target + 2 * P + 16, 16))
 
-        def q8(a, gather=False):
-            """a's rows rounded to int8 (act_quant's quantize_q8_256_i8, row by row: a row's
-            codes depend on that row alone) into flat buffers; gather: the pairs' tokens'
-            rows, copied from xa (x rounded once a token)."""
+        def q8(a, fam, gather=False):
+            """a's rows rounded to int8 (act_quant's quantize_q8_256_i8 or quantize_q8_32_i8
+            by the weights' family, row by row: a row's codes depend on that row alone) into
+            flat buffers; gather: the pairs' tokens' rows, copied from xa (x rounded once a
+            token)."""
             m, K = (P if gather else a.shape[0]), a.shape[1]
-            bufs = (get((m * K,), np.int8), get((m * K,), np.int8), get((m * K // 256,)),
-                    get((m * K // 32,), np.int32), get((m * K // 16,), np.int32), get((m * K // 32,)))
+            bufs = moe_cpu.act_buffers(fam, m, K, get)
             nch = min(m // 32, 4 * self.threads)      # a prompt's rows in parallel
             if gather:
                 if nch > 1:
-                    call(moe_cpu.q8_gather_par, tokens, K, *xa, *bufs, nch)
+                    call(moe_cpu.q8_gather_par, fam, tokens, K, *xa, *bufs, nch)
                 else:
-                    call(moe_cpu.q8_gather, tokens, K, *xa, *bufs)
+                    call(moe_cpu.q8_gather, fam, tokens, K, *xa, *bufs)
             elif nch > 1:
-                call(moe_cpu.q8_rows_par, a, tokens[:0], *bufs, nch)
+                call(moe_cpu.q8_rows_par, fam, a, tokens[:0], *bufs, nch)
             else:
-                call(moe_cpu.q8_rows, a, tokens[:0], *bufs)
+                call(moe_cpu.q8_rows, fam, a, tokens[:0], *bufs)
             return bufs
 
-        xa = q8(x)
-        xq, xq4, xd, _, xb16, xbf = q8(x, gather=True)
+        fx, fh = moe_cpu.family(kinds[0]), moe_cpu.family(kinds[2])
+        xa = q8(x, fx)
+        xq, xq4, xd, _, xb16, xbf = q8(x, fx, gather=True)
         xa = (xq, xq4, xd, xb16, xbf)
+        gx = moe_cpu.grp_buffers(fx, P, E, d, get)
+        if fx == moe_cpu.LEG_FAM:
+            call(moe_cpu.group_runs, d, starts, act, nact, xq, xd, xb16, xbf, *gx)
         g, u = get((P, ff)), get((P, ff))
-        call(moe_cpu.gate_up, kinds[0], kinds[1], gw.data, uw.data, ff, d, *xa, starts, act, nact, g, u, res,
+        call(moe_cpu.gate_up, kinds[0], kinds[1], gw.data, uw.data, ff, d, *xa, gx, starts, act, nact, g, u, res,
              target)
-        call(K.silu_mul, g, u)
-        hq, hq4, hd, _, hb16, hbf = q8(g)
+        if biases is not None:
+            call(moe.add_run_bias, g, biases[0], starts, act, nact)
+            call(moe.add_run_bias, u, biases[1], starts, act, nact)
+        call(_GLU[glu], g, u)
+        hq, hq4, hd, _, hb16, hbf = q8(g, fh)
         ha = (hq, hq4, hd, hb16, hbf)
+        gh = moe_cpu.grp_buffers(fh, P, E, ff, get)
+        if fh == moe_cpu.LEG_FAM:
+            call(moe_cpu.group_runs, ff, starts, act, nact, hq, hd, hb16, hbf, *gh)
         y = get((P, d))
-        call(moe_cpu.down, kinds[2], dw.data, d, ff, *ha, starts, act, nact, y, res, target)
+        call(moe_cpu.down, kinds[2], dw.data, d, ff, *ha, gh, starts, act, nact, y, res, target)
+        if biases is not None:
+            call(moe.add_run_bias, y, biases[2], starts, act, nact)
         out = get((n, d))
         call(moe.combine, y, pos, w, out)
         return out
 
-    def _moe_by_expert(self, x, logits, experts, top_k, norm_topk):
+    def _moe_by_expert(self, x, logits, experts, top_k, norm_topk, biases=None, glu="silu"):
         self.recordable = False             # the experts a step runs depend on its data
         n, d = x.shape
         w, tokens, starts, pos = moe.plan(logits, top_k, norm_topk)
@@ -350,8 +367,13 @@ class CPUBackend:
         for e in np.flatnonzero(starts[1:] > starts[:-1]):
             a, b = starts[e], starts[e + 1]
             matmul_multi_into(xs[a:b], (gates[e], ups[e]), (g[a:b], u[a:b]), self.scratch)
-            K.silu_mul(g[a:b], u[a:b])
+            if biases is not None:
+                K.add_bias(g[a:b], biases[0][e])
+                K.add_bias(u[a:b], biases[1][e])
+            _GLU[glu](g[a:b], u[a:b])
             matmul_into(g[a:b], downs[e], y[a:b], self.scratch)
+            if biases is not None:
+                K.add_bias(y[a:b], biases[2][e])
         out = self.arena.get((n, d))
         moe.combine(y, pos, w, out)
         return out
@@ -378,7 +400,10 @@ class CPUBackend:
         self.scratch.call(np.copyto, out, x)
         return out
 
-    def attention(self, q, k, v, layer, step):
+    def attention(self, q, k, v, layer, step, sinks=None):
+        """Causal attention of q's rows over the layer's cache (after writing k, v to it),
+        inside the layer's window.  sinks: a float32 logit per query head that joins each
+        row's softmax denominator (gpt-oss's attention sinks), or None."""
         n, h, d = q.shape
         kv = self.kv
         slots, tables = step.slots_for(layer), step.tables_for(layer)
@@ -404,7 +429,7 @@ class CPUBackend:
         call(K.paged_attention, q, kv.k[layer], kv.v[layer], kv.k_scale[layer], kv.v_scale[layer], kv.k_quant,
              kv.v_quant, step.block_size, tables, step.seq_of_token, step.positions, window,
              np.float32(step.attn_scale), splits, tile_t0, tile_n, n_tiles,
-             part_m, part_l, part_acc, out)
+             part_m, part_l, part_acc, out, _NO_SINKS if sinks is None else sinks)
         return out.reshape(n, h * d)
 
 
@@ -422,4 +447,6 @@ class _Experts(list):
 
 # queries per prefill tile: each K/V block is converted once per tile and kv head
 ATTN_TILE = 16
+_NO_SINKS = np.zeros(0, np.float32)     # paged_attention's "no attention sinks"
+_GLU = {"silu": K.silu_mul, "gelu": K.gelu_mul, "swiglu_oai": K.swiglu_oai_mul}
 

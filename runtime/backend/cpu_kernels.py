@@ -98,6 +98,27 @@ def gelu_mul(g, u):
             gi[j] = v * _sigmoid(c * (v + np.float32(0.044715) * v * v * v)) * ui[j]
 
 
+# gpt-oss's experts: SwiGLU with the gate clamped from above and up on both sides, and
+# up shifted by one; alpha and limit are fixed by the architecture (llama.cpp's too)
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
+
+
+@nb.njit(**_JIT_VEC)
+def swiglu_oai_mul(g, u):
+    """g = (clamp(u, -7, 7) + 1) * v * sigmoid(1.702 v), v = min(g, 7), in place."""
+    n, d = g.shape
+    a = np.float32(SWIGLU_OAI_ALPHA)
+    lim = np.float32(SWIGLU_OAI_LIMIT)
+    for i in range(n):
+        gi = g[i]
+        ui = u[i]
+        for j in range(d):
+            v = min(gi[j], lim)
+            w = min(max(ui[j], -lim), lim)
+            gi[j] = (w + np.float32(1.0)) * (v * _sigmoid(a * v))
+
+
 @nb.njit(**_JIT)
 def add_inplace(x, y):
     n, d = x.shape
@@ -705,7 +726,7 @@ def _pv_f16_r(sc, v_pool, voff, acc, r0, cu0, cu1, R):
 @nb.njit(parallel=True, **_JIT)
 def paged_attention(q, k_pool, v_pool, k_scale, v_scale, kq, vq, block_size, block_tables,
                     seq_of_token, positions, window, scale, n_splits, tile_t0, tile_n, tile_count,
-                    part_m, part_l, part_acc, out):
+                    part_m, part_l, part_acc, out, sinks):
     """Causal-tiled attention with an online softmax over a paged KV cache.
 
     q [N, H, D]; token t of sequence seq_of_token[t] at position positions[t]
@@ -734,6 +755,11 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, kq, vq, block_size, blo
     (the split): scores are per-row FMA chains, masked keys weigh exactly 0 in
     the same fixed-order sums, so a token gives bit-identical output alone or in
     a step of several (speculative verification).
+
+    sinks [H] (gpt-oss; empty: none): a learned logit per query head that joins the
+    softmax's denominator and brings no value (_sink_inv), added where a row's sums
+    are final: at the item's end (one split) or in the split merge.  Without sinks
+    the arithmetic is as it was.
     """
     n, h, d = q.shape
     n_tiles = tile_count[0]
@@ -743,6 +769,7 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, kq, vq, block_size, blo
     dp = (d + 63) // 64 * 64
     fast_k = not kq and d % 16 == 0
     fast_v = not vq and d % 64 == 0      # V read in place, 64 dims per step (else gathered, dequantized)
+    has_sink = sinks.shape[0] > 0
     for it in nb.prange(n_tiles * per_tile):
         # zig-zag over tiles so that contiguous chunks of items (one per thread)
         # mix short early tiles with long late ones under causal masking
@@ -905,7 +932,10 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, kq, vq, block_size, blo
             t = t0 + r // g
             gi = r % g
             if n_splits == 1:
-                inv = np.float32(1.0) / l[r] if l[r] > 0 else np.float32(0.0)
+                if has_sink:
+                    inv = _sink_inv(l[r], m[r], sinks[kh * g + gi])
+                else:
+                    inv = np.float32(1.0) / l[r] if l[r] > 0 else np.float32(0.0)
                 for x in range(d):
                     out[t, kh * g + gi, x] = acc[r, x] * inv
             else:
@@ -919,14 +949,24 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, kq, vq, block_size, blo
     # merge is a few thousand flops, less than waking the pool again
     if n <= 16:
         for it in range(n * kvh):
-            _merge_splits(it, kvh, g, d, n_splits, part_m, part_l, part_acc, out)
+            _merge_splits(it, kvh, g, d, n_splits, part_m, part_l, part_acc, out, sinks)
     else:
         for it in nb.prange(n * kvh):
-            _merge_splits(it, kvh, g, d, n_splits, part_m, part_l, part_acc, out)
+            _merge_splits(it, kvh, g, d, n_splits, part_m, part_l, part_acc, out, sinks)
 
 
 @nb.njit(inline="always")
-def _merge_splits(it, kvh, g, d, n_splits, part_m, part_l, part_acc, out):
+def _sink_inv(l, m, sink):
+    """What a row's output sums (weighted by exp(score - m), their total l) are
+    multiplied by when a sink logit joins the softmax: exp(m - M) / (l exp(m - M) +
+    exp(sink - M)), M = max(m, sink) (no overflow whichever is larger)."""
+    mm = max(m, sink)
+    c = np.float32(math.exp(m - mm))
+    return c / (l * c + np.float32(math.exp(sink - mm)))
+
+
+@nb.njit(inline="always")
+def _merge_splits(it, kvh, g, d, n_splits, part_m, part_l, part_acc, out, sinks):
     t = it // kvh
     kh = it % kvh
     for gi in range(g):
@@ -945,7 +985,10 @@ def _merge_splits(it, kvh, g, d, n_splits, part_m, part_l, part_acc, out):
             tot += part_l[t, kh, sp, gi] * w
             for x in range(d):
                 o[x] += part_acc[t, kh, sp, gi, x] * w
-        inv = np.float32(1.0) / tot
+        if sinks.shape[0] > 0:
+            inv = _sink_inv(tot, mx, sinks[kh * g + gi])
+        else:
+            inv = np.float32(1.0) / tot
         for x in range(d):
             o[x] *= inv
 

@@ -37,6 +37,8 @@ from . import DeviceUnavailable, moe
 from .cuda_memory import MIN_COMPUTE_CAPABILITY, estimate_bytes, format_bytes
 
 _SRC = Path(__file__).resolve().parent / "cuda_kernels.cu"
+# the glu() kinds' kernels (cuda_kernels.cu)
+_GLU_KERNELS = {"silu": "silu_mul", "gelu": "gelu_mul", "swiglu_oai": "swiglu_oai_mul"}
 MV_MAX_ROWS = 8        # quant.cuda.MV_MAX_ROWS (that module needs CuPy to import; CUDABackend checks they agree)
 
 
@@ -450,8 +452,8 @@ class CUDABackend:
         if self.host_experts is not None and self.host_experts.holds(t.name):
             self.use_graphs = False     # every step now waits on the host mid-step: none can be captured
             return self.host_experts.upload(t)
-        if len(t.shape) == 1:
-            v = cp.asarray(quant.dequantize(t).astype(np.float32).reshape(-1))
+        if len(t.shape) == 1 or t.name.endswith(".bias"):       # (experts' biases: [E, cols])
+            v = cp.asarray(quant.dequantize(t).astype(np.float32).reshape(t.shape))
             self.weight_bytes += v.nbytes
             return v
         if len(t.shape) == 3:
@@ -857,7 +859,7 @@ class CUDABackend:
         if self._pglu is not None:
             g, u, kind = self._pglu
             self._pglu = None
-            self._launch("silu_mul" if kind == "silu" else "gelu_mul", g.size, (g, u, np.int64(g.size)))
+            self._launch(_GLU_KERNELS[kind], g.size, (g, u, np.int64(g.size)))
         if self._propes and not keep_ropes:
             ropes, self._propes = self._propes, []
             for x, pos, inv_freq, neox, pos_scale, mscale in ropes:
@@ -943,25 +945,32 @@ class CUDABackend:
     def glu(self, g, u, kind):
         self._flush()
         self._check(g, u)
+        if kind not in ("silu", "gelu"):      # (the matmuls fold these two only: run it now)
+            self._launch(_GLU_KERNELS[kind], g.size, (g, u, np.int64(g.size)))
+            return g
         self._pglu = (g, u, kind)
         return g
 
-    def moe(self, x, router, experts, top_k, norm_topk):
+    def moe(self, x, router, experts, top_k, norm_topk, router_bias=None, biases=None, glu="silu"):
         """Mixture of experts, as the CPU backend's (cpu.py): steps of up to exact_rows rows
         (decode, speculative verify, the server's batched decode) route on the device where
         the experts have id-indexed kernels (_moe_on_device: no host wait, so decode steps are
         captured as CUDA graphs); other steps (prompts) on the host (_moe_on_host).  Both give
         a row the same bits.  Experts kept in system memory (--cpu-moe) run on the CPU
         (cuda_host_moe.py).  A branch that waits for the host must not count in
-        self._moe_calls[1] (the step could not be captured)."""
+        self._moe_calls[1] (the step could not be captured).  Options as the CPU's (gpt-oss:
+        router_bias, biases (gate, up, down) [E, cols], glu the experts' activation): the
+        device path has no kernels for the expert biases or the clamped SwiGLU yet, so such
+        a layer routes on the host (its steps run eagerly)."""
         self._moe_calls[0] += 1
         if self.host_experts is not None and self.host_experts.owns(experts):
             # experts kept in system memory (--cpu-moe): the router here, the experts on the CPU
-            return self.host_experts.moe(x, router, experts, top_k, norm_topk)
-        if self.moe_on_device and x.shape[0] <= self.exact_rows and self.qc.moe_ids_ok(experts, top_k):
+            return self.host_experts.moe(x, router, experts, top_k, norm_topk, router_bias, biases, glu)
+        if (self.moe_on_device and x.shape[0] <= self.exact_rows and router_bias is None and biases is None
+                and glu == "silu" and self.qc.moe_ids_ok(experts, top_k)):
             self._moe_calls[1] += 1
             return self._moe_on_device(x, router, experts, top_k, norm_topk)
-        return self._moe_on_host(x, router, experts, top_k, norm_topk)
+        return self._moe_on_host(x, router, experts, top_k, norm_topk, router_bias, biases, glu)
 
     def _moe_on_device(self, x, router, experts, top_k, norm_topk):
         """The moe op without the host: the router's logits (a matvec), each row's top k and
@@ -993,7 +1002,7 @@ class CUDABackend:
         self._unmat.add(out.data.ptr)         # written by the add that takes it, or by _flush
         return out
 
-    def _moe_on_host(self, x, router, experts, top_k, norm_topk):
+    def _moe_on_host(self, x, router, experts, top_k, norm_topk, router_bias=None, biases=None, glu="silu"):
         """The router's logits go to the host, which picks each token's experts and groups
         the step's rows by expert (moe.py); each chosen expert then runs once on its run of
         gathered rows, the others are not read.  The host wait makes this op's steps eager
@@ -1007,7 +1016,7 @@ class CUDABackend:
         n, d = x.shape
         gates, ups, downs = experts
         logits = self._buf((n, len(gates)))
-        self.qc.matmul(x, [router], [logits], ws=self.ws)
+        self.qc.matmul(x, [router], [logits], [router_bias] if router_bias is not None else None, ws=self.ws)
         self.stream.synchronize()
         w, tokens, starts, pos = moe.plan(logits.get(), top_k, norm_topk)
         rows, ff = n * top_k, gates[0].shape[0]
@@ -1018,11 +1027,13 @@ class CUDABackend:
         g, u = self._buf((rows, ff)), self._buf((rows, ff))
         self._launch("gather_rows", rows * d, (x, tok_d, np.int32(rows), np.int32(d), xs))
         runs = [(int(starts[e]), int(starts[e + 1]), e) for e in np.flatnonzero(np.diff(starts))]
+        gb, ub, db = biases if biases is not None else (None, None, None)
         for a, b, e in runs:
-            self.qc.matmul(xs[a:b], [gates[e], ups[e]], [g[a:b], u[a:b]], ws=self.ws)
-        self._launch("silu_mul", g.size, (g, u, np.int64(g.size)))
+            self.qc.matmul(xs[a:b], [gates[e], ups[e]], [g[a:b], u[a:b]],
+                           [gb[e], ub[e]] if biases is not None else None, ws=self.ws)
+        self._launch(_GLU_KERNELS[glu], g.size, (g, u, np.int64(g.size)))
         for a, b, e in runs:
-            self.qc.matmul(g[a:b], [downs[e]], [y[a:b]], ws=self.ws)
+            self.qc.matmul(g[a:b], [downs[e]], [y[a:b]], [db[e]] if biases is not None else None, ws=self.ws)
         out = self._buf((n, d))
         self.qc.moe_combine(y, w_d, top_k, out, pos=pos_d)
         return out
@@ -1056,8 +1067,12 @@ class CUDABackend:
     def logits(self, x, W):
         return self._mm(x, [W])[0]
 
-    def attention(self, q, k, v, layer, step):
+    def attention(self, q, k, v, layer, step, sinks=None):
+        """As the CPU backend's; sinks: a float32 logit per query head (gpt-oss) joining each
+        row's softmax denominator, taken where a row's result is final (the kernel's end
+        with one split, else attn_merge)."""
         n, h, d = q.shape
+        sk = np.uint64(0) if sinks is None else sinks        # (null: no sinks)
         kv = self.kv
         kvh = k.shape[1]
         g = h // kvh
@@ -1088,27 +1103,27 @@ class CUDABackend:
                     step.positions, np.int32(n), np.int32(step.block_size), np.int32(step.window(layer)),
                     np.float32(step.attn_scale), np.int32(kvh), out)
             if not mma:
-                self._attn_fn(d, g, "attn_prefill", kv.v_quant)((qtiles, kvh), (128,), args)
+                self._attn_fn(d, g, "attn_prefill", kv.v_quant)((qtiles, kvh), (128,), args + (sk,))
                 return out.reshape(n, h * d)
             ns = self._prefill_splits(qtiles * kvh, self._graph_width(tables.shape[1]) * step.block_size)
             parts = self._attn_parts(n, kvh, ns, g, d) if ns > 1 else (np.uint64(0),) * 3   # (null: writes out)
-            self._attn_fn(d, g, "attn_prefill_mma", kv.v_quant)((qtiles, kvh, ns), (128,), args + parts)
+            self._attn_fn(d, g, "attn_prefill_mma", kv.v_quant)((qtiles, kvh, ns), (128,), args + parts + (sk,))
             if ns > 1:
-                self._attn_merge(parts, ns, n, h, kvh, g, d, out)
+                self._attn_merge(parts, ns, n, h, kvh, g, d, out, sk)
             return out.reshape(n, h * d)
         parts = self._attn_parts(n, kvh, splits, g, d) if splits > 1 else (out,) * 3
         self._attn_fn(d, g, "attn_tiles" if getattr(step, "attn_tiles", False) else "attention", kv.v_quant)(
             (splits, kvh, n), (128,),
             (q, kv.k[layer]) + kv.v_args(layer) + (tables, np.int32(tables.shape[1]), step.seq_of_token, step.positions,
              np.int32(step.block_size), np.int32(step.window(layer)), np.float32(step.attn_scale),
-             np.int32(splits), np.int32(kvh)) + parts + (out,))
+             np.int32(splits), np.int32(kvh)) + parts + (out, sk))
         if splits > 1:
-            self._attn_merge(parts, splits, n, h, kvh, g, d, out)
+            self._attn_merge(parts, splits, n, h, kvh, g, d, out, sk)
         return out.reshape(n, h * d)
 
     def _attn_parts(self, n, kvh, ns, g, d):
         """(max, sum, unnormalized output) of ns key splits of every query row, for attn_merge."""
         return self._buf((n * kvh * ns * g,)), self._buf((n * kvh * ns * g,)), self._buf((n * kvh * ns * g * d,))
 
-    def _attn_merge(self, parts, ns, n, h, kvh, g, d, out):
-        self._attn_fn(d, g, "attn_merge")((n * h,), (min(d, 256),), parts + (np.int32(ns), np.int32(kvh), out))
+    def _attn_merge(self, parts, ns, n, h, kvh, g, d, out, sinks=np.uint64(0)):
+        self._attn_fn(d, g, "attn_merge")((n * h,), (min(d, 256),), parts + (np.int32(ns), np.int32(kvh), out, sinks))

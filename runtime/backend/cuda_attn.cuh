@@ -93,6 +93,16 @@ ADEV float ldf(const float* p) {
     else return *p;
 }
 
+// What a row's output sums (weighted by exp(score - m), their total l; natural units) are
+// multiplied by when an attention sink joins its softmax (gpt-oss: a learned logit per
+// query head h in the denominator, with no value): exp(m - M) / (l exp(m - M) +
+// exp(sink - M)), M = max(m, sink), so neither exponential overflows.  The callers keep
+// their own A / L (or A * (1 / L)) when sinks is null: rows without sinks are unchanged.
+ADEV float sink_inv(float l, float m, const float* sinks, int h) {
+    const float s = sinks[h], mm = fmaxf(m, s), c = expf(m - mm);
+    return c / fmaf(l, c, expf(s - mm));
+}
+
 // The first key a token at position pos sees: its sliding window's first (0 without one)
 ADEV int window_lo(int pos, int window) {
     return (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
@@ -206,12 +216,14 @@ ADEV void attn_key(const __half* kp, VP vp, const int* table, int j, int block_s
 // ahead); attn_split below loads it itself.  PF: the warp's keys in flight (loaded
 // ahead of the one it computes): a warp's keys are a chain of dependent loads (table
 // entry, then the rows), so at long contexts the walk is latency; PF changes when a
-// key is loaded, never a sum.
+// key is loaded, never a sum.  sinks (null: none): the query heads' sink logits, taken
+// where a row's result is final (one split; else attn_merge takes them).
 template <int HD, int G, int NW, int PF = 1, class QF, class SYNC, class VP>
 ADEV void attn_split_from(const QF& qf, const SYNC& sync, const __half* kp, VP vp, const int* table,
                           int j0, int j1, int block_size, int kvh, int kh, int t, int sp, int n_splits, float scale,
                           float* sm_m, float* sm_l, float* sm_acc, int tid, float* part_m, float* part_l,
-                          float* part_acc, float* out, float (&kn)[HD / 32], float (&vn)[HD / 32]) {
+                          float* part_acc, float* out, float (&kn)[HD / 32], float (&vn)[HD / 32],
+                          const float* sinks = nullptr) {
     constexpr int DPL = HD / 32;
     const int warp = tid >> 5, lane = tid & 31;
     const int H = kvh * G;
@@ -278,7 +290,8 @@ ADEV void attn_split_from(const QF& qf, const SYNC& sync, const __half* kp, VP v
             }
         }
         if (n_splits == 1) {
-            out[((long long)t * H + kh * G + g) * HD + d] = L > 0.f ? A / L : 0.f;
+            out[((long long)t * H + kh * G + g) * HD + d] =
+                sinks ? A * sink_inv(L, mx, sinks, kh * G + g) : (L > 0.f ? A / L : 0.f);
         } else {
             const long long pi = ((long long)(t * kvh + kh) * n_splits + sp) * G + g;
             part_acc[pi * HD + d] = A;
@@ -306,7 +319,7 @@ ADEV void attn_split(const QF& qf, const SYNC& sync, const __half* kp, VP vp, co
 // not change a sum.
 template <int HD, int G, bool CG, int NB = 16>
 ADEV void attn_merge_head(const float* part_m, const float* part_l, const float* part_acc, int n_splits, int kvh,
-                          int t, int h, float* out, int tid, int nt) {
+                          int t, int h, float* out, int tid, int nt, const float* sinks = nullptr) {
     const int H = kvh * G;
     const int kh = h / G, g = h % G;
     const long long base = (long long)(t * kvh + kh) * n_splits;
@@ -344,6 +357,6 @@ ADEV void attn_merge_head(const float* part_m, const float* part_l, const float*
                 }
             }
         }
-        out[((long long)t * H + h) * HD + d] = L > 0.f ? A / L : 0.f;
+        out[((long long)t * H + h) * HD + d] = sinks ? A * sink_inv(L, mx, sinks, h) : (L > 0.f ? A / L : 0.f);
     }
 }

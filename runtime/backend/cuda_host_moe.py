@@ -64,9 +64,10 @@ class HostExperts:
             buf = self._staging[name] = self.gpu._pinned((max(n, 2 * (0 if buf is None else buf.size)),), np.float32)
         return buf[:n].reshape(shape)
 
-    def moe(self, x, router, experts, top_k, norm_topk):
+    def moe(self, x, router, experts, top_k, norm_topk, router_bias=None, biases=None, glu="silu"):
         """The moe op (CUDABackend.moe's arguments) for experts in system memory: the
-        result is a device array [n, d], as the all-GPU op's."""
+        result is a device array [n, d], as the all-GPU op's.  (gpt-oss: the router's bias
+        is on the GPU with the router; the experts' biases, `_exps.bias`, here with them.)"""
         g = self.gpu
         cp = g.cp
         rt = cp.cuda.runtime
@@ -78,7 +79,7 @@ class HostExperts:
         n, d = x.shape
         E = len(experts[0])
         logits = g._buf((n, E))
-        g.qc.matmul(x, [router], [logits], ws=g.ws)
+        g.qc.matmul(x, [router], [logits], [router_bias] if router_bias is not None else None, ws=g.ws)
         hx, hl = self._pinned("x", (n, d)), self._pinned("logits", (n, E))
         sp = g.stream.ptr
         rt.memcpyAsync(hx.ctypes.data, x.data.ptr, hx.nbytes, rt.memcpyDeviceToHost, sp)
@@ -87,7 +88,7 @@ class HostExperts:
         g.stream.synchronize()
         self.cpu.arena.reset()          # its buffers live for this op only
         hy = self._pinned("y", (n, d))
-        hy[...] = self.cpu.moe_routed(hx, hl, experts, top_k, norm_topk)
+        hy[...] = self.cpu.moe_routed(hx, hl, experts, top_k, norm_topk, biases, glu)
         out = g._buf((n, d))
         rt.memcpyAsync(out.data.ptr, hy.ctypes.data, hy.nbytes, rt.memcpyHostToDevice, sp)
         g._pdl.fence()

@@ -62,6 +62,16 @@ extern "C" __global__ void gelu_mul(float* g, const float* __restrict__ u, long 
     }
 }
 
+// gpt-oss's experts: g = (clamp(u, -7, 7) + 1) * v * sigmoid(1.702 v), v = min(g, 7) (the CPU's
+// swiglu_oai_mul; llama.cpp's swiglu_oai with its fixed alpha and limit)
+extern "C" __global__ void swiglu_oai_mul(float* g, const float* __restrict__ u, long long n) {
+    PDL_ENTER();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float v = fminf(g[i], 7.f), w = fminf(fmaxf(u[i], -7.f), 7.f);
+    g[i] = (w + 1.f) * (v / (1.f + expf(-1.702f * v)));
+}
+
 extern "C" __global__ void add_inplace(float* x, const float* __restrict__ y, long long n) {
     PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -150,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,
         const int* __restrict__ positions, int block_size, int window, float scale, int n_splits, int kvh,
         float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc,
-        float* __restrict__ out) {
+        float* __restrict__ out, const float* __restrict__ sinks) {
     __shared__ float sm_m[ATT_WARPS * ATT_G], sm_l[ATT_WARPS * ATT_G];
     __shared__ float sm_acc[ATT_WARPS * ATT_G * ATT_HD];
     const int sp = blockIdx.x, kh = blockIdx.y, t = blockIdx.z;
@@ -172,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attention(
     const QMem qf{q + ((long long)t * kvh * ATT_G + kh * ATT_G) * ATT_HD};
     attn_split_from<ATT_HD, ATT_G, ATT_WARPS, ATT_PF>(qf, BlockSync{}, kp, vpool, table, j0, j1, block_size, kvh, kh, t, sp,
                                               n_splits, scale, sm_m, sm_l, sm_acc, threadIdx.x, part_m, part_l,
-                                              part_acc, out, kn, vn);
+                                              part_acc, out, kn, vn, sinks);
 }
 
 // Decode attention by key tiles: the same grid, arguments and partial results as
@@ -192,7 +202,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_tiles(
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,
         const int* __restrict__ positions, int block_size, int window, float scale, int n_splits, int kvh,
         float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc,
-        float* __restrict__ out) {
+        float* __restrict__ out, const float* __restrict__ sinks) {
     constexpr int HD = ATT_HD, G = ATT_G, BK = DEC_BK, NW = 4;
     constexpr int DP2 = HD / 64, RW = (G + NW - 1) / NW;
     static_assert(HD % 64 == 0, "head dim a multiple of 64");
@@ -257,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_tiles(
         if (r >= G) continue;
         if (n_splits == 1) {
             float* o = out + ((long long)t * H + kh * G + r) * HD;
-            const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+            const float inv = sinks ? sink_inv(l[i], m[i], sinks, kh * G + r) : (l[i] > 0.f ? 1.f / l[i] : 0.f);
 #pragma unroll
             for (int k = 0; k < DP2; k++)
                 *(float2*)&o[2 * (lane + 32 * k)] = make_float2(acc[i][2 * k] * inv, acc[i][2 * k + 1] * inv);
@@ -291,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
         const float* __restrict__ q, const __half* __restrict__ kp, V_PARAMS,
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,
         const int* __restrict__ positions, int n, int block_size, int window, float scale, int kvh,
-        float* __restrict__ out) {
+        float* __restrict__ out, const float* __restrict__ sinks) {
     constexpr int HD = ATT_HD, G = ATT_G, PQ = PRE_PQ, ROWS = PQ * G, BK = PRE_BK, NW = 4;
     constexpr int DP2 = HD / 64, RW = (ROWS + NW - 1) / NW;     // a lane's dims: DP2 pairs
     static_assert(HD % 64 == 0, "head dim a multiple of 64");
@@ -341,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(
         const int r = warp + NW * i;
         if (r >= ROWS || r / G >= nq) continue;
         float* o = out + ((long long)(t0 + r / G) * H + kh * G + r % G) * HD;
-        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        const float inv = sinks ? sink_inv(l[i], m[i], sinks, kh * G + r % G) : (l[i] > 0.f ? 1.f / l[i] : 0.f);
 #pragma unroll
         for (int k = 0; k < DP2; k++)
             *(float2*)&o[2 * (lane + 32 * k)] = make_float2(acc[i][2 * k] * inv, acc[i][2 * k + 1] * inv);
@@ -377,7 +387,8 @@ ADEV void attn_prefill_mma_body(const float* __restrict__ q, const __half* __res
                                 VPool vp, const int* __restrict__ tables, int max_blocks,
                                 const int* __restrict__ seq_of_token, const int* __restrict__ positions, int n,
                                 int block_size, int window, float scale, int kvh, float* __restrict__ out,
-                                float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc) {
+                                float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc,
+                                const float* __restrict__ sinks) {
     constexpr int NW = 4, PQ = 16 * NW / G, ROWS = PQ * G, BK = MMA_BK;
     constexpr int KS = HD / 8, NT = BK / 8, ND = HD / 8, KP = HD + 8, VP = BK + 8;
     __shared__ __align__(16) __half sk[BK][KP];
@@ -509,7 +520,9 @@ ADEV void attn_prefill_mma_body(const float* __restrict__ q, const __half* __res
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         if (!ok[h]) continue;
-        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        // (m in log2 units: exp2 in the softmax; the sink's logit is in natural units)
+        const float inv = sinks ? sink_inv(l[h], m[h] * 0.6931471805599453f, sinks, kh * G + rr[h] % G)
+                                : (l[h] > 0.f ? 1.f / l[h] : 0.f);
         float* orow = out + ((long long)(t0 + rr[h] / G) * H + kh * G + rr[h] % G) * HD + 2 * ti;
 #pragma unroll
         for (int nd = 0; nd < ND; nd++)
@@ -521,10 +534,11 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
         const float* __restrict__ q, const __half* __restrict__ kp, V_PARAMS,
         const int* __restrict__ tables, int max_blocks, const int* __restrict__ seq_of_token,
         const int* __restrict__ positions, int n, int block_size, int window, float scale, int kvh,
-        float* __restrict__ out, float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc) {
+        float* __restrict__ out, float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc,
+        const float* __restrict__ sinks) {
 #if ATT_HD <= 256 && ATT_HD % 64 == 0 && ATT_G <= 64     // (the backend launches it for these only)
     attn_prefill_mma_body<ATT_HD, ATT_G>(q, kp, V_POOL, tables, max_blocks, seq_of_token, positions, n, block_size,
-                                         window, scale, kvh, out, part_m, part_l, part_acc);
+                                         window, scale, kvh, out, part_m, part_l, part_acc, sinks);
 #endif
 }
 
@@ -536,7 +550,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill_mma(
 template <int HD, int G>
 ADEV void attn_merge_staged(const float* __restrict__ part_m, const float* __restrict__ part_l,
                             const float* __restrict__ part_acc, int n_splits, int kvh, int t, int h,
-                            float* __restrict__ out, int tid, int nt) {
+                            float* __restrict__ out, int tid, int nt, const float* __restrict__ sinks) {
     __shared__ float s_l[MERGE_MAX], s_c[MERGE_MAX], s_mx[32];
     const int H = kvh * G;
     const int kh = h / G, g = h % G;
@@ -564,23 +578,23 @@ ADEV void attn_merge_staged(const float* __restrict__ part_m, const float* __res
                 A = fmaf(av[s], s_c[s], A);
             }
         }
-        out[((long long)t * H + h) * HD + d] = L > 0.f ? A / L : 0.f;
+        out[((long long)t * H + h) * HD + d] = sinks ? A * sink_inv(L, mx, sinks, h) : (L > 0.f ? A / L : 0.f);
     }
 }
 
 // combine the context splits: one block per (token, query head), one thread per dim
 extern "C" __global__ void attn_merge(const float* __restrict__ part_m, const float* __restrict__ part_l,
                                       const float* __restrict__ part_acc, int n_splits, int kvh,
-                                      float* __restrict__ out) {
+                                      float* __restrict__ out, const float* __restrict__ sinks) {
     PDL_ENTER();
     const int H = kvh * ATT_G;
     if (n_splits <= MERGE_MAX && (int)blockDim.x >= n_splits) {
         attn_merge_staged<ATT_HD, ATT_G>(part_m, part_l, part_acc, n_splits, kvh, blockIdx.x / H, blockIdx.x % H,
-                                         out, threadIdx.x, blockDim.x);
+                                         out, threadIdx.x, blockDim.x, sinks);
         return;
     }
     attn_merge_head<ATT_HD, ATT_G, false>(part_m, part_l, part_acc, n_splits, kvh, blockIdx.x / H, blockIdx.x % H,
-                                          out, threadIdx.x, blockDim.x);
+                                          out, threadIdx.x, blockDim.x, sinks);
 }
 
 // RoPE on q and k, then k and v into the fp16 cache at the tokens' slots: the three

@@ -59,8 +59,8 @@ def on_gpu(name: str, n_layers: int, gpu_layers: int | None = None, cpu_moe: int
 
 def tensor_device_bytes(t) -> int:
     """Bytes a tensor takes on the device: matrices as stored, vectors as float32."""
-    if len(t.shape) == 1:
-        return 4 * int(t.shape[0])
+    if len(t.shape) == 1 or t.name.endswith(".bias"):      # (experts' biases [E, cols] too)
+        return 4 * math.prod(t.shape)
     return int(t.nbytes)
 
 

@@ -189,11 +189,11 @@ class SplitBackend:
     def glu(self, g, u, kind):
         return self._be(self._dev(g)).glu(g, self._to(u, self._dev(g)), kind)
 
-    def moe(self, x, router, experts, top_k, norm_topk):
+    def moe(self, x, router, experts, top_k, norm_topk, **options):
         # where the router is: a GPU layer's experts may be on the host (--cpu-moe), which the
         # GPU backend's op handles
         g = self._w_dev(router)
-        return self._be(g).moe(self._to(x, g), router, experts, top_k, norm_topk)
+        return self._be(g).moe(self._to(x, g), router, experts, top_k, norm_topk, **options)
 
     def rope(self, x, step, inv_freq, neox, pos_scale=1.0, mscale=1.0):
         if self._dev(x):
@@ -210,10 +210,10 @@ class SplitBackend:
         g = self._w_dev(W)
         return self._be(g).logits(self._to(x, g), W)
 
-    def attention(self, q, k, v, layer, step):
+    def attention(self, q, k, v, layer, step, sinks=None):
         g = layer < self.n_gpu
         q, k, v = (self._to(a, g) for a in (q, k, v))
         if g:
-            return self.gpu.attention(q, k, v, layer, step.dev)
+            return self.gpu.attention(q, k, v, layer, step.dev, sinks=sinks)
         return self.cpu.attention(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
-                                  layer, step)
+                                  layer, step, sinks=sinks)

@@ -14,6 +14,18 @@ by the same operations in the same order, so its experts and weights equal `rout
 for bit: softmax terms by `exp_det` (one fixed sequence of correctly rounded float64
 operations, which CUDA repeats exactly; the C library's exp and CUDA's may differ in the
 last bit), the sums in the same order, ties to the lower index.
+
+The op's options (what a family's layer is):
+- norm_topk: the chosen experts' probabilities renormalized to sum to 1.  gpt-oss's
+  routing, top k of the router's logits and then a softmax over those k (llama.cpp's
+  SOFTMAX_WEIGHT gating), is this one: softmax is monotonic, so the top k of the logits
+  are the top k probabilities, and p_i / sum_topk p_j = exp(l_i) / sum_topk exp(l_j)
+  (test_gpt_oss.py checks it against transformers' router).
+- router_bias: added to the router's logits (gpt-oss).
+- biases (gate, up, down), one row an expert each, added to the expert's outputs
+  (`add_run_bias`, on the rows grouped by expert) (gpt-oss).
+- glu: the experts' GLU, "silu" (SwiGLU) or "swiglu_oai" (gpt-oss's clamped form,
+  cpu_kernels.swiglu_oai_mul).
 """
 from __future__ import annotations
 
@@ -162,3 +174,15 @@ def route_group(logits, k, norm, ids, w, tokens, starts, pos, act, nact):
             fill[e] = p + 1
             tokens[p] = t
             pos[t, j] = p
+
+
+@nb.njit(**_JIT)
+def add_run_bias(x, bias, starts, act, nact):
+    """x[r] += bias[e] for every row r of expert e's run (starts[e] <= r < starts[e+1]),
+    the active experts act[:nact[0]] (route_group's); bias [E, cols] float32."""
+    d = x.shape[1]
+    for i in range(nact[0]):
+        e = act[i]
+        for r in range(starts[e], starts[e + 1]):
+            for c in range(d):
+                x[r, c] += bias[e, c]

@@ -40,6 +40,37 @@ def test_copy_button_puts_the_code_on_the_clipboard(qtbot):
     assert QGuiApplication.clipboard().text() == "echo second"
 
 
+def test_reasoning_is_shown_apart_and_folded(qtbot):
+    """A model's reasoning (gpt-oss's analysis channel, Qwen3's think tags) sits in its own
+    folded block above the answer; Copy copies the answer; while the reasoning streams the
+    bubble says so."""
+    from app.chat_view import MessageView
+    from app.markdown import LIGHT
+    from app.theme import BUBBLE
+    v = MessageView("assistant", 1, BUBBLE["light"], LIGHT)
+    qtbot.addWidget(v)
+    v.show()
+    v.set_text("<|channel|>analysis<|message|>The user wants a greeting.")
+    assert v.thinking and v.reasoning_toggle.isVisible() and v.reasoning_toggle.text().startswith("Thinking")
+    assert not v.reasoning.isVisible() and not v.body.isVisible()
+    v.set_text("<|channel|>analysis<|message|>The user wants a greeting.<|end|><|start|>assistant"
+               "<|channel|>final<|message|>Hello **there**.")
+    assert not v.thinking and v.reasoning_toggle.text() == "Reasoning (5 words)"
+    assert v.text == "Hello **there**." and v.body.toPlainText() == "Hello there." and v.body.isVisible()
+    assert not v.reasoning.isVisible()
+    v.reasoning_toggle.click()
+    assert v.reasoning.isVisible() and v.reasoning.toPlainText() == "The user wants a greeting."
+    v.buttons["Copy"].click()
+    assert QGuiApplication.clipboard().text() == "Hello **there**."
+    w = MessageView("assistant", 2, BUBBLE["light"], LIGHT)
+    qtbot.addWidget(w)
+    w.show()
+    w.set_text("<think>\nshort\n</think>\n\nYes.")
+    assert w.text == "Yes." and w.reasoning_toggle.text() == "Reasoning (1 words)" and not w.reasoning.isVisible()
+    w.set_text("Plain answer.")
+    assert not w.reasoning_toggle.isVisible() and w.text == "Plain answer."
+
+
 def test_store_is_wal_and_commits_each_message(tmp_path):
     s = ChatStore(tmp_path / "c.db")
     cid = s.new_chat("t", system="be nice")

@@ -74,6 +74,16 @@ FAMILIES = {
                                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                                         decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
                  "qwen3moe"),
+    # gpt-oss-20b shape, small: 8 experts of 32, 2 a token, biases everywhere, attention sinks, a
+    # sliding window of 8 (a 96-token prompt crosses it) in every other layer, head dim 64; its
+    # YaRN (factor 32, betas 32 and 1, ramp ends not rounded) over an original context of 128,
+    # so that the ramp ends mid-dim (8.09: rounding would move it)
+    "gptoss": ("GptOssConfig", dict(head_dim=64, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                    sliding_window=8, tie_word_embeddings=False, rope_parameters={
+                                        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "truncate": False, "original_max_position_embeddings": 128,
+                                        "rope_theta": 150000.0}),
+               "gpt-oss"),
 }
 
 # checkpoints make_tiny also makes that the family tests do not run (llama.cpp's Qwen2
@@ -115,6 +125,10 @@ def make_tiny(family: str, folder: Path, seed: int = 0, dtype: str = "float16", 
         for name, p in model.named_parameters():
             if name.endswith("embed_tokens.weight"):
                 p.normal_(0.0, 1.0)
+            elif name.endswith("self_attn.sinks"):      # gpt-oss: from well below the scores to above
+                p.uniform_(-2.0, 3.0)
+            elif name.endswith("experts.gate_up_proj"):  # gpt-oss: large enough that its clamp (7) acts
+                p.normal_(0.0, 3.0 / math.sqrt(p.shape[1]))
             elif p.ndim >= 2:       # (3-D: a layer's experts, [n_experts, out, in])
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
             elif name.endswith("norm.weight"):
@@ -148,10 +162,26 @@ def transformers_logits(folder, ids) -> np.ndarray:
 def llama_cpp_converter() -> Path | None:
     """Path of llama.cpp's convert_hf_to_gguf.py (with its conversion/ and gguf-py/),
     fetched once from the llama-cpp-python sdist; None if it cannot be fetched."""
-    root = CACHE / f"llama.cpp-{LLAMA_CPP_PYTHON}"
-    script = root / "convert_hf_to_gguf.py"
+    root = _llama_cpp_files(f"llama.cpp-{LLAMA_CPP_PYTHON}", lambda rel: rel == "convert_hf_to_gguf.py" or
+                            rel.startswith(("conversion/", "gguf-py/")))
+    return root / "convert_hf_to_gguf.py" if root is not None else None
+
+
+def llama_cpp_template(name: str) -> Path | None:
+    """A chat template of llama.cpp's test set (models/templates/NAME: the models' own
+    templates, e.g. openai-gpt-oss-120b.jinja), fetched once from the llama-cpp-python
+    sdist; None if it cannot be fetched."""
+    root = _llama_cpp_files(f"llama.cpp-{LLAMA_CPP_PYTHON}-templates", lambda rel: rel.startswith("models/templates/"))
+    p = root / "models" / "templates" / name if root is not None else None
+    return p if p is not None and p.is_file() else None
+
+
+def _llama_cpp_files(folder: str, wanted) -> Path | None:
+    """CACHE/folder holding the files of the sdist's vendor/llama.cpp whose relative path
+    `wanted` accepts, extracted once; None if the sdist cannot be fetched."""
+    root = CACHE / folder
     if (root / ".complete").exists():
-        return script
+        return root
     dl = CACHE / f"sdist-{os.getpid()}"
     shutil.rmtree(dl, ignore_errors=True)
     try:
@@ -167,17 +197,16 @@ def llama_cpp_converter() -> Path | None:
         with tarfile.open(tars[0]) as tf:
             for m in tf.getmembers():
                 rel = m.name[len(prefix):] if m.name.startswith(prefix) else None
-                if rel and m.isfile() and (rel == "convert_hf_to_gguf.py" or rel.startswith(("conversion/",
-                                                                                              "gguf-py/"))):
+                if rel and m.isfile() and wanted(rel):
                     dst = tmp / rel
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     dst.write_bytes(tf.extractfile(m).read())
-        if not (tmp / "convert_hf_to_gguf.py").exists():
+        if not tmp.exists():
             return None
         (tmp / ".complete").write_text(tars[0].name + "\n")
         shutil.rmtree(root, ignore_errors=True)
         tmp.rename(root)
-        return script
+        return root
     except (OSError, subprocess.SubprocessError, tarfile.TarError):
         return None
     finally:

@@ -34,7 +34,7 @@ def test_rmsnorm_glu_add_rows(backends):
         gpu._flush()            # the backend defers RMSNorm/GLU/RoPE to the next op; run them now
         got = got.get()
         assert _rel(got, ref) < 1e-6
-    for kind in ("silu", "gelu"):
+    for kind in ("silu", "gelu", "swiglu_oai"):      # (swiglu_oai: gpt-oss's, clamped at 7: the * 4 reaches it)
         g = rng.standard_normal((4, 1000)).astype(np.float32) * 4
         u = rng.standard_normal((4, 1000)).astype(np.float32)
         gd = cp.asarray(g)
@@ -106,10 +106,13 @@ def _paged_step(rng, seq_lens, new, block_size, window, n_blocks):
                 attn_splits=1, windows=[window])
 
 
-@pytest.mark.parametrize("hd,heads,kvh", [(64, 9, 3), (128, 12, 2), (256, 4, 1), (128, 32, 8)])
+@pytest.mark.parametrize("hd,heads,kvh", [(64, 9, 3), (128, 12, 2), (256, 4, 1), (128, 32, 8), (64, 64, 8)])
 @pytest.mark.parametrize("case", ["prefill", "decode", "decode-split", "window", "prompt", "prompt-window",
                                   "prompt-long", "tiles", "tiles-split", "tiles-window"])
-def test_paged_attention(backends, hd, heads, kvh, case, monkeypatch):
+@pytest.mark.parametrize("sinks", [False, True])
+def test_paged_attention(backends, hd, heads, kvh, case, sinks, monkeypatch):
+    """(sinks: gpt-oss's attention sinks, a logit per query head in each row's softmax
+    denominator, from below the scores to above them; (64, 64, 8) is gpt-oss-20b's attention)"""
     import cupy as cp
     import runtime.backend.cuda as CB
     from runtime.backend.cuda import _DevStep, _pack_step, _views
@@ -141,13 +144,15 @@ def test_paged_attention(backends, hd, heads, kvh, case, monkeypatch):
     q = rng.standard_normal((n, heads, hd)).astype(np.float32)
     k = rng.standard_normal((n, kvh, hd)).astype(np.float32)
     v = rng.standard_normal((n, kvh, hd)).astype(np.float32)
+    sk = np.linspace(-4.0, 8.0, heads).astype(np.float32) if sinks else None
+    sk_d = cp.asarray(sk) if sinks else None
 
     cpu.alloc_kv(1, n_slots, kvh, hd)
     cpu.kv.k[0][:] = kpool.view(np.uint16)
     cpu.kv.v[0][:] = vpool.view(np.uint16)
     step.attn_splits = 1
     cpu.arena.reset()
-    ref = cpu.attention(q, k, v, 0, step).copy()
+    ref = cpu.attention(q, k, v, 0, step, sinks=sk).copy()
 
     gpu.alloc_kv(1, n_slots, kvh, hd)
     gpu.kv.k[0][:] = cp.asarray(kpool)
@@ -159,7 +164,7 @@ def test_paged_attention(backends, hd, heads, kvh, case, monkeypatch):
     # they split whenever their blocks are fewer than the GPU runs at once)
     monkeypatch.setattr(CB, "PREFILL_SPLIT_MIN_KEYS", 0)
     gpu.arena.reset()
-    got = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep).get()
+    got = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep, sinks=sk_d).get()
     # prompts at the head dims in MMA_HEAD_DIMS take the tensor cores (attn_prefill_mma): q
     # and the softmax weights in fp16, as the prompt's GEMMs take their operands
     mma = dstep.prompt_tiles and CB.PREFILL_MMA and hd in CB.MMA_HEAD_DIMS
@@ -171,13 +176,13 @@ def test_paged_attention(backends, hd, heads, kvh, case, monkeypatch):
         assert gpu._prefill_splits((n + pq - 1) // pq * kvh, 256) > 1
         monkeypatch.setattr(CB, "PREFILL_MAX_SPLITS", 1)
         gpu.arena.reset()
-        got1 = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep).get()
+        got1 = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep, sinks=sk_d).get()
         assert _rel(got1, ref) < 4e-3, case
         assert _rel(got, got1) < 4e-3, case     # (each share rounds P to fp16 against its own max)
         # and the float32 kernel, which takes the other head dims
         monkeypatch.setattr(CB, "PREFILL_MMA", False)
         gpu.arena.reset()
-        got32 = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep).get()
+        got32 = gpu.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), 0, dstep, sinks=sk_d).get()
         assert _rel(got32, ref) < 1e-5, case
         assert _rel(got, got32) < 4e-3, case
     # the new tokens' K/V landed in the same slots, in fp16
@@ -192,13 +197,13 @@ def test_paged_attention(backends, hd, heads, kvh, case, monkeypatch):
             cpu.rope(qr, step, inv_freq, True, 1.0, mscale)
             cpu.rope(kr, step, inv_freq, True, 1.0, mscale)
             cpu.arena.reset()
-            ref2 = cpu.attention(qr, kr, v, 0, step).copy()
+            ref2 = cpu.attention(qr, kr, v, 0, step, sinks=sk).copy()
             qd, kd = cp.asarray(q), cp.asarray(k)
             gpu.arena.reset()
             gpu.rope(qd, dstep, inv_freq, True, 1.0, mscale)
             gpu.rope(kd, dstep, inv_freq, True, 1.0, mscale)
             assert len(gpu._propes) == 2          # deferred: attention fuses them into the KV write
-            got2 = gpu.attention(qd, kd, cp.asarray(v), 0, dstep).get()
+            got2 = gpu.attention(qd, kd, cp.asarray(v), 0, dstep, sinks=sk_d).get()
             assert _rel(got2, ref2) < 1e-5, mscale
             # rotated keys in fp16: equal up to one fp16 rounding step (the GPU may fuse a*c - b*s)
             k_gpu = gpu.kv.k[0].get().astype(np.float32)

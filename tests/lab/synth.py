@@ -27,7 +27,7 @@ _SCALES = {
 }
 _BLOCK = {GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q5_0: (32, 22),
           GGMLType.Q5_1: (32, 24), GGMLType.Q8_0: (32, 34), GGMLType.Q4_K: (256, 144),
-          GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210)}
+          GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210), GGMLType.MXFP4: (32, 17)}
 
 
 # files at least this big are made by a thread a core (each tensor its own random draws:
@@ -80,7 +80,11 @@ def random_weight(qtype, shape, noise: _Noise | None = None, std: float = 0.02, 
     # scales for roughly `std`: q spans ~16 levels (Q4), ~32 (Q5), ~256 (Q8); K-quant
     # sub-scales are 6-bit (mean ~32); Q6_K sub-scales are set to 1..16 below
     vals = {"d": std / 5, "m": -std * 1.5, "d8": std / 70, "dk": std / 150, "d6": std / 160}
-    for off, kind in _SCALES[qtype]:
+    if qtype == GGMLType.MXFP4:
+        # E8M0 exponent byte: values kvalue * 2^(e - 128), kvalues (|v| <= 12) spread ~6
+        e = 128 + int(np.floor(np.log2(std / 6)))
+        raw[:, 0] = e + noise.rng.integers(0, 2, nblocks, dtype=np.uint8)
+    for off, kind in _SCALES.get(qtype, ()):
         jitter = (0.5 + noise.rng.random(nblocks, dtype=np.float32)).astype(np.float32)
         raw[:, off:off + 2] = (jitter * vals[kind]).astype(np.float16).view(np.uint8).reshape(nblocks, 2)
     if qtype == GGMLType.Q6_K:
@@ -106,7 +110,10 @@ _K_FALLBACK = {GGMLType.Q4_K: GGMLType.Q5_0, GGMLType.Q5_K: GGMLType.Q5_1, GGMLT
 
 
 def mix_type(mix: str, name: str, n_layers: int, cols: int) -> GGMLType:
-    """The type of matrix `name` with rows of `cols` values in quantization mix `mix`."""
+    """The type of matrix `name` with rows of `cols` values in quantization mix `mix`
+    (MXFP4_MOE: llama.cpp's, gpt-oss's files: experts MXFP4, other matrices Q8_0)."""
+    if mix == "MXFP4_MOE":
+        return GGMLType.MXFP4 if "_exps." in name else GGMLType.Q8_0
     t = _q4_k_m(name, n_layers) if mix == "Q4_K_M" else GGMLType[mix]
     if cols % 256 and t in _K_FALLBACK:         # as llama.cpp quantizes such rows (Qwen2.5-0.5B: 896)
         t = _K_FALLBACK[t]
@@ -137,15 +144,32 @@ SHAPES = {
     "M30": dict(arch="qwen3moe", n_layers=48, d_model=2048, d_ff=0, n_heads=32, n_kv_heads=4,
                 vocab=151936, tied=False, rope_theta=1e6, n_experts=128, n_experts_used=8, d_ff_expert=768,
                 head_dim=128),
+    # gpt-oss-20b's shape on a qwen3moe body (for MXFP4_MOE until the gpt-oss family runs):
+    # 24 layers, d_model 2880, 64 query / 8 KV heads of 64, 32 experts of 2880, 4 a token,
+    # vocabulary 201088 (its attention sinks, biases and sliding windows aside).  GO4: its first
+    # 4 layers and SmolLM2's 49152-token vocabulary (CPU benches: tokenizer_from=SmolLM2's GGUF).
+    "GO20": dict(arch="qwen3moe", n_layers=24, d_model=2880, d_ff=0, n_heads=64, n_kv_heads=8,
+                 vocab=201088, tied=False, rope_theta=15e4, n_experts=32, n_experts_used=4, d_ff_expert=2880,
+                 head_dim=64),
+    "GO4": dict(arch="qwen3moe", n_layers=4, d_model=2880, d_ff=0, n_heads=64, n_kv_heads=8,
+                vocab=49152, tied=False, rope_theta=15e4, n_experts=32, n_experts_used=4, d_ff_expert=2880,
+                head_dim=64),
+    # gpt-oss-20b itself (the gpt-oss family: sinks, biases, a 128-token window every other
+    # layer; without its YaRN scaling, which changes no speed): as GO20, mix MXFP4_MOE
+    "G20": dict(arch="gpt-oss", n_layers=24, d_model=2880, d_ff=2880, n_heads=64, n_kv_heads=8,
+                vocab=201088, tied=False, rope_theta=150000.0, n_experts=32, n_experts_used=4, d_ff_expert=2880,
+                head_dim=64, sliding_window=128),
 }
 
 
 def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, vocab, tied,
                       mix="Q4_K_M", rope_theta=1e4, ctx=4096, seed=0, n_experts=0, n_experts_used=0,
-                      d_ff_expert=0, tokenizer_from=None, head_dim=None):
+                      d_ff_expert=0, tokenizer_from=None, head_dim=None, sliding_window=0):
     """A random-weight GGUF of this shape and quantization mix at `path`.  arch qwen3moe:
     n_experts experts of d_ff_expert a layer, n_experts_used a token, an F32 router whose
-    logits have a spread of about 1 (clear choices, as a trained router's).  tokenizer_from:
+    logits have a spread of about 1 (clear choices, as a trained router's).  arch gpt-oss
+    (the same experts, with biases; q/k/v/o biases, attention sinks of spread 1, a window
+    of sliding_window in every other layer).  tokenizer_from:
     a GGUF whose tokenizer.* keys (vocabulary, merges, chat template) the file gets, so the
     CLI, the server and constraints run on it (its vocabulary should have `vocab` tokens or
     fewer).  head_dim: when it is not d_model / n_heads (Qwen3's 128 at d 2048, 32 heads)."""
@@ -169,6 +193,8 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
         w.add_expert_count(n_experts)
         w.add_expert_used_count(n_experts_used)
         w.add_expert_feed_forward_length(d_ff_expert)
+    if arch == "gpt-oss":
+        w.add_sliding_window(sliding_window)
     if tokenizer_from is not None:
         r = gguf.GGUFReader(str(tokenizer_from))
         for key, f in r.fields.items():
@@ -190,11 +216,13 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
             return random_weight(t, (max(n, 1) * rows, cols), noise, std, out=buf).reshape(shape)
         tensors.append((name, shape, np.dtype(np.uint8), int(np.prod(shape)), gguf.GGMLQuantizationType(int(t)), make))
 
-    def vec(name, n, value=None):
-        def make(buf, noise, n=n, value=value):
-            return (np.full(n, value, np.float32) if value is not None else
-                    noise.rng.standard_normal(n, dtype=np.float32) * 0.02)
-        tensors.append((name, (n,), np.dtype(np.float32), 4 * n, None, make))
+    def vec(name, n, value=None, std=0.02):
+        shape = n if isinstance(n, tuple) else (n,)
+
+        def make(buf, noise, shape=shape, value=value, std=std):
+            return (np.full(shape, value, np.float32) if value is not None else
+                    noise.rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
+        tensors.append((name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)), None, make))
 
     mat("token_embd.weight", vocab, d_model)
     vec("output_norm.weight", d_model, 1.0)
@@ -203,15 +231,26 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
     for i in range(n_layers):
         p = f"blk.{i}."
         vec(p + "attn_norm.weight", d_model, 1.0)
-        vec(p + "ffn_norm.weight", d_model, 1.0)
+        vec(p + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight"), d_model, 1.0)
         mat(p + "attn_q.weight", n_heads * hd, d_model)
         mat(p + "attn_k.weight", n_kv_heads * hd, d_model)
         mat(p + "attn_v.weight", n_kv_heads * hd, d_model)
         mat(p + "attn_output.weight", d_model, n_heads * hd)
-        if arch == "qwen2":
+        if arch in ("qwen2", "gpt-oss"):
             vec(p + "attn_q.bias", n_heads * hd)
             vec(p + "attn_k.bias", n_kv_heads * hd)
             vec(p + "attn_v.bias", n_kv_heads * hd)
+        if arch == "gpt-oss":
+            vec(p + "attn_output.bias", d_model)
+            vec(p + "attn_sinks.weight", n_heads, std=1.0)
+            mat(p + "ffn_gate_inp.weight", n_experts, d_model, t=GGMLType.F32, std=d_model ** -0.5)
+            vec(p + "ffn_gate_inp.bias", n_experts, std=0.1)
+            mat(p + "ffn_gate_exps.weight", d_ff_expert, d_model, n_experts)
+            mat(p + "ffn_up_exps.weight", d_ff_expert, d_model, n_experts)
+            mat(p + "ffn_down_exps.weight", d_model, d_ff_expert, n_experts)
+            for part, cols in (("gate", d_ff_expert), ("up", d_ff_expert), ("down", d_model)):
+                vec(p + f"ffn_{part}_exps.bias", (n_experts, cols))
+            continue
         if arch in ("qwen3", "qwen3moe"):
             vec(p + "attn_q_norm.weight", hd, 1.0)
             vec(p + "attn_k_norm.weight", hd, 1.0)

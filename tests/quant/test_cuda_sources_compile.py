@@ -14,9 +14,9 @@ QUANT_CUDA = ROOT / "quant" / "cuda"
 BACKEND = ROOT / "runtime" / "backend"
 
 # each block format's struct in qblocks.cuh
-STRUCTS = ["TQ4_0", "TQ4_1", "TQ5_0", "TQ5_1", "TQ8_0", "TQ4_K", "TQ5_K", "TQ6_K", "TF32", "TF16", "TBF16"]
+STRUCTS = ["TQ4_0", "TQ4_1", "TQ5_0", "TQ5_1", "TQ8_0", "TQ4_K", "TQ5_K", "TQ6_K", "TMXFP4", "TF32", "TF16", "TBF16"]
 # the integer decode path's (quant.cuda.INT8_STRUCT)
-INT8_STRUCTS = ["IQ4_0", "IQ4_1", "IQ5_0", "IQ5_1", "IQ8_0", "IQ4_K", "IQ5_K", "IQ6_K"]
+INT8_STRUCTS = ["IQ4_0", "IQ4_1", "IQ5_0", "IQ5_1", "IQ8_0", "IQ4_K", "IQ5_K", "IQ6_K", "IMXFP4"]
 ARCHS = ["compute_75", "compute_90"]
 
 
@@ -78,8 +78,8 @@ def test_weight_kernels_compile(arch):
 
 
 # (head dim, query heads per kv head) of the models Llamba runs: SmolLM2, Qwen2.5-0.5B,
-# Qwen2.5-1.5B, Llama 3 8B, Gemma 3 270M, and a multi-head-attention model
-@pytest.mark.parametrize("hd,g", [(64, 3), (64, 7), (128, 6), (128, 4), (256, 4), (64, 1)])
+# Qwen2.5-1.5B, Llama 3 8B, Gemma 3 270M, a multi-head-attention model, gpt-oss-20b/120b
+@pytest.mark.parametrize("hd,g", [(64, 3), (64, 7), (128, 6), (128, 4), (256, 4), (64, 1), (64, 8)])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_step_kernels_compile(arch, hd, g):
     from runtime.backend.cuda import _prefill_pq

@@ -19,8 +19,10 @@ from runtime.engine import Step
 TOL = 2e-5
 
 
-def naive(q, K, V, positions, window, scale):
-    """q [N, H, D] for one sequence; K, V [T, KVH, D] by position; float64."""
+def naive(q, K, V, positions, window, scale, sinks=None):
+    """q [N, H, D] for one sequence; K, V [T, KVH, D] by position; float64.  sinks [H]:
+    a logit per head that joins the softmax (its weight dropped: gpt-oss, as transformers'
+    eager_attention_forward computes it)."""
     n, h, d = q.shape
     kvh = K.shape[1]
     g = h // kvh
@@ -32,16 +34,19 @@ def naive(q, K, V, positions, window, scale):
             k = K[lo:p + 1, hh // g].astype(np.float64)
             v = V[lo:p + 1, hh // g].astype(np.float64)
             s = k @ q[t, hh].astype(np.float64) * scale
+            if sinks is not None:
+                s = np.append(s, sinks[hh])
             w = np.exp(s - s.max())
-            out[t, hh] = w @ v / w.sum()
+            out[t, hh] = w[:len(v)] @ v / w.sum()
     return out
 
 
 def run_case(lengths, new, h, kvh, d=64, bs=16, window=0, splits=1, cache_type="f16", seed=0,
-             reference=True, k_outlier=1.0):
+             reference=True, k_outlier=1.0, sinks=None):
     """Sequences of lengths[i] tokens, the last new[i] of them computed in this step
     (the earlier ones written to the cache by a first step).  k_outlier: K's channel 5
-    that many times larger (Qwen2.5's keys have such channels)."""
+    that many times larger (Qwen2.5's keys have such channels).  sinks: attention sinks
+    [h] (gpt-oss)."""
     rng = np.random.default_rng(seed)
     be = CPUBackend()
     n_blocks = sum((L + bs - 1) // bs for L in lengths) + 3
@@ -81,7 +86,7 @@ def run_case(lengths, new, h, kvh, d=64, bs=16, window=0, splits=1, cache_type="
     st, k, v = step_for(last, None)
     q = rng.standard_normal((len(st.positions), h, d)).astype(np.float32)
     be.arena.reset()
-    got = be.attention(q, k, v, 0, st).reshape(q.shape).copy()
+    got = be.attention(q, k, v, 0, st, sinks=sinks).reshape(q.shape).copy()
     if not reference:
         yield got, None
         return
@@ -90,7 +95,7 @@ def run_case(lengths, new, h, kvh, d=64, bs=16, window=0, splits=1, cache_type="
         # the values an f16 pool holds; a q8_0 pool's are left exact (the tolerance bounds them)
         Kc = Ks[i].astype(np.float16).astype(np.float32) if cache_type in ("f16", "k16v8") else Ks[i]
         Vc = Vs[i].astype(np.float16).astype(np.float32) if cache_type == "f16" else Vs[i]
-        ref = naive(q[row:row + b - a], Kc, Vc, np.arange(a, b), window, scale)
+        ref = naive(q[row:row + b - a], Kc, Vc, np.arange(a, b), window, scale, sinks)
         yield got[row:row + b - a], ref
         row += b - a
 
@@ -117,6 +122,22 @@ def test_tiled_attention_matches_naive(name):
     lengths, new, h, kvh, extra = CASES[name]
     for got, ref in run_case(lengths, new, h, kvh, **extra):
         np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["prefill-long-gqa", "decode-after-prefill", "decode-split-context",
+                                  "decode-split-uneven", "sliding-window-prefill", "sliding-window-decode"])
+def test_attention_sinks_match_naive(name):
+    """gpt-oss's sinks: a logit per head in each row's softmax denominator, with one
+    context split and merged over several; sinks from well below to well above the
+    scores (the largest takes most of the weight: the max shifts to the sink)."""
+    lengths, new, h, kvh, extra = CASES[name]
+    sinks = np.linspace(-6.0, 12.0, h).astype(np.float32)
+    for got, ref in run_case(lengths, new, h, kvh, sinks=sinks, **extra):
+        np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+    plain = np.concatenate([g.ravel() for g, _ in run_case(lengths, new, h, kvh, reference=False, **extra)])
+    sunk = np.concatenate([g.ravel() for g, _ in run_case(lengths, new, h, kvh, reference=False, sinks=sinks,
+                                                          **extra)])
+    assert np.abs(plain - sunk).max() > 0.1        # the sinks do change the result
 
 
 @pytest.mark.parametrize("name", ["prefill-long-gqa", "decode-split-context", "sliding-window-prefill"])
