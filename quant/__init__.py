@@ -3,7 +3,7 @@
 Public API
 ----------
 GGMLType                 IntEnum of every GGML type id (retired ones too, so errors can name them)
-TYPE_INFO[t]             (block_elems, block_bytes) of the 11 supported types; BLOCK_LAYOUT has all
+TYPE_INFO[t]             (block_elems, block_bytes) of the 12 supported types; BLOCK_LAYOUT has all
 UnsupportedQuantType     ValueError naming the type and the tensor
 QTensor(name, qtype, shape, data)
                          a tensor in block layout; shape in numpy order (M out, K in); data is

@@ -13,9 +13,10 @@ from numba import njit, prange
 
 from .half import bits_to_f32, f16_to_f32
 from .tensor import QTensor
-from .types import GGMLType, QK, QK_K
+from .types import KVALUES_MXFP4, GGMLType, QK, QK_K
 
 F32 = np.float32
+_KV_MXFP4 = np.array(KVALUES_MXFP4, np.int8)
 
 
 @njit(inline="always")
@@ -38,6 +39,16 @@ def scale_min_k4(j, src, o):
     sc = (src[o + j + 4] & 0xF) | ((src[o + j - 4] >> 6) << 4)
     mn = (src[o + j + 4] >> 4) | ((src[o + j] >> 6) << 4)
     return sc, mn
+
+
+@njit(inline="always")
+def e8m0_half(e):
+    """MXFP4's block scale byte as ggml's ggml_e8m0_to_fp32_half: 2^(e-128) as float32
+    (its bits built directly: subnormal for e < 2, 2^127 for e = 255)."""
+    e = np.uint32(e)
+    if e < np.uint32(2):
+        return bits_to_f32(np.uint32(0x00200000) << e)
+    return bits_to_f32((e - np.uint32(1)) << np.uint32(23))
 
 
 @njit(inline="always")
@@ -117,6 +128,17 @@ def deq_row_q8_0(src, dst, L):
         d = _h(src, o)
         for j in range(L):
             dst[b * QK + j] = F32(np.int8(src[o + 2 + j])) * d
+
+
+@njit(cache=True)
+def deq_row_mxfp4(src, dst, L):
+    for b in range(dst.size // QK):
+        o = b * 17
+        d = e8m0_half(src[o])
+        for j in range(L // 2):
+            q = src[o + 1 + j]
+            dst[b * QK + j] = d * F32(_KV_MXFP4[q & 15])
+            dst[b * QK + j + 16] = d * F32(_KV_MXFP4[q >> 4])
 
 
 @njit(cache=True)
@@ -256,6 +278,8 @@ def deq_row(qt, src, dst, L):
         deq_row_q5_k(src, dst, L)
     elif qt == 11:
         deq_row_q3_k(src, dst, L)
+    elif qt == 39:
+        deq_row_mxfp4(src, dst, L)
     elif qt == 1:
         deq_row_f16(src, dst, L)
     elif qt == 30:

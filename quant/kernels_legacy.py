@@ -1,5 +1,5 @@
 """Integer-dot matmul kernels for the 32-element formats (Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0).
+Q5_1, Q8_0, MXFP4).
 
 Each W row is decoded once (simd.unpack_*: a few vector instructions per
 block) into an int16 scratch row of codes plus a float scale (and, for
@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .dequant import _h, _u32
+from .dequant import _KV_MXFP4, _h, _u32, e8m0_half
 from .simd import hsum32, madd_acc, unpack_nibbles, unpack_nibbles_5, widen_i8
 
 F32 = np.float32
@@ -132,6 +132,25 @@ def rows_q8_0(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
         _rows(n, nb, xq, xd, out, m, wq, ws, acc)
 
 
+@njit(cache=True, fastmath=True)
+def rows_mxfp4(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
+    """MXFP4: the codes are ggml's doubled E2M1 values (int8, |v| <= 12) by table lookup,
+    the block's scale its E8M0 byte as e8m0_half."""
+    n = xq.shape[0]
+    nb = xq.shape[1] // 32
+    ws = wf[0]
+    for m in range(m0, m1):
+        src = w[m]
+        for b in range(nb):
+            o = b * 17
+            ws[b] = e8m0_half(src[o])
+            for j in range(16):
+                q = src[o + 1 + j]
+                wq[b * 32 + j] = _KV_MXFP4[q & 15]
+                wq[b * 32 + 16 + j] = _KV_MXFP4[q >> 4]
+        _rows(n, nb, xq, xd, out, m, wq, ws, acc)
+
+
 # One par_ and one multi_ wrapper a type, written out (kernels_k and kernels_legacy alike):
 # each must be its own cached Numba function that calls its rows_ kernel by name, so LLVM
 # sees one callee in the parallel region.  A factory closing over rows_* is not cached
@@ -179,6 +198,14 @@ def par_q8_0(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
 
 
 @njit(parallel=True, cache=True)
+def par_mxfp4(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
+    M = w.shape[0]
+    per = (M + nch - 1) // nch
+    for c in prange(nch):
+        rows_mxfp4(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], accbuf[c], c * per, min(M, (c + 1) * per))
+
+
+@njit(parallel=True, cache=True)
 def multi_q4_0(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
     """Several W (a tuple, same type and K) in one parallel region: chunk c is
     rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
@@ -216,3 +243,11 @@ def multi_q8_0(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
     rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
     for c in prange(cw.size):
         rows_q8_0(ws[cw[c]], xq, xd, xs, outs[cw[c]], wqbuf[c], wfbuf[c], accbuf[c], cm0[c], cm1[c])
+
+
+@njit(parallel=True, cache=True)
+def multi_mxfp4(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
+    """Several W (a tuple, same type and K) in one parallel region: chunk c is
+    rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
+    for c in prange(cw.size):
+        rows_mxfp4(ws[cw[c]], xq, xd, xs, outs[cw[c]], wqbuf[c], wfbuf[c], accbuf[c], cm0[c], cm1[c])

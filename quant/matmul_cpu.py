@@ -4,9 +4,11 @@ Paths, chosen per call from the row count n of x:
 
 * small batches, n < LARGE_BATCH_MIN (decode, speculative verify, batched
   decode), on CPUs with AVX512-VNNI (USE_VNNI; Zen4, Ice Lake and later) for
-  Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K: quant/vnni.py, u8 x s8 vpdpbusd kernels
+  Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/MXFP4/Q4_K/Q6_K: quant/vnni.py, u8 x s8 vpdpbusd kernels
   written in LLVM IR, x rounded to int8 codes (same blocks and steps as below);
-  one Numba call quantizes x and runs all W rows.  Otherwise (other CPUs, other
+  one Numba call quantizes x and runs all W rows.  (MXFP4 is one of the
+  32-element formats: its E2M1 codes become int8 by table lookup, as in
+  llama.cpp's vec_dot_mxfp4_q8_0.)  Otherwise (other CPUs, other
   types): per-type Numba kernels that walk W row by row, decode each weight
   block once into a small int16 (or float32) scratch, and dot it with all n
   activation rows before moving on.  Quantized types use integer dots with x
@@ -80,11 +82,11 @@ _K = {GGMLType.Q4_K: (KK.rows_q4_k, KK.par_q4_k), GGMLType.Q5_K: (KK.rows_q5_k, 
       GGMLType.Q6_K: (KK.rows_q6_k, KK.par_q6_k)}
 _LEGACY = {GGMLType.Q4_0: (KL.rows_q4_0, KL.par_q4_0), GGMLType.Q4_1: (KL.rows_q4_1, KL.par_q4_1),
            GGMLType.Q5_0: (KL.rows_q5_0, KL.par_q5_0), GGMLType.Q5_1: (KL.rows_q5_1, KL.par_q5_1),
-           GGMLType.Q8_0: (KL.rows_q8_0, KL.par_q8_0)}
+           GGMLType.Q8_0: (KL.rows_q8_0, KL.par_q8_0), GGMLType.MXFP4: (KL.rows_mxfp4, KL.par_mxfp4)}
 # several weights of one type in one parallel region (matmul_multi)
 _MULTI = {GGMLType.Q4_K: KK.multi_q4_k, GGMLType.Q5_K: KK.multi_q5_k, GGMLType.Q6_K: KK.multi_q6_k,
           GGMLType.Q4_0: KL.multi_q4_0, GGMLType.Q4_1: KL.multi_q4_1, GGMLType.Q5_0: KL.multi_q5_0,
-          GGMLType.Q5_1: KL.multi_q5_1, GGMLType.Q8_0: KL.multi_q8_0}
+          GGMLType.Q5_1: KL.multi_q5_1, GGMLType.Q8_0: KL.multi_q8_0, GGMLType.MXFP4: KL.multi_mxfp4}
 
 
 class Scratch:
@@ -195,7 +197,7 @@ USE_VNNI = KV.HAVE_VNNI
 # turns it off).
 USE_QUAD = VQ.HAVE_QUAD
 _VNNI_KIND = {GGMLType.Q4_0: 0, GGMLType.Q4_1: 1, GGMLType.Q5_0: 2, GGMLType.Q5_1: 3,
-              GGMLType.Q8_0: 4, GGMLType.Q4_K: 10, GGMLType.Q6_K: 11}
+              GGMLType.Q8_0: 4, GGMLType.MXFP4: 6, GGMLType.Q4_K: 10, GGMLType.Q6_K: 11}
 
 
 QUAD = VQ.KIND     # the kind of Q4_0 matrices that vnni_quad's kernel runs (K % 128 == 0, AVX512-VBMI)
@@ -245,7 +247,7 @@ def _vnni_grouped(kind, n):
     K-quants never do: vnni_kq.kq_rows shares each W decode among up to 8 rows
     itself, on the flat activation layout; nor do the 32-element formats' first
     few rows (vnni.leg_rows, vnni_quad)."""
-    return kind < QUAD and n > KV.LEG_ROWS_MAX
+    return kind in KV.LEG_KINDS and n > KV.LEG_ROWS_MAX
 
 
 def _vnni_activations(scratch, x, kind, bufs, acts):

@@ -94,11 +94,19 @@ BLOCK_LAYOUT: dict[GGMLType, tuple[int, int]] = {
 #         of qh[l] is the 5th bit of element l of sub-block s
 #   Q6_K  u8 ql[128] | u8 qh[64] | i8 scales[16] | f16 d: 16 sub-blocks of 16;
 #         half h (128 elements) uses ql[64h:64h+64], qh[32h:32h+32]; x = d*sc*(q-32)
+#   MXFP4 u8 e | u8 qs[16]              x[j] = E2M1(qs[j]&15) * 2^(e-127), x[j+16] the same of
+#         qs[j]>>4: E2M1 code c is (-1)^(c>>3) * {0, .5, 1, 1.5, 2, 3, 4, 6}[c&7], computed as
+#         ggml does: KVALUES_MXFP4[c] (the doubled values, int8) times e8m0_half(e) =
+#         2^(e-128) as a float32 (subnormal for e < 2; e = 255 is 2^127, not NaN, as in ggml)
 
 SUPPORTED = frozenset({
     GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0,
-    GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
+    GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.MXFP4,
 })
+
+# MXFP4's E2M1 codes, doubled so they are integers (ggml's kvalues_mxfp4): code c stands
+# for KVALUES_MXFP4[c] / 2 times the block's power of two
+KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 TYPE_INFO = {t: BLOCK_LAYOUT[t] for t in SUPPORTED}
 

@@ -43,7 +43,7 @@ from numba.extending import intrinsic
 
 from .act_quant import _grp_r as _grp_r_nb, group_q8_32, quantize_q8_256_i8, quantize_q8_32_i8, quantize_q8_32_quad
 from .ir import HAVE_VNNI  # noqa: F401  (this module's flag for its users: matmul_cpu, tests)
-from .ir import (_c, _data, _f32, _fma_t, _fn, _i1, _i16, _i32, _i64, _literal, _load_vec, _shuf, _splat, _tree8,
+from .ir import (_c, _data, _f32, _fma_t, _fn, _i1, _i8, _i16, _i32, _i64, _literal, _load_vec, _shuf, _splat, _tree8,
                  _v8f32, _v8i32, _v16f32, _v16i8, _v16i32, _v32i8, _v64i8, _vpdpbusd, _vpdpbusd512, prefetch_span)
 from .vnni_kq import kq_rows, kq_span1
 from .vnni_quad import KIND as QUAD, quad_rows
@@ -69,17 +69,49 @@ def _prefetch_blocks(builder, w, b0, t, BB):
     prefetch_span(builder, w, builder.mul(b0, _c(BB)), t * BB, *_LEG_PREFETCH)
 
 
-# legacy kinds: (block bytes, min offset or -1, qh offset or -1, qs offset, code kind, offset)
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 4
+# legacy kinds: (block bytes, min offset or -1, qh offset or -1, qs offset, code kind, offset).
+# MXFP4 (kind 6; 5 is vnni_quad's Q4_0) is one of them: its nibbles index a table of the
+# doubled E2M1 values plus 12 (vpshufb: unsigned codes 0..24, the 12 taken back out with
+# the code sum as Q4_0's 8 is), and its scale is an E8M0 byte, not an f16 (_scales8).
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4 = 0, 1, 2, 3, 4, 6
 _LEG = {Q4_0: (18, -1, -1, 2, "nib", 8), Q4_1: (20, 2, -1, 4, "nib", 0),
         Q5_0: (22, -1, 2, 6, "nib5", 16), Q5_1: (24, 2, 4, 8, "nib5", 0),
-        Q8_0: (34, -1, -1, 2, "i8", 128)}
+        Q8_0: (34, -1, -1, 2, "i8", 128), MXFP4: (17, -1, -1, 1, "mx", 12)}
+LEG_KINDS = tuple(_LEG)
+_MX_TABLE = [v + 12 for v in (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)]
 
 
 def _nibbles(builder, q16):
     lo = builder.and_(q16, ir.Constant(_v16i8, [15] * 16))
     hi = builder.lshr(q16, ir.Constant(_v16i8, [4] * 16))
     return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
+
+
+def _mx_lookup(builder, idx):
+    """v32i8 of MXFP4 codes (0..15) -> their unsigned values (_MX_TABLE), vpshufb."""
+    fn = _fn(builder, "llvm.x86.avx2.pshuf.b", _v32i8, [_v32i8, _v32i8])
+    return builder.call(fn, [ir.Constant(_v32i8, _MX_TABLE * 2), idx])
+
+
+def _e8m0_floats(builder, e):
+    """<N x i8> E8M0 bytes -> <N x float>, dequant.e8m0_half's bits: 0x200000 << e for
+    e < 2, else (e - 1) << 23."""
+    n = e.type.count
+    vi = ir.VectorType(_i32, n)
+    e = builder.zext(e, vi)
+    sub = builder.shl(ir.Constant(vi, [0x00200000] * n), e)
+    nrm = builder.shl(builder.sub(e, ir.Constant(vi, [1] * n)), ir.Constant(vi, [23] * n))
+    low = builder.icmp_unsigned("<", e, ir.Constant(vi, [2] * n))
+    return builder.bitcast(builder.select(low, sub, nrm), ir.VectorType(_f32, n))
+
+
+def _scale_bytes(builder, w, b0, t, n, BB):
+    """<n x i8>: byte 0 (MXFP4's E8M0) of blocks b0..b0+t-1 of the row at w, 0 beyond."""
+    v = ir.Constant(ir.VectorType(_i8, n), None)
+    for j in range(t):
+        p = builder.gep(w, [builder.mul(builder.add(b0, _c(j)), _c(BB))])
+        v = builder.insert_element(v, builder.load(p), _c(j, _i32))
+    return v
 
 
 # ---------------------------------------------------------------- legacy rows
@@ -131,6 +163,11 @@ def rows_q5_1(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
 @njit(cache=True)
 def rows_q8_0(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
     _leg_all(4, w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
+
+
+@njit(cache=True)
+def rows_mxfp4(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
+    _leg_all(6, w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
 
 
 # ---------------------------------------------------------------- K-quants
@@ -187,7 +224,7 @@ def rows_q6_k(w, xq, xd, xb16, unused, out, res, n, K, m0, m1):
 
 @njit(inline="always")
 def _rows_any(kind, w, xq, xd, xs1, xs2, out, res, n, K, m0, m1):
-    """kind: 0-4 the 32-element formats (xs1 = xsum int32, xs2 = xs f32), 5 Q4_0 on
+    """kind: 0-4 and 6 the 32-element formats (xs1 = xsum int32, xs2 = xs f32), 5 Q4_0 on
     vnni_quad's kernel (the same arrays, the codes in its order), 10
     Q4_K (xs1 = step x code sum per 32, f32) and 11 Q6_K (xs1 = code sums per
     16, int32); xs2 unused."""
@@ -201,6 +238,8 @@ def _rows_any(kind, w, xq, xd, xs1, xs2, out, res, n, K, m0, m1):
         rows_q5_1(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
     elif kind == 4:
         rows_q8_0(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
+    elif kind == 6:
+        rows_mxfp4(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
     elif kind == QUAD:
         quad_rows(w, xq, xd, xs1, out, res, n, K, m0, m1)
     elif kind == 10:
@@ -324,7 +363,7 @@ def _vpdpwssd512(builder, acc, a, b):
 
 @njit(inline="always")
 def _grp_any(kind, w, xg, xdg, xa, xb, out, res, n, K, m0, m1):
-    """Row-group kernels (n >= 2) of the 32-element formats, kinds 0-4 (xa =
+    """Row-group kernels (n >= 2) of the 32-element formats, kinds 0-4 and 6 (xa =
     xsumg, xb = xsg).  K-quants take any n through _rows_any (vnni_kq)."""
     if kind == 0:
         _leg_grp_rows(0, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
@@ -334,6 +373,8 @@ def _grp_any(kind, w, xg, xdg, xa, xb, out, res, n, K, m0, m1):
         _leg_grp_rows(2, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
     elif kind == 3:
         _leg_grp_rows(3, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
+    elif kind == 6:
+        _leg_grp_rows(6, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
     else:
         _leg_grp_rows(4, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
 
@@ -375,6 +416,8 @@ def _codes32(builder, w, wo, k):
         q = _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v32i8)
         return builder.xor(q, ir.Constant(_v32i8, [0x80] * 32))
     u = _nibbles(builder, _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v16i8))
+    if CODE == "mx":
+        return _mx_lookup(builder, u)
     if CODE == "nib5":
         qp = builder.bitcast(builder.gep(w, [builder.add(wo, _c(QHOFF))]), _i32.as_pointer())
         bits = builder.bitcast(builder.load(qp, align=1), ir.VectorType(_i1, 32))
@@ -420,6 +463,8 @@ def _pair_codes(builder, w, b, k, lone=False):
     v = builder.shuffle_vector(qa, qb, idx32)
     lo = builder.and_(v, ir.Constant(_v32i8, [15] * 32))
     hi = builder.lshr(v, ir.Constant(_v32i8, [4] * 32))
+    if CODE == "mx":        # (a lone block's zero bytes look up 12: its x codes there are 0)
+        return _mx_lookup(builder, lo), _mx_lookup(builder, hi)
     if CODE == "nib5":
         def qh(o):
             p = builder.bitcast(builder.gep(w, [builder.add(o, _c(QHOFF))]), _i32.as_pointer())
@@ -554,7 +599,10 @@ def leg_rows(typingctx, kind, R, src, nb, xq, xd, xsum, xs, r0, K, res):
             isums = block_sums(b0, 8)
             # two fields (Q4_1, Q5_1) share the permutes' loads: 8% faster; one field
             # alone (Q4_0, Q5_0, Q8_0) measured the same or slower than inserting
-            hs = fields8(b0, [0, MOFF]) if MOFF >= 0 else [halves(b0, 0)]
+            if CODE == "mx":
+                hs = [_e8m0_floats(builder, _scale_bytes(builder, w, b0, 8, 8, BB))]
+            else:
+                hs = fields8(b0, [0, MOFF]) if MOFF >= 0 else [halves(b0, 0)]
             for isum, brow, acc in zip(isums, brows, accs):
                 bi = builder.add(brow, b0)
                 if OFF:
@@ -573,7 +621,10 @@ def leg_rows(typingctx, kind, R, src, nb, xq, xd, xsum, xs, r0, K, res):
             with builder.if_then(builder.icmp_signed("==", rem, _c(t))):
                 _prefetch_blocks(builder, w, b0, t, BB)
                 isums = block_sums(b0, t)
-                d = halves(b0, 0, t)
+                if CODE == "mx":
+                    d = _e8m0_floats(builder, _scale_bytes(builder, w, b0, t, 8, BB))
+                else:
+                    d = halves(b0, 0, t)
                 m = halves(b0, MOFF, t) if MOFF >= 0 else None
                 keep = ir.Constant(ir.VectorType(_i1, 8), [int(j < t) for j in range(8)])
                 for isum, brow, acc in zip(isums, brows, accs):
@@ -628,7 +679,11 @@ def leg_grp(typingctx, kind, R, src, nb, xg, xdg, xsumg, xsg, res):
                                                 ir.VectorType(t, 16).as_pointer()), align=4)
 
         def halves(b, off, nvalid):
-            """f16 field at `off` of blocks b..b+G-1 (0 past nvalid) in lanes l % G."""
+            """f16 field at `off` of blocks b..b+G-1 (0 past nvalid) in lanes l % G
+            (MXFP4: its E8M0 scales, off 0)."""
+            if CODE == "mx":
+                f = _e8m0_floats(builder, _scale_bytes(builder, w, b, nvalid, G, BB))
+                return builder.shuffle_vector(f, f, ir.Constant(ir.VectorType(_i32, 16), [l % G for l in range(16)]))
             h = ir.Constant(ir.VectorType(_i16, G), None)
             for t in range(nvalid):
                 p = builder.bitcast(builder.gep(w, [builder.add(builder.mul(builder.add(b, _c(t)), _c(BB)),

@@ -62,12 +62,13 @@ STRUCT = {
     GGMLType.F32: "TF32", GGMLType.F16: "TF16", GGMLType.BF16: "TBF16",
     GGMLType.Q4_0: "TQ4_0", GGMLType.Q4_1: "TQ4_1", GGMLType.Q5_0: "TQ5_0", GGMLType.Q5_1: "TQ5_1",
     GGMLType.Q8_0: "TQ8_0", GGMLType.Q4_K: "TQ4_K", GGMLType.Q5_K: "TQ5_K", GGMLType.Q6_K: "TQ6_K",
+    GGMLType.MXFP4: "TMXFP4",
 }
 # (elements, bytes) of the kernels' block: the float types are read as blocks of 32
 _KBLOCK = {GGMLType.F32: (32, 128), GGMLType.F16: (32, 64), GGMLType.BF16: (32, 64),
            GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q5_0: (32, 22),
            GGMLType.Q5_1: (32, 24), GGMLType.Q8_0: (32, 34), GGMLType.Q4_K: (256, 144),
-           GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210)}
+           GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210), GGMLType.MXFP4: (32, 17)}
 
 _OPTIONS = ("-std=c++17", f"-I{_DIR}", f"-DDEQ_THREADS={DEQ_THREADS}")
 
@@ -76,7 +77,8 @@ _OPTIONS = ("-std=c++17", f"-I{_DIR}", f"-DDEQ_THREADS={DEQ_THREADS}")
 # them (quant/act_quant.py: 32-value blocks for the legacy formats, 256 for the K-quants),
 # so decode logits match the CPU backend's, not its float32 reference (~1e-2 away).
 INT8_STRUCT = {GGMLType.Q4_0: "IQ4_0", GGMLType.Q4_1: "IQ4_1", GGMLType.Q5_0: "IQ5_0", GGMLType.Q5_1: "IQ5_1",
-               GGMLType.Q8_0: "IQ8_0", GGMLType.Q4_K: "IQ4_K", GGMLType.Q5_K: "IQ5_K", GGMLType.Q6_K: "IQ6_K"}
+               GGMLType.Q8_0: "IQ8_0", GGMLType.Q4_K: "IQ4_K", GGMLType.Q5_K: "IQ5_K", GGMLType.Q6_K: "IQ6_K",
+               GGMLType.MXFP4: "IMXFP4"}
 INT8_MAX_ROWS = MV_MAX_ROWS
 INT8_MATVEC = os.environ.get("LLAMBA_CUDA_INT8", "1") != "0"
 # output rows per warp of the integer matvec for 1-2 rows of x (fewer for more rows:

@@ -130,6 +130,59 @@ struct TQ8_0 {
     }
 };
 
+// MXFP4 (17-byte blocks: any byte alignment): E8M0 scale byte e, then 16 bytes of E2M1
+// codes as Q4_0's nibbles.  The codes index a 16-byte table by __byte_perm (llama.cpp's
+// trick): the low 3 bits of a code pick a byte of the table's low or high 8 bytes, the 4th
+// picks between the two.  Values are ggml's doubled E2M1 (|v| <= 12, integers), the scale
+// 2^(e-128) as a float32 (dequant.e8m0_half's bits: subnormal for e < 2).
+DEV float e8m0_half(u32 e) { return __uint_as_float(e < 2u ? 0x00200000u << e : (e - 1u) << 23); }
+
+// N 32-bit words from p at any byte alignment: N + 1 aligned loads and funnel shifts
+// (reads up to 4 bytes past the N words)
+template <int N>
+DEV void ldu(const u8* p, u32* w) {
+    const u32* a = (const u32*)((size_t)p & ~(size_t)3);
+    const u32 sh = ((u32)(size_t)p & 3u) * 8u;
+    u32 lo = a[0];
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        const u32 hi = a[i + 1];
+        w[i] = __funnelshift_r(lo, hi, sh);
+        lo = hi;
+    }
+}
+
+// the table bytes t[0..15] (as four little-endian words) at the 4 codes in the bytes of n
+// (each 0..15)
+DEV u32 lut16(u32 n, u32 t0, u32 t1, u32 t2, u32 t3) {
+    const u32 c = n | (n >> 4);                        // codes 0,1 in byte 0; 2,3 in byte 2
+    const u32 sel = (c & 0xFFu) | ((c >> 8) & 0xFF00u);  // code i in nibble i
+    const u32 lo = __byte_perm(t0, t1, sel & 0x7777u), hi = __byte_perm(t2, t3, sel & 0x7777u);
+    return __byte_perm(lo, hi, 0x3210u | ((sel & 0x8888u) >> 1));
+}
+
+// kvalues_mxfp4 + 12 (unsigned): {12,13,14,15,16,18,20,24, 12,11,10,9,8,6,4,0}
+#define MXFP4_U0 0x0F0E0D0Cu
+#define MXFP4_U1 0x18141210u
+#define MXFP4_U2 0x090A0B0Cu
+#define MXFP4_U3 0x00040608u
+
+struct TMXFP4 {
+    enum { QK = 32, BB = 17, PPB = 1, PE = 32, NRUN = 2, RLEN = 16, HAS_MIN = 0 };
+    DEV int run_start(int, int r) { return 16 * r; }
+    DEV void decode(const u8* b, int, float* q, float* sc, float* mn) {
+        const float d = e8m0_half(b[0]);
+        u32 v[4];
+        ldu<4>(b + 1, v);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            bytes4(lut16(v[i] & 0x0F0F0F0Fu, MXFP4_U0, MXFP4_U1, MXFP4_U2, MXFP4_U3), 12.f, q + 4 * i);
+            bytes4(lut16((v[i] >> 4) & 0x0F0F0F0Fu, MXFP4_U0, MXFP4_U1, MXFP4_U2, MXFP4_U3), 12.f, q + 16 + 4 * i);
+        }
+        sc[0] = sc[1] = d; mn[0] = mn[1] = 0.f;
+    }
+};
+
 // ---------------------------------------------------------------- K-quants (256)
 // Q4_K: part i of 8 = 64-group g = i/2, half h = i%2: 16 low nibbles (sub-block 2g)
 // and 16 high nibbles (sub-block 2g+1) of qs[32g + 16h .. +16].

@@ -170,6 +170,20 @@ struct IQ8_0 : TQ8_0 {
         sc[0] = sc[1] = d; mn[0] = mn[1] = 0.f;
     }
 };
+// kvalues_mxfp4 as signed bytes: {0,1,2,3,4,6,8,12, 0,-1,-2,-3,-4,-6,-8,-12}
+struct IMXFP4 : TMXFP4 {
+    DEV void decode_i8(const u8* b, int, int* w, float* sc, float* mn) {
+        const float d = e8m0_half(b[0]);
+        u32 q[4];
+        lda2<4>(b + 1, q);                         // (any byte alignment)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            w[i] = (int)lut16(q[i] & 0x0F0F0F0Fu, 0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu);
+            w[4 + i] = (int)lut16((q[i] >> 4) & 0x0F0F0F0Fu, 0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu);
+        }
+        sc[0] = sc[1] = d; mn[0] = mn[1] = 0.f;
+    }
+};
 // K-quant blocks are 16-byte aligned (144 / 176 bytes; rows of whole blocks)
 struct IQ4_K : TQ4_K {
     DEV void decode_i8(const u8* b, int p, int* w, float* sc, float* mn) {

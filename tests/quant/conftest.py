@@ -32,7 +32,10 @@ def random_weight_bytes(rng: np.random.Generator, qtype: GGMLType, M: int, K: in
         bits = rng.standard_normal((M, K)).astype(np.float32).view(np.uint32) >> 16
         return bits.astype(np.uint16).view(np.uint8)
     raw = rng.integers(0, 256, (M, K // be, bb), dtype=np.uint8)
-    if finite:
+    if finite and qtype == GGMLType.MXFP4:
+        # the E8M0 exponent byte: blocks of 2^-10 .. 2^-1 (largest value 12 x 2^(e-128) <= 0.375)
+        raw[:, :, 0] = rng.integers(118, 124, (M, K // be), dtype=np.uint8)
+    elif finite:
         for off in _F16_FIELDS[qtype]:
             s = rng.uniform(-0.05, 0.05, (M, K // be)).astype(np.float16)
             raw[:, :, off:off + 2] = s.view(np.uint8).reshape(M, K // be, 2)

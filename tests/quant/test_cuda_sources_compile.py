@@ -14,9 +14,9 @@ QUANT_CUDA = ROOT / "quant" / "cuda"
 BACKEND = ROOT / "runtime" / "backend"
 
 # each block format's struct in qblocks.cuh
-STRUCTS = ["TQ4_0", "TQ4_1", "TQ5_0", "TQ5_1", "TQ8_0", "TQ4_K", "TQ5_K", "TQ6_K", "TF32", "TF16", "TBF16"]
+STRUCTS = ["TQ4_0", "TQ4_1", "TQ5_0", "TQ5_1", "TQ8_0", "TQ4_K", "TQ5_K", "TQ6_K", "TMXFP4", "TF32", "TF16", "TBF16"]
 # the integer decode path's (quant.cuda.INT8_STRUCT)
-INT8_STRUCTS = ["IQ4_0", "IQ4_1", "IQ5_0", "IQ5_1", "IQ8_0", "IQ4_K", "IQ5_K", "IQ6_K"]
+INT8_STRUCTS = ["IQ4_0", "IQ4_1", "IQ5_0", "IQ5_1", "IQ8_0", "IQ4_K", "IQ5_K", "IQ6_K", "IMXFP4"]
 ARCHS = ["compute_75", "compute_90"]
 
 

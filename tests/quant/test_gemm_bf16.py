@@ -79,7 +79,8 @@ KERNELS = [pytest.param("avx512", id="vdpbf16ps"),
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("qtype,K", [(GGMLType.Q4_K, 512), (GGMLType.Q6_K, 768), (GGMLType.Q4_1, 576),
-                                     (GGMLType.Q5_0, 896), (GGMLType.Q8_0, 640), (GGMLType.Q4_0, 1024)])
+                                     (GGMLType.Q5_0, 896), (GGMLType.Q8_0, 640), (GGMLType.Q4_0, 1024),
+                                     (GGMLType.MXFP4, 2880)])
 @pytest.mark.parametrize("n", [21, 70])
 def test_gemm_equals_bf16_reference(qtype, K, n, kernel):
     """The whole kernel: float32 sums of bf16 products of x and W, for every

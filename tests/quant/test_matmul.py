@@ -133,7 +133,7 @@ def test_parallel_split_is_bit_identical(qtype, rng, monkeypatch):
     _check(x, W, parallel)
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_1, GGMLType.Q8_0],
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.MXFP4],
                          ids=lambda t: t.name)
 def test_matmul_multi_fused_region_is_bit_identical(qtype, rng, monkeypatch):
     """matmul_multi runs same-type weights (q/k/v, gate/up) in one parallel
@@ -184,7 +184,7 @@ def test_single_row_multi_w_row_path(qtype, K, rng):
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
-                                   GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+                                   GGMLType.MXFP4, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
 def test_row_groups_long_rows(qtype, rng):
     """Row-group kernels (n >= 3: groups of 4, 8 or 16 rows in vector lanes)
     and the row kernel (1-2 rows a W decode) on rows long enough for their main loops and every

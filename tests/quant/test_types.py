@@ -14,7 +14,7 @@ def test_ids_and_block_sizes_agree_with_gguf():
         # two halves + 32 int8 = 36 since 2024, which is what BLOCK_LAYOUT says.
         if GGMLType(t.value) in quant.BLOCK_LAYOUT and t.name != "Q8_1":
             assert quant.BLOCK_LAYOUT[GGMLType(t.value)] == gguf.GGML_QUANT_SIZES[t]
-    assert len(TYPE_INFO) == 11
+    assert len(TYPE_INFO) == 12
     for t, info in TYPE_INFO.items():
         assert info == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(t))]
 
