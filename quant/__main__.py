@@ -15,7 +15,8 @@ def main(argv=None) -> int:
     ap.add_argument("src", help="checkpoint folder: config.json, *.safetensors, tokenizer.json")
     ap.add_argument("-o", "--output", required=True, help="the .gguf file to write")
     ap.add_argument("--type", default="f16", choices=SCHEMES,
-                    help="f16 (default), q8_0, q4_0 or q4_k_m (llama.cpp's per-tensor mix); also f32, bf16")
+                    help="f16 (default), q8_0, q4_0, q4_k_m (llama.cpp's per-tensor mix) or mxfp4_moe (MoE "
+                         "experts MXFP4, the rest Q8_0, as llama.cpp's MXFP4_MOE); also f32, bf16")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)

@@ -1,7 +1,7 @@
 """float32 -> GGML block encoders, bit-compatible with llama.cpp's reference
 quantizers (quantize_row_q8_0_ref, quantize_row_q4_0_ref, quantize_row_q5_0_ref,
 quantize_row_q4_K_ref / quantize_row_q5_K_ref with make_qkx2_quants, quantize_row_q6_K_ref with
-make_qx_quants), so files written with them load in llama.cpp and
+make_qx_quants, quantize_row_mxfp4_ref), so files written with them load in llama.cpp and
 match what its own converter would write.
 
 Bit-compatibility rests on doing the same float32 operations in the same
@@ -19,7 +19,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .dequant import _h, scale_min_k4, scale_q3_k
+from .dequant import _KV_MXFP4, _h, e8m0_half, scale_min_k4, scale_q3_k
 from .half import f32_to_f16
 from .types import QK, QK_K, GGMLType, row_nbytes, type_name
 
@@ -476,6 +476,43 @@ def encode_q3_k(x, out):
                     dst[o + 32 + 32 * h + l] = np.uint8(L[j] | (L[j + 32] << 2) | (L[j + 64] << 4) | (L[j + 96] << 6))
 
 
+@njit(inline="always")
+def _best_mxfp4(v, d):
+    """ggml's best_index_mxfp4: the first code whose value (kvalue * d) is nearest v."""
+    best = 0
+    err = abs(F32(_KV_MXFP4[0]) * d - v)
+    for i in range(1, 16):
+        e = abs(F32(_KV_MXFP4[i]) * d - v)
+        if e < err:
+            best = i
+            err = e
+    return best
+
+
+@njit(parallel=True, cache=True)
+def encode_mxfp4(x, out):
+    """quantize_row_mxfp4_ref: the block's exponent floor(log2f(amax)) - 2 + 127 (so its
+    largest value lands on the codes 4..6 x 2^e of the top), each value the nearest code.
+    (A block under 2^-125, where ggml's uint8 cast of a negative number is undefined,
+    gets exponent 0.)"""
+    M, K = x.shape
+    for r in prange(M):
+        src = x[r]
+        dst = out[r]
+        for b in range(K // QK):
+            amax = F32(0.0)
+            for j in range(QK):
+                amax = max(amax, abs(src[b * QK + j]))
+            e = 0
+            if amax > F32(0.0):
+                e = max(0, np.int32(math.floor(math.log2(amax))) - 2 + 127)
+            d = e8m0_half(np.uint8(e))
+            o = b * 17
+            dst[o] = np.uint8(e)
+            for j in range(QK // 2):
+                dst[o + 1 + j] = np.uint8(_best_mxfp4(src[b * QK + j], d) | (_best_mxfp4(src[b * QK + 16 + j], d) << 4))
+
+
 def _bf16_bytes(x):
     # ggml_compute_fp32_to_bf16: quiet NaNs, otherwise round to nearest even
     u = x.view(np.uint32).astype(np.uint64)
@@ -487,13 +524,13 @@ def _bf16_bytes(x):
 
 ENCODERS = {GGMLType.Q8_0: encode_q8_0, GGMLType.Q4_0: encode_q4_0, GGMLType.Q5_0: encode_q5_0,
             GGMLType.Q3_K: encode_q3_k, GGMLType.Q4_K: encode_q4_k, GGMLType.Q5_K: encode_q5_k,
-            GGMLType.Q6_K: encode_q6_k}
+            GGMLType.Q6_K: encode_q6_k, GGMLType.MXFP4: encode_mxfp4}
 
 
 def quantize(x: np.ndarray, qtype) -> np.ndarray:
     """float32 [M, K] (or [K]) -> uint8 [M, row_nbytes] in GGML layout of qtype.
 
-    Encoders exist for Q8_0, Q4_0, Q5_0, Q3_K, Q4_K, Q5_K, Q6_K (llama.cpp-reference-exact) and the
+    Encoders exist for Q8_0, Q4_0, Q5_0, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 (llama.cpp-reference-exact) and the
     float types F32, F16, BF16."""
     x = np.asarray(x, dtype=np.float32)
     if x.ndim == 1:

@@ -14,36 +14,86 @@ against that expert's run of rows, computed by the same VNNI row kernels
 runs for a 2-D matrix of a run's rows: every output is bit for bit what the
 expert-by-expert path (one matmul per expert) gives, whatever the other tokens are.
 
-K-quant experts (Q4_K, Q6_K: Q4_K_M files) on CPUs with AVX512-VNNI only
-(`fused_kinds` says None otherwise: the backend then runs the expert-by-expert path).
+Experts of the VNNI kernels' types on CPUs with AVX512-VNNI (`fused_kinds` says None
+otherwise: the backend then runs the expert-by-expert path): K-quants (Q4_K, Q6_K: Q4_K_M
+files) and the 32-element formats (Q4_0 ... Q8_0 and MXFP4: gpt-oss's experts).  Gate and up
+share one rounding of x, so they must be of one family; down has its own (of h).
+
+The two families round activations differently (act_quant: one step per 256 values and
+code sums per 16 / 32 for the K-quants; one step per 32 values, pair order, for the
+others), into the same six flat buffers (`act_buffers`): (codes, codes in Q4_K's order,
+steps, code sums per 32, code sums per 16, step x sum per 32) for the K-quants, and
+(codes, the same codes, steps, code sums, the same sums, step x sum) per 32 for the others,
+so every kernel here has one signature; `fam` (K_FAM or LEG_FAM) says which.
 """
 from __future__ import annotations
 
+import numpy as np
 from numba import njit, prange
 
-from .act_quant import quantize_q8_256_i8
+from .act_quant import quantize_q8_256_i8, quantize_q8_32_i8
 from .matmul_cpu import USE_VNNI, _VNNI_KIND
-from .vnni import rows_q4_k, rows_q6_k
+from .vnni import (LEG_KINDS, rows_mxfp4, rows_q4_0, rows_q4_1, rows_q4_k, rows_q5_0, rows_q5_1, rows_q6_k,
+                   rows_q8_0)
+
+K_FAM, LEG_FAM = 0, 1       # activations in 256-value blocks (K-quants) / 32-value blocks
+
+
+def family(kind) -> int:
+    return K_FAM if kind in (10, 11) else LEG_FAM
 
 
 def fused_kinds(gates, ups, downs):
-    """(gate, up, down) VNNI kinds (10 Q4_K, 11 Q6_K) when all three expert tensors
-    can take the fused kernels, else None.  gates etc.: QTensor [E*M, K] block arrays."""
+    """(gate, up, down) VNNI kinds (10 Q4_K, 11 Q6_K; 0-4 and 6 the 32-element formats,
+    vnni.LEG_KINDS) when all three expert tensors can take the fused kernels, else None.
+    gates etc.: QTensor [E*M, K] block arrays."""
     if not USE_VNNI:
         return None
     kinds = tuple(_VNNI_KIND.get(t.qtype, -1) for t in (gates, ups, downs))
-    if any(k not in (10, 11) for k in kinds):
+    if any(k not in (10, 11) + LEG_KINDS for k in kinds) or family(kinds[0]) != family(kinds[1]):
         return None
     return kinds
 
 
+def act_buffers(fam: int, m: int, K: int, get):
+    """The six flat activation buffers for m rows of K values of family fam (module
+    docstring), from get(shape, dtype) (an arena's)."""
+    if fam == K_FAM:
+        return (get((m * K,), np.int8), get((m * K,), np.int8), get((m * K // 256,)),
+                get((m * K // 32,), np.int32), get((m * K // 16,), np.int32), get((m * K // 32,)))
+    xq, xsum = get((m * K,), np.int8), get((m * K // 32,), np.int32)
+    return xq, xq, get((m * K // 32,)), xsum, xsum, get((m * K // 32,))
+
+
+@njit(inline="always")
+def _leg_run(kind, w, xq, xd, xsum, xs, n, K, out, res, m0, m1):
+    """vnni's row kernel of a 32-element kind (literal dispatch: each is its own function)."""
+    if kind == 6:
+        rows_mxfp4(w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
+    elif kind == 0:
+        rows_q4_0(w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
+    elif kind == 4:
+        rows_q8_0(w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
+    elif kind == 1:
+        rows_q4_1(w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
+    elif kind == 2:
+        rows_q5_0(w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
+    else:
+        rows_q5_1(w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
+
+
 @njit(inline="always")
 def _kq_run(kind, w, xq, xq4, xd, xb16, xbf, a, b, K, out, res, m0, m1):
-    """out[a:b, m] = x rows a..b-1 . W row m (m0 <= m < m1), x rounded by
-    quantize_q8_256_i8 into the flat xq/xq4/xd/xb16/xbf; the rows a..b-1 as one
-    matrix, exactly as matmul_cpu's VNNI path runs a matrix of b-a rows."""
+    """out[a:b, m] = x rows a..b-1 . W row m (m0 <= m < m1), x rounded into the flat
+    xq/xq4/xd/xb16/xbf of its family; the rows a..b-1 as one matrix, exactly as
+    matmul_cpu's VNNI path runs a matrix of b-a rows (the 32-element formats: two rows a
+    decode of a W row, vnni.leg_rows, whose bits for a row are the row groups' too)."""
     nsb = K // 256
-    if kind == 10:
+    if kind != 10 and kind != 11:
+        nb = K // 32
+        _leg_run(kind, w, xq[a * K:b * K], xd[a * nb:b * nb], xb16[a * nb:b * nb], xbf[a * nb:b * nb],
+                 b - a, K, out[a:b], res, m0, m1)
+    elif kind == 10:
         rows_q4_k(w, xq4[a * K:b * K], xd[a * nsb:b * nsb], xbf[a * (K // 32):b * (K // 32)], xd,
                   out[a:b], res, b - a, K, m0, m1)
     else:
@@ -91,59 +141,68 @@ def down(kd, dw, M, K, xq, xq4, xd, xb16, xbf, starts, act, nact, y, res, target
 
 
 @njit(inline="always")
-def _q8_row(x, r, p, xq, xq4, xd, xb, xb16, xbf):
+def _q8_row(fam, x, r, p, xq, xq4, xd, xb, xb16, xbf):
     """x row r rounded into the flat buffers at row p (act_quant.quantize_q8_256_i8's
-    arithmetic: a row's codes depend on that row alone)."""
+    or quantize_q8_32_i8's arithmetic: a row's codes depend on that row alone)."""
     K = x.shape[1]
-    quantize_q8_256_i8(x[r:r + 1], xq[p * K:(p + 1) * K], xq4[p * K:(p + 1) * K],
-                       xd[p * (K // 256):(p + 1) * (K // 256)], xb[p * (K // 32):(p + 1) * (K // 32)],
-                       xb16[p * (K // 16):(p + 1) * (K // 16)], xbf[p * (K // 32):(p + 1) * (K // 32)])
+    n32 = K // 32
+    if fam == 0:
+        quantize_q8_256_i8(x[r:r + 1], xq[p * K:(p + 1) * K], xq4[p * K:(p + 1) * K],
+                           xd[p * (K // 256):(p + 1) * (K // 256)], xb[p * n32:(p + 1) * n32],
+                           xb16[p * (K // 16):(p + 1) * (K // 16)], xbf[p * n32:(p + 1) * n32])
+    else:
+        quantize_q8_32_i8(x[r:r + 1], xq[p * K:(p + 1) * K], xd[p * n32:(p + 1) * n32], xb[p * n32:(p + 1) * n32],
+                          xbf[p * n32:(p + 1) * n32])
 
 
 @njit(parallel=True, cache=True)
-def q8_rows_par(x, rows, xq, xq4, xd, xb, xb16, xbf, nch):
+def q8_rows_par(fam, x, rows, xq, xq4, xd, xb, xb16, xbf, nch):
     """Row p of the output = x[rows[p]] rounded (rows: the pairs' tokens; or None-like
     identity when rows.size == 0), in nch parallel chunks of rows (a prompt's pairs)."""
     P = rows.size if rows.size > 0 else x.shape[0]
     per = (P + nch - 1) // nch
     for c in prange(nch):
         for p in range(c * per, min(P, (c + 1) * per)):
-            _q8_row(x, rows[p] if rows.size > 0 else p, p, xq, xq4, xd, xb, xb16, xbf)
+            _q8_row(fam, x, rows[p] if rows.size > 0 else p, p, xq, xq4, xd, xb, xb16, xbf)
 
 
 @njit(cache=True)
-def q8_rows(x, rows, xq, xq4, xd, xb, xb16, xbf):
+def q8_rows(fam, x, rows, xq, xq4, xd, xb, xb16, xbf):
     """q8_rows_par on the calling thread (a decode step's few pairs)."""
     P = rows.size if rows.size > 0 else x.shape[0]
     for p in range(P):
-        _q8_row(x, rows[p] if rows.size > 0 else p, p, xq, xq4, xd, xb, xb16, xbf)
+        _q8_row(fam, x, rows[p] if rows.size > 0 else p, p, xq, xq4, xd, xb, xb16, xbf)
 
 
 @njit(inline="always")
-def _gather_one(tokens, p, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf):
+def _gather_one(fam, tokens, p, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf):
     t = tokens[p]
+    n32 = K // 32
     xq[p * K:(p + 1) * K] = sq[t * K:(t + 1) * K]
-    xq4[p * K:(p + 1) * K] = sq4[t * K:(t + 1) * K]
-    n256, n32, n16 = K // 256, K // 32, K // 16
-    xd[p * n256:(p + 1) * n256] = sd[t * n256:(t + 1) * n256]
     xb[p * n32:(p + 1) * n32] = sb[t * n32:(t + 1) * n32]
-    xb16[p * n16:(p + 1) * n16] = sb16[t * n16:(t + 1) * n16]
     xbf[p * n32:(p + 1) * n32] = sbf[t * n32:(t + 1) * n32]
+    if fam == 0:
+        xq4[p * K:(p + 1) * K] = sq4[t * K:(t + 1) * K]
+        n256, n16 = K // 256, K // 16
+        xd[p * n256:(p + 1) * n256] = sd[t * n256:(t + 1) * n256]
+        xb16[p * n16:(p + 1) * n16] = sb16[t * n16:(t + 1) * n16]
+    else:       # (xq4 and xb16 are xq and xb)
+        xd[p * n32:(p + 1) * n32] = sd[t * n32:(t + 1) * n32]
 
 
 @njit(parallel=True, cache=True)
-def q8_gather_par(tokens, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf, nch):
+def q8_gather_par(fam, tokens, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf, nch):
     """Row p of the flat int8 activations (xq...) = row tokens[p] of the rounded rows
     (sq...: q8_rows' output): a token's row is rounded once, whatever its k experts."""
     P = tokens.size
     per = (P + nch - 1) // nch
     for c in prange(nch):
         for p in range(c * per, min(P, (c + 1) * per)):
-            _gather_one(tokens, p, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf)
+            _gather_one(fam, tokens, p, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf)
 
 
 @njit(cache=True)
-def q8_gather(tokens, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf):
+def q8_gather(fam, tokens, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf):
     """q8_gather_par on the calling thread."""
     for p in range(tokens.size):
-        _gather_one(tokens, p, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf)
+        _gather_one(fam, tokens, p, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf)

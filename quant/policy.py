@@ -1,6 +1,6 @@
 """Which GGML type each tensor gets when a float checkpoint is quantized:
 the per-tensor rules of llama.cpp's `llama_tensor_get_type` for the schemes
-Llamba writes (f16, bf16, f32, q8_0, q4_0, q4_k_m), limited to the encoders
+Llamba writes (f16, bf16, f32, q8_0, q4_0, q4_k_m, mxfp4_moe), limited to the encoders
 that exist here.
 
 A rule names the type llama.cpp would choose; `encodable` then walks
@@ -14,10 +14,10 @@ from __future__ import annotations
 from .encode import ENCODERS
 from .types import BLOCK_LAYOUT, GGMLType
 
-SCHEMES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m")
+SCHEMES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "mxfp4_moe")
 
 # general.file_type values (llama.cpp's llama_ftype)
-FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15, "bf16": 32}
+FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15, "bf16": 32, "mxfp4_moe": 38}
 
 _FLOAT = {GGMLType.F32, GGMLType.F16, GGMLType.BF16}
 # llama.cpp: a K-quant needs whole 256-element rows; otherwise it uses these
@@ -63,6 +63,9 @@ def tensor_type(scheme: str, name: str, shape: tuple[int, ...], n_layers: int,
     is_output = name == "output.weight" or (tied_output and name == "token_embd.weight")
     if scheme == "q8_0":
         return encodable(GGMLType.Q8_0, ncols)
+    if scheme == "mxfp4_moe":
+        # llama.cpp's MXFP4_MOE: MoE expert tensors (3-D) MXFP4, every other matrix Q8_0
+        return encodable(GGMLType.MXFP4 if len(shape) == 3 else GGMLType.Q8_0, ncols)
     if is_output:
         return encodable(GGMLType.Q6_K, ncols)
     if scheme == "q4_0":

@@ -110,7 +110,7 @@ class CPUBackend:
     exact_rows = 16             # steps up to this many tokens are batch-invariant (engine._splits' rule)
     plans_ok = True             # a subclass that overrides an op must route its kernels through
                                 # scratch.call and set this again to keep the plans (cpu_plan.py)
-    moe_fused = True            # K-quant experts through quant/moe_cpu.py (False: one matmul an expert)
+    moe_fused = True            # VNNI-type experts through quant/moe_cpu.py (False: one matmul an expert)
     # ... at up to this many tokens a step (prompts too: int8 activations on the experts' rows,
     # as llama.cpp's; LLAMBA_MOE_FUSED_ROWS=16 keeps prompts on the per-expert bf16 GEMMs)
     moe_fused_rows = int(os.environ.get("LLAMBA_MOE_FUSED_ROWS", 1 << 30))
@@ -265,7 +265,8 @@ class CPUBackend:
         step's rows are gathered by expert (moe.py), so each chosen expert's weights are
         read once and the others not at all.
 
-        K-quant experts on VNNI CPUs (quant/moe_cpu.py): routing, grouping and every chosen
+        Experts of the VNNI kernels' types (K-quants, the 32-element formats and MXFP4) on
+        VNNI CPUs (quant/moe_cpu.py): routing, grouping and every chosen
         expert's matmuls in a fixed sequence of kernel calls on the 3-D tensors' bytes, so
         a small step records and replays (cpu_plan.py); bit for bit what the
         expert-by-expert path gives wherever that runs int8 activations (runs of fewer
@@ -302,33 +303,34 @@ class CPUBackend:
         target = 8 * self.threads
         res = get((target + 2 * P + 16, 16))
 
-        def q8(a, gather=False):
-            """a's rows rounded to int8 (act_quant's quantize_q8_256_i8, row by row: a row's
-            codes depend on that row alone) into flat buffers; gather: the pairs' tokens'
-            rows, copied from xa (x rounded once a token)."""
+        def q8(a, fam, gather=False):
+            """a's rows rounded to int8 (act_quant's quantize_q8_256_i8 or quantize_q8_32_i8
+            by the weights' family, row by row: a row's codes depend on that row alone) into
+            flat buffers; gather: the pairs' tokens' rows, copied from xa (x rounded once a
+            token)."""
             m, K = (P if gather else a.shape[0]), a.shape[1]
-            bufs = (get((m * K,), np.int8), get((m * K,), np.int8), get((m * K // 256,)),
-                    get((m * K // 32,), np.int32), get((m * K // 16,), np.int32), get((m * K // 32,)))
+            bufs = moe_cpu.act_buffers(fam, m, K, get)
             nch = min(m // 32, 4 * self.threads)      # a prompt's rows in parallel
             if gather:
                 if nch > 1:
-                    call(moe_cpu.q8_gather_par, tokens, K, *xa, *bufs, nch)
+                    call(moe_cpu.q8_gather_par, fam, tokens, K, *xa, *bufs, nch)
                 else:
-                    call(moe_cpu.q8_gather, tokens, K, *xa, *bufs)
+                    call(moe_cpu.q8_gather, fam, tokens, K, *xa, *bufs)
             elif nch > 1:
-                call(moe_cpu.q8_rows_par, a, tokens[:0], *bufs, nch)
+                call(moe_cpu.q8_rows_par, fam, a, tokens[:0], *bufs, nch)
             else:
-                call(moe_cpu.q8_rows, a, tokens[:0], *bufs)
+                call(moe_cpu.q8_rows, fam, a, tokens[:0], *bufs)
             return bufs
 
-        xa = q8(x)
-        xq, xq4, xd, _, xb16, xbf = q8(x, gather=True)
+        fx, fh = moe_cpu.family(kinds[0]), moe_cpu.family(kinds[2])
+        xa = q8(x, fx)
+        xq, xq4, xd, _, xb16, xbf = q8(x, fx, gather=True)
         xa = (xq, xq4, xd, xb16, xbf)
         g, u = get((P, ff)), get((P, ff))
         call(moe_cpu.gate_up, kinds[0], kinds[1], gw.data, uw.data, ff, d, *xa, starts, act, nact, g, u, res,
              target)
         call(K.silu_mul, g, u)
-        hq, hq4, hd, _, hb16, hbf = q8(g)
+        hq, hq4, hd, _, hb16, hbf = q8(g, fh)
         ha = (hq, hq4, hd, hb16, hbf)
         y = get((P, d))
         call(moe_cpu.down, kinds[2], dw.data, d, ff, *ha, starts, act, nact, y, res, target)

@@ -129,6 +129,25 @@ def test_quantized_gguf_stays_close(moe_k_quant, tmp_path, scheme):
         assert np.array_equal(lm.tensors[n].data, t.data), n
 
 
+def test_mxfp4_moe_gguf_stays_close(moe_k_quant, tmp_path):
+    """llama.cpp's MXFP4_MOE mix (gpt-oss's files): experts MXFP4, every other matrix Q8_0;
+    written by our converter, loaded as blocks and run through the fused expert kernels,
+    within the 4-bit mix's bounds of transformers' logits on the float weights."""
+    from quant.convert import convert
+    d, ids, ref = moe_k_quant
+    path = convert(d, tmp_path / "mxfp4.gguf", "mxfp4_moe", progress=False)["path"]
+    g = GGUFFile(path)
+    assert g.get("general.file_type") == 38
+    for name, t in g.tensors.items():
+        if len(t.shape) == 3:
+            assert t.ggml_type == 39, name                                     # MXFP4
+        elif len(t.shape) == 2 and not name.endswith("ffn_gate_inp.weight"):
+            assert t.ggml_type == 8, name                                      # Q8_0
+    lm = load_model(path)
+    max_kl, min_top1 = QUANT_BOUNDS["q4_k_m"]
+    _agree(engine_logits(lm, ids), ref, "qwen3moe mxfp4_moe GGUF", min_top1, max_kl)
+
+
 # ---- batch invariance ----------------------------------------------------------------------------------------
 
 def test_batched_decode_gives_each_sequence_its_own_logits(moe_tiny):

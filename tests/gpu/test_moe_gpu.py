@@ -19,7 +19,7 @@ SHAPE = dict(arch="qwen3moe", n_layers=2, d_model=512, d_ff=1024, n_heads=8, n_k
              tied=False, rope_theta=1e6, n_experts=16, n_experts_used=4, d_ff_expert=256)
 
 
-@pytest.fixture(scope="module", params=["F16", "Q4_K_M", "Q8_0"])
+@pytest.fixture(scope="module", params=["F16", "Q4_K_M", "Q8_0", "MXFP4_MOE"])
 def engines(request, tmp_path_factory):
     from lab.synth import load_weights_only, write_random_gguf
     from runtime.engine import Engine

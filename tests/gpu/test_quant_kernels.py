@@ -11,7 +11,7 @@ from lab.synth import _Noise, random_weight
 pytestmark = pytest.mark.gpu
 
 TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0,
-         GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+         GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.MXFP4]
 
 
 def _rel(a, ref):
@@ -20,7 +20,7 @@ def _rel(a, ref):
 
 
 def _weight(qtype, M, K, seed):
-    if qtype in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_K) and seed % 2:
+    if qtype in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.MXFP4) and seed % 2:
         # real encoder output for the types quant/ can encode
         x = np.random.default_rng(seed).standard_normal((M, K)).astype(np.float32) * 0.05
         return QTensor("w", qtype, (M, K), quant.quantize(x, qtype))
@@ -206,7 +206,7 @@ def test_prompt_activations_fp16(pro):
 
 
 INT8_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
-              GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+              GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.MXFP4]
 
 
 def _block(qtype):
@@ -269,7 +269,9 @@ def test_int8_activations_are_the_cpu_backends(block, pro):
 def _int8_K(qtype):
     # chunks of 1024 weights.  K-quants: 1.25, 1.5 (Q6_K rows of 1260 bytes: not 16-byte
     # aligned) and 4.25 chunks.  Legacy: 0.75 (576: SmolLM2's width, not a multiple of 256),
-    # 3.03 chunks
+    # 3.03 chunks; MXFP4 also gpt-oss's 2880 (17-byte blocks: rows at any byte alignment)
+    if qtype == GGMLType.MXFP4:
+        return (768, 576, 3104, 2880)
     return (1280, 1536, 4352) if _block(qtype) == 256 else (768, 576, 3104)
 
 

@@ -27,7 +27,7 @@ _SCALES = {
 }
 _BLOCK = {GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q5_0: (32, 22),
           GGMLType.Q5_1: (32, 24), GGMLType.Q8_0: (32, 34), GGMLType.Q4_K: (256, 144),
-          GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210)}
+          GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210), GGMLType.MXFP4: (32, 17)}
 
 
 # files at least this big are made by a thread a core (each tensor its own random draws:
@@ -80,7 +80,11 @@ def random_weight(qtype, shape, noise: _Noise | None = None, std: float = 0.02, 
     # scales for roughly `std`: q spans ~16 levels (Q4), ~32 (Q5), ~256 (Q8); K-quant
     # sub-scales are 6-bit (mean ~32); Q6_K sub-scales are set to 1..16 below
     vals = {"d": std / 5, "m": -std * 1.5, "d8": std / 70, "dk": std / 150, "d6": std / 160}
-    for off, kind in _SCALES[qtype]:
+    if qtype == GGMLType.MXFP4:
+        # E8M0 exponent byte: values kvalue * 2^(e - 128), kvalues (|v| <= 12) spread ~6
+        e = 128 + int(np.floor(np.log2(std / 6)))
+        raw[:, 0] = e + noise.rng.integers(0, 2, nblocks, dtype=np.uint8)
+    for off, kind in _SCALES.get(qtype, ()):
         jitter = (0.5 + noise.rng.random(nblocks, dtype=np.float32)).astype(np.float32)
         raw[:, off:off + 2] = (jitter * vals[kind]).astype(np.float16).view(np.uint8).reshape(nblocks, 2)
     if qtype == GGMLType.Q6_K:
@@ -106,7 +110,10 @@ _K_FALLBACK = {GGMLType.Q4_K: GGMLType.Q5_0, GGMLType.Q5_K: GGMLType.Q5_1, GGMLT
 
 
 def mix_type(mix: str, name: str, n_layers: int, cols: int) -> GGMLType:
-    """The type of matrix `name` with rows of `cols` values in quantization mix `mix`."""
+    """The type of matrix `name` with rows of `cols` values in quantization mix `mix`
+    (MXFP4_MOE: llama.cpp's, gpt-oss's files: experts MXFP4, other matrices Q8_0)."""
+    if mix == "MXFP4_MOE":
+        return GGMLType.MXFP4 if "_exps." in name else GGMLType.Q8_0
     t = _q4_k_m(name, n_layers) if mix == "Q4_K_M" else GGMLType[mix]
     if cols % 256 and t in _K_FALLBACK:         # as llama.cpp quantizes such rows (Qwen2.5-0.5B: 896)
         t = _K_FALLBACK[t]

@@ -20,7 +20,17 @@ _SCALES = {GGMLType.Q4_K: (0, 2), GGMLType.Q6_K: (208,)}
 
 
 def _blocks(rng, qtype, rows, K):
-    """Random K-quant blocks with finite, realistic f16 scales."""
+    """Random K-quant blocks with finite, realistic f16 scales; MXFP4 and Q8_0 blocks with
+    realistic E8M0 / f16 scales."""
+    if qtype == GGMLType.MXFP4:
+        raw = rng.integers(0, 256, (rows, K // 32, 17), dtype=np.uint8)
+        raw[:, :, 0] = rng.integers(116, 122, (rows, K // 32))
+        return raw.reshape(rows, -1)
+    if qtype == GGMLType.Q8_0:
+        raw = rng.integers(0, 256, (rows, K // 32, 34), dtype=np.uint8)
+        raw[:, :, 0:2] = rng.uniform(-2e-4, 2e-4, (rows, K // 32)).astype(np.float16).view(np.uint8).reshape(
+            rows, K // 32, 2)
+        return raw.reshape(rows, -1)
     bb = {GGMLType.Q4_K: 144, GGMLType.Q6_K: 210}[qtype]
     raw = rng.integers(0, 256, (rows, K // 256, bb), dtype=np.uint8)
     for off in _SCALES[qtype]:
@@ -29,22 +39,29 @@ def _blocks(rng, qtype, rows, K):
     return raw.reshape(rows, -1)
 
 
-def _experts(rng, be, E, d, ff, down_type):
+def _experts(rng, be, E, d, ff, down_type, up_type=GGMLType.Q4_K):
     out = []
-    for name, qt, M, K in (("gate", GGMLType.Q4_K, ff, d), ("up", GGMLType.Q4_K, ff, d), ("down", down_type, d, ff)):
+    for name, qt, M, K in (("gate", up_type, ff, d), ("up", up_type, ff, d), ("down", down_type, d, ff)):
         t = QTensor(f"ffn_{name}_exps", qt, (E, M, K), _blocks(rng, qt, E * M, K))
         out.append(be.upload(t))
     return tuple(out)
 
 
-@pytest.mark.parametrize("down_type", [GGMLType.Q4_K, GGMLType.Q6_K])
+# (gate/up, down): K-quant experts (Q4_K_M), gpt-oss's MXFP4 (all three; d = 2880 = 90
+# blocks: the row kernel's 2-block tail), and one family for x and another for h
+TYPES = [(GGMLType.Q4_K, GGMLType.Q4_K, 512), (GGMLType.Q4_K, GGMLType.Q6_K, 512),
+         (GGMLType.MXFP4, GGMLType.MXFP4, 2880), (GGMLType.Q4_K, GGMLType.Q8_0, 512),
+         (GGMLType.MXFP4, GGMLType.Q6_K, 512)]
+
+
+@pytest.mark.parametrize("up_type,down_type,d", TYPES, ids=lambda t: getattr(t, "name", str(t)))
 @pytest.mark.parametrize("n", [1, 2, 3, 9, 16, 40])
-def test_fused_moe_equals_expert_by_expert(down_type, n):
+def test_fused_moe_equals_expert_by_expert(up_type, down_type, d, n):
     rng = np.random.default_rng(n)
-    E, d, ff, k = 16, 512, 256, 4
+    E, ff, k = 16, 256, 4
     be = CPUBackend(threads=2)
     be.moe_fused_rows = 64
-    experts = _experts(rng, be, E, d, ff, down_type)
+    experts = _experts(rng, be, E, d, ff, down_type, up_type)
     router = be.upload(QTensor("router", GGMLType.F32, (E, d), rng.standard_normal((E, d)).astype(np.float32)))
     x = rng.standard_normal((n, d)).astype(np.float32)
     be.arena.reset()
