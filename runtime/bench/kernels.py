@@ -58,7 +58,7 @@ def _weights(qtype: GGMLType, M: int, K: int, rng) -> np.ndarray:
     otherwise random quants with small finite f16 scales (speed does not depend
     on the values)."""
     if qtype in (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0,
-                 GGMLType.Q4_K):
+                 GGMLType.Q4_K, GGMLType.MXFP4):
         return quantize(rng.standard_normal((M, K), np.float32) * np.float32(0.02), qtype)
     be, bb = TYPE_INFO[qtype]
     raw = rng.integers(0, 256, (M, K // be, bb), dtype=np.uint8)
@@ -229,7 +229,7 @@ def asm_report() -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m runtime.bench.kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--types", default=",".join(t.name for t in TYPE_INFO),
-                    help="comma-separated GGML types (default: all 11; 'real' = types in the test models)")
+                    help="comma-separated GGML types (default: all 12; 'real' = types in the test models)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated MxK (numpy order)")
     ap.add_argument("--rows", default="1,8", help="comma-separated activation row counts")
     ap.add_argument("--reps", type=int, default=7, help="timed repetitions (median reported)")

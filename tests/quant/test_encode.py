@@ -1,4 +1,4 @@
-"""Encoders: bit-identical to gguf-py (Q8_0, Q4_0, Q5_0, F16, BF16, F32) and to
+"""Encoders: bit-identical to gguf-py (Q8_0, Q4_0, Q5_0, MXFP4, F16, BF16, F32) and to
 llama.cpp's quantize_row_*_ref (via ctypes when a libggml-base is found),
 and dequant(quant(x)) within the error each format allows."""
 import ctypes
@@ -24,7 +24,7 @@ def _inputs(rng):
     return x
 
 
-@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0"])
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "MXFP4"])
 def test_matches_gguf(name, rng):
     x = _inputs(rng)
     ours = quantize(x, GGMLType[name])
@@ -58,7 +58,8 @@ def _ggml_base():
                                       ("Q6_K", "quantize_row_q6_K_ref"),
                                       ("Q4_0", "quantize_row_q4_0_ref"),
                                       ("Q5_0", "quantize_row_q5_0_ref"),
-                                      ("Q8_0", "quantize_row_q8_0_ref")])
+                                      ("Q8_0", "quantize_row_q8_0_ref"),
+                                      ("MXFP4", "quantize_row_mxfp4_ref")])
 def test_matches_llama_cpp_reference(name, fn, rng):
     f = getattr(_ggml_base(), fn)
     f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
