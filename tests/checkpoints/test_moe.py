@@ -144,8 +144,8 @@ def test_mxfp4_moe_gguf_stays_close(moe_k_quant, tmp_path):
         elif len(t.shape) == 2 and not name.endswith("ffn_gate_inp.weight"):
             assert t.ggml_type == 8, name                                      # Q8_0
     lm = load_model(path)
-    max_kl, min_top1 = QUANT_BOUNDS["q4_k_m"]
-    _agree(engine_logits(lm, ids), ref, "qwen3moe mxfp4_moe GGUF", min_top1, max_kl)
+    # measured: top-1 0.80, mean KL 2.5e-3 (q4_k_m's mix: 0.73, 8.7e-3)
+    _agree(engine_logits(lm, ids), ref, "qwen3moe mxfp4_moe GGUF", 0.7, 0.01)
 
 
 # ---- batch invariance ----------------------------------------------------------------------------------------
