@@ -513,6 +513,30 @@ def encode_mxfp4(x, out):
                 dst[o + 1 + j] = np.uint8(_best_mxfp4(src[b * QK + j], d) | (_best_mxfp4(src[b * QK + 16 + j], d) << 4))
 
 
+def mxfp4_from_packed(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 weights stored the OCP / Hugging Face way (gpt-oss's `*_blocks` and `*_scales`,
+    compressed-tensors' mxfp4-pack-quantized) as GGML blocks, moving bits only (llama.cpp's
+    repack_mxfp4_blocks): packed uint8 [rows, cols / 2] (or [rows, cols / 32, 16]) with
+    element 2i in the low nibble of byte i and 2i+1 in the high one; scales uint8
+    [rows, cols / 32], E8M0 exponents.  Returns uint8 [rows, cols / 32 * 17]: per 32
+    values the scale byte, then 16 bytes holding element j (low nibble) and j + 16 (high).
+    The codes and the byte need no change: E2M1 x 2^(e-127) is ggml's doubled value x
+    2^(e-128)."""
+    p = np.ascontiguousarray(packed, np.uint8)
+    sc = np.ascontiguousarray(scales, np.uint8)
+    rows = sc.shape[0]
+    nb = sc.reshape(rows, -1).shape[1]
+    p = p.reshape(rows, -1)
+    if p.shape[1] != nb * 16:
+        raise ValueError(f"MXFP4: {p.shape[1]} packed bytes a row do not match {nb} scales (16 bytes each)")
+    p = p.reshape(rows, nb, 16)
+    vals = np.stack((p & 15, p >> 4), axis=-1).reshape(rows, nb, 32)      # elements in order
+    out = np.empty((rows, nb, 17), np.uint8)
+    out[:, :, 0] = sc.reshape(rows, nb)
+    out[:, :, 1:] = vals[:, :, :16] | (vals[:, :, 16:] << 4)
+    return out.reshape(rows, nb * 17)
+
+
 def _bf16_bytes(x):
     # ggml_compute_fp32_to_bf16: quiet NaNs, otherwise round to nearest even
     u = x.view(np.uint32).astype(np.uint64)

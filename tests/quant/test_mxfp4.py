@@ -126,3 +126,24 @@ def test_truncated_mxfp4_file_is_refused(tmp_path, rng):
     cut.write_bytes(data[:-17 * 5])
     with pytest.raises(GGUFError, match="truncated.*ffn_down_exps"):
         GGUFFile(cut)
+
+
+def test_packed_hf_layout_repacks_losslessly(rng):
+    """gpt-oss's Hugging Face tensors (*_blocks: two consecutive values a byte, *_scales:
+    E8M0 bytes) become GGML blocks by moving bits: the values are the OCP format's."""
+    from quant.encode import mxfp4_from_packed
+    rows, cols = 6, 2880
+    packed = rng.integers(0, 256, (rows, cols // 32, 16), dtype=np.uint8)
+    scales = rng.integers(100, 140, (rows, cols // 32), dtype=np.uint8)
+    scales[0, :3] = (0, 1, 255)
+    fp4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+    codes = np.stack((packed & 15, packed >> 4), -1).reshape(rows, cols)
+    with np.errstate(over="ignore"):
+        ref = (fp4[codes] * np.ldexp(1.0, np.repeat(scales.astype(int) - 127, 32, axis=1))).astype(np.float32)
+    blocks = mxfp4_from_packed(packed, scales)
+    assert blocks.shape == (rows, cols // 32 * 17)
+    got = dequantize(QTensor("w", GGMLType.MXFP4, (rows, cols), blocks))
+    assert np.array_equal(got, ref)             # (-0.0 == 0.0: ggml has no negative zero code)
+    assert np.array_equal(mxfp4_from_packed(packed.reshape(rows, -1), scales), blocks)
+    with pytest.raises(ValueError, match="packed bytes"):
+        mxfp4_from_packed(packed[:, :-1], scales)
