@@ -523,7 +523,10 @@ def main(argv=None):
                              (GGMLType.Q4_0, 4096, 14336), (GGMLType.Q4_0, 4096, 4096),
                              (GGMLType.Q4_0, 8960, 1536), (GGMLType.Q4_0, 1536, 8960),
                              (GGMLType.F16, 14336, 4096), (GGMLType.F16, 4096, 14336), (GGMLType.F16, 4096, 4096),
-                             (GGMLType.F16, 1024, 4096), (GGMLType.F16, 128256, 4096), (GGMLType.BF16, 14336, 4096)]:
+                             (GGMLType.F16, 1024, 4096), (GGMLType.F16, 128256, 4096), (GGMLType.BF16, 14336, 4096),
+                             # gpt-oss-20b's experts (d_model = expert width = 2880) and MXFP4 at L8's width
+                             (GGMLType.MXFP4, 2880, 2880), (GGMLType.Q4_0, 2880, 2880), (GGMLType.Q8_0, 2880, 2880),
+                             (GGMLType.MXFP4, 14336, 4096)]:
                 if args.micro_types and qt.name not in args.micro_types.split(","):
                     continue
                 if args.micro_shapes and f"{qt.name}:{M}x{K}" not in args.micro_shapes.split(","):

@@ -144,6 +144,16 @@ SHAPES = {
     "M30": dict(arch="qwen3moe", n_layers=48, d_model=2048, d_ff=0, n_heads=32, n_kv_heads=4,
                 vocab=151936, tied=False, rope_theta=1e6, n_experts=128, n_experts_used=8, d_ff_expert=768,
                 head_dim=128),
+    # gpt-oss-20b's shape on a qwen3moe body (for MXFP4_MOE until the gpt-oss family runs):
+    # 24 layers, d_model 2880, 64 query / 8 KV heads of 64, 32 experts of 2880, 4 a token,
+    # vocabulary 201088 (its attention sinks, biases and sliding windows aside).  GO4: its first
+    # 4 layers and SmolLM2's 49152-token vocabulary (CPU benches: tokenizer_from=SmolLM2's GGUF).
+    "GO20": dict(arch="qwen3moe", n_layers=24, d_model=2880, d_ff=0, n_heads=64, n_kv_heads=8,
+                 vocab=201088, tied=False, rope_theta=15e4, n_experts=32, n_experts_used=4, d_ff_expert=2880,
+                 head_dim=64),
+    "GO4": dict(arch="qwen3moe", n_layers=4, d_model=2880, d_ff=0, n_heads=64, n_kv_heads=8,
+                vocab=49152, tied=False, rope_theta=15e4, n_experts=32, n_experts_used=4, d_ff_expert=2880,
+                head_dim=64),
 }
 
 
