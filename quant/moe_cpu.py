@@ -24,17 +24,19 @@ code sums per 16 / 32 for the K-quants; one step per 32 values, pair order, for 
 others), into the same six flat buffers (`act_buffers`): (codes, codes in Q4_K's order,
 steps, code sums per 32, code sums per 16, step x sum per 32) for the K-quants, and
 (codes, the same codes, steps, code sums, the same sums, step x sum) per 32 for the others,
-so every kernel here has one signature; `fam` (K_FAM or LEG_FAM) says which.
+so every kernel here has one signature; `fam` (K_FAM or LEG_FAM) says which.  The
+32-element family's runs of more than two rows go through vnni's row groups (`group_runs`
+regroups each run's codes, `grp_buffers`), as the expert-by-expert path runs them.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from .act_quant import quantize_q8_256_i8, quantize_q8_32_i8
+from .act_quant import group_q8_32, quantize_q8_256_i8, quantize_q8_32_i8
 from .matmul_cpu import USE_VNNI, _VNNI_KIND
-from .vnni import (LEG_KINDS, rows_mxfp4, rows_q4_0, rows_q4_1, rows_q4_k, rows_q5_0, rows_q5_1, rows_q6_k,
-                   rows_q8_0)
+from .vnni import (LEG_KINDS, LEG_ROWS_MAX, grp_rows, rows_mxfp4, rows_q4_0, rows_q4_1, rows_q4_k, rows_q5_0,
+                   rows_q5_1, rows_q6_k, rows_q8_0)
 
 K_FAM, LEG_FAM = 0, 1       # activations in 256-value blocks (K-quants) / 32-value blocks
 
@@ -65,6 +67,40 @@ def act_buffers(fam: int, m: int, K: int, get):
     return xq, xq, get((m * K // 32,)), xsum, xsum, get((m * K // 32,))
 
 
+def grp_buffers(fam: int, P: int, E: int, K: int, get):
+    """The row-group buffers of the 32-element family for P pairs of E experts (vnni's row
+    groups: an expert's run of more than LEG_ROWS_MAX rows in groups of up to 16, each W
+    block decoded once a group): (codes, steps, code sums, step x sums, first group of each
+    expert's run); empty for the K-quants (their row kernel takes 8 rows a decode itself)."""
+    if fam == K_FAM:
+        return (get((0,), np.int8), get((0,)), get((0,), np.int32), get((0,)), get((E,), np.int64))
+    ng = P // 16 + E + 1                     # every run's groups: at most one partial one a run
+    nb = K // 32
+    return (get((ng * 16 * K,), np.int8), get((ng * nb * 16,)), get((ng * nb * 16,), np.int32),
+            get((ng * nb * 16,)), get((E,), np.int64))
+
+
+@njit(cache=True)
+def group_runs(K, starts, act, nact, xq, xd, xsum, xs, xg, xdg, xsumg, xsg, goff):
+    """Each chosen expert's run of rows (more than LEG_ROWS_MAX of them) regrouped as
+    act_quant.group_q8_32 does for a matrix of that many rows, into the group buffers from
+    group goff[e] on: the row-group kernel then runs the run as the expert-by-expert path
+    runs it."""
+    nb = K // 32
+    g = 0
+    for i in range(nact[0]):
+        e = act[i]
+        a, b = starts[e], starts[e + 1]
+        n = b - a
+        goff[e] = g
+        if n > LEG_ROWS_MAX:
+            ng = (n + 15) // 16
+            group_q8_32(n, K, xq[a * K:b * K], xd[a * nb:b * nb], xsum[a * nb:b * nb], xs[a * nb:b * nb],
+                        xg[g * 16 * K:(g + ng) * 16 * K], xdg[g * nb * 16:(g + ng) * nb * 16],
+                        xsumg[g * nb * 16:(g + ng) * nb * 16], xsg[g * nb * 16:(g + ng) * nb * 16])
+            g += ng
+
+
 @njit(inline="always")
 def _leg_run(kind, w, xq, xd, xsum, xs, n, K, out, res, m0, m1):
     """vnni's row kernel of a 32-element kind (literal dispatch: each is its own function)."""
@@ -83,16 +119,26 @@ def _leg_run(kind, w, xq, xd, xsum, xs, n, K, out, res, m0, m1):
 
 
 @njit(inline="always")
-def _kq_run(kind, w, xq, xq4, xd, xb16, xbf, a, b, K, out, res, m0, m1):
+def _kq_run(kind, w, xq, xq4, xd, xb16, xbf, gx, e, a, b, K, out, res, m0, m1):
     """out[a:b, m] = x rows a..b-1 . W row m (m0 <= m < m1), x rounded into the flat
     xq/xq4/xd/xb16/xbf of its family; the rows a..b-1 as one matrix, exactly as
-    matmul_cpu's VNNI path runs a matrix of b-a rows (the 32-element formats: two rows a
-    decode of a W row, vnni.leg_rows, whose bits for a row are the row groups' too)."""
+    matmul_cpu's VNNI path runs a matrix of b-a rows (the 32-element formats: up to
+    LEG_ROWS_MAX rows by vnni.leg_rows, more by the row groups of gx, expert e's from
+    group gx[4][e] on: group_runs)."""
     nsb = K // 256
     if kind != 10 and kind != 11:
         nb = K // 32
-        _leg_run(kind, w, xq[a * K:b * K], xd[a * nb:b * nb], xb16[a * nb:b * nb], xbf[a * nb:b * nb],
-                 b - a, K, out[a:b], res, m0, m1)
+        n = b - a
+        if n > LEG_ROWS_MAX:
+            xg, xdg, xsumg, xsg, goff = gx
+            g0 = goff[e]
+            ng = (n + 15) // 16
+            grp_rows(kind, w, xg[g0 * 16 * K:(g0 + ng) * 16 * K], xdg[g0 * nb * 16:(g0 + ng) * nb * 16],
+                     xsumg[g0 * nb * 16:(g0 + ng) * nb * 16], xsg[g0 * nb * 16:(g0 + ng) * nb * 16],
+                     out[a:b], res, n, K, m0, m1)
+        else:
+            _leg_run(kind, w, xq[a * K:b * K], xd[a * nb:b * nb], xb16[a * nb:b * nb], xbf[a * nb:b * nb],
+                     n, K, out[a:b], res, m0, m1)
     elif kind == 10:
         rows_q4_k(w, xq4[a * K:b * K], xd[a * nsb:b * nsb], xbf[a * (K // 32):b * (K // 32)], xd,
                   out[a:b], res, b - a, K, m0, m1)
@@ -102,7 +148,7 @@ def _kq_run(kind, w, xq, xq4, xd, xb16, xbf, a, b, K, out, res, m0, m1):
 
 
 @njit(parallel=True, cache=True)
-def gate_up(kg, ku, gw, uw, M, K, xq, xq4, xd, xb16, xbf, starts, act, nact, g, u, res, target):
+def gate_up(kg, ku, gw, uw, M, K, xq, xq4, xd, xb16, xbf, gx, starts, act, nact, g, u, res, target):
     """g[p] = gate_e . x[p], u[p] = up_e . x[p] for every pair p of every chosen expert
     e = act[0..nact[0]-1] (its pairs starts[e]..starts[e+1]-1); gw, uw: [E*M, row_nbytes].
     Work items: (expert, gate or up, chunk of M rows), about `target` of them."""
@@ -120,13 +166,13 @@ def gate_up(kg, ku, gw, uw, M, K, xq, xq4, xd, xb16, xbf, starts, act, nact, g, 
         a = starts[e]
         b = starts[e + 1]
         if which == 0:
-            _kq_run(kg, gw[e * M:(e + 1) * M], xq, xq4, xd, xb16, xbf, a, b, K, g, res[c], m0, m1)
+            _kq_run(kg, gw[e * M:(e + 1) * M], xq, xq4, xd, xb16, xbf, gx, e, a, b, K, g, res[c], m0, m1)
         else:
-            _kq_run(ku, uw[e * M:(e + 1) * M], xq, xq4, xd, xb16, xbf, a, b, K, u, res[c], m0, m1)
+            _kq_run(ku, uw[e * M:(e + 1) * M], xq, xq4, xd, xb16, xbf, gx, e, a, b, K, u, res[c], m0, m1)
 
 
 @njit(parallel=True, cache=True)
-def down(kd, dw, M, K, xq, xq4, xd, xb16, xbf, starts, act, nact, y, res, target):
+def down(kd, dw, M, K, xq, xq4, xd, xb16, xbf, gx, starts, act, nact, y, res, target):
     """y[p] = down_e . h[p] (h rounded into xq...), as gate_up for one matrix an expert."""
     na = nact[0]
     nch = max(1, min(M // 16, (target + na - 1) // na))
@@ -137,7 +183,8 @@ def down(kd, dw, M, K, xq, xq4, xd, xb16, xbf, starts, act, nact, y, res, target
         e = act[i]
         m0 = ch * per
         m1 = min(M, m0 + per)
-        _kq_run(kd, dw[e * M:(e + 1) * M], xq, xq4, xd, xb16, xbf, starts[e], starts[e + 1], K, y, res[c], m0, m1)
+        _kq_run(kd, dw[e * M:(e + 1) * M], xq, xq4, xd, xb16, xbf, gx, e, starts[e], starts[e + 1], K, y, res[c],
+                m0, m1)
 
 
 @njit(inline="always")

@@ -326,14 +326,20 @@ class CPUBackend:
         xa = q8(x, fx)
         xq, xq4, xd, _, xb16, xbf = q8(x, fx, gather=True)
         xa = (xq, xq4, xd, xb16, xbf)
+        gx = moe_cpu.grp_buffers(fx, P, E, d, get)
+        if fx == moe_cpu.LEG_FAM:
+            call(moe_cpu.group_runs, d, starts, act, nact, xq, xd, xb16, xbf, *gx)
         g, u = get((P, ff)), get((P, ff))
-        call(moe_cpu.gate_up, kinds[0], kinds[1], gw.data, uw.data, ff, d, *xa, starts, act, nact, g, u, res,
+        call(moe_cpu.gate_up, kinds[0], kinds[1], gw.data, uw.data, ff, d, *xa, gx, starts, act, nact, g, u, res,
              target)
         call(K.silu_mul, g, u)
         hq, hq4, hd, _, hb16, hbf = q8(g, fh)
         ha = (hq, hq4, hd, hb16, hbf)
+        gh = moe_cpu.grp_buffers(fh, P, E, ff, get)
+        if fh == moe_cpu.LEG_FAM:
+            call(moe_cpu.group_runs, ff, starts, act, nact, hq, hd, hb16, hbf, *gh)
         y = get((P, d))
-        call(moe_cpu.down, kinds[2], dw.data, d, ff, *ha, starts, act, nact, y, res, target)
+        call(moe_cpu.down, kinds[2], dw.data, d, ff, *ha, gh, starts, act, nact, y, res, target)
         out = get((n, d))
         call(moe.combine, y, pos, w, out)
         return out

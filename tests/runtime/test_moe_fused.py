@@ -77,6 +77,25 @@ def test_fused_moe_equals_expert_by_expert(up_type, down_type, d, n):
     assert np.isfinite(fused).all() and np.abs(fused).max() > 0
 
 
+@pytest.mark.parametrize("n", [3, 20, 31])
+def test_fused_mxfp4_long_runs_equal_expert_by_expert(n):
+    """A tie-routed step (a zero router: every token picks experts 0 and 1): runs of n rows,
+    one group of up to 16 rows and then a second, partial one, through the row-group kernels
+    the expert-by-expert path runs for them (up to 31 rows; 32 and more take its bf16 GEMM)."""
+    rng = np.random.default_rng(n)
+    E, d, ff, k = 4, 2880, 256, 2
+    be = CPUBackend(threads=2)
+    experts = _experts(rng, be, E, d, ff, GGMLType.MXFP4, GGMLType.MXFP4)
+    router = be.upload(QTensor("router", GGMLType.F32, (E, d), np.zeros((E, d), np.float32)))
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    be.arena.reset()
+    fused = be.moe(x, router, experts, k, True).copy()
+    be.arena.reset()
+    plain = be._moe_by_expert(x, router, experts, k, True)
+    assert np.array_equal(fused, plain)
+    assert np.isfinite(fused).all() and np.abs(fused).max() > 0
+
+
 def test_routed_decode_steps_replay(tmp_path):
     """A qwen3moe of Q4_K/Q6_K experts: decode and verify-like steps with plans and the
     fused kernels give the logits of plain expert-by-expert forwards, and they replay."""
