@@ -7,8 +7,8 @@ expert: what LLAMBA_MOE_DEVICE=0 runs):
 * each id-indexed matvec (mvk4k_id, mvkt_id, mvs_id) gives every (row, slot) pair the
   bits of the per-expert matvec, for every integer type, gate/up in one launch and down
   with SiLU . up folded into its rounding;
-* whole random-weight qwen3moe models (tiny; M18's and M30's layer shapes cut to 2
-  layers; 60 experts with a down of K = 160): greedy decode gives bit-identical logits
+* whole random-weight qwen3moe models (tiny; M18's, M30's and gpt-oss-20b's (MXFP4 experts)
+  layer shapes cut to 2 layers; 60 experts with a down of K = 160): greedy decode gives bit-identical logits
   both ways, decode steps replay CUDA graphs (the host path's never do), graph replay
   equals the eager step, verify rows of 1-8 equal single steps, 8 sequences decoding
   together equal each alone, and the CPU backend agrees within test_moe_gpu's bounds."""
@@ -22,7 +22,7 @@ from test_moe_gpu import NEAR_TIE, _margin
 
 pytestmark = pytest.mark.gpu
 
-INT8_TYPES = ["Q4_K", "Q6_K", "Q4_0", "Q8_0", "Q5_K", "Q5_0", "Q4_1", "Q5_1"]
+INT8_TYPES = ["Q4_K", "Q6_K", "Q4_0", "Q8_0", "Q5_K", "Q5_0", "Q4_1", "Q5_1", "MXFP4"]
 
 
 # ---------------------------------------------------------------- the routing kernel
@@ -78,12 +78,13 @@ def test_route_kernel_blocks_of_32():
 
 # ---------------------------------------------------------------- the matvecs by expert id
 @pytest.mark.parametrize("qtype", INT8_TYPES)
-@pytest.mark.parametrize("M,K", [(250, 768), (768, 2048), (2304, 256), (128, 4096), (40, 352)])
+@pytest.mark.parametrize("M,K", [(250, 768), (768, 2048), (2304, 256), (128, 4096), (40, 352), (2880, 2880)])
 def test_matvec_ids_equals_expert_matvec(qtype, M, K):
     """gate/up (two tensors, k pairs a row of x) and down (SiLU . up folded, a pair a row)
     by expert id against qc.matmul of each pair's expert alone: bit for bit.  Shapes: K of
     3 super-blocks (M30's down), M30's gate/up, Q6_K past mvk's rows (mvs), Q4_0's
-    4096-wide rule (mvs), a width of 11 blocks of 32 (legacy types)."""
+    4096-wide rule (mvs), a width of 11 blocks of 32 (legacy types), gpt-oss's experts (90
+    blocks of 32: MXFP4's 17-byte blocks leave rows at any byte alignment)."""
     import cupy as cp
     import quant.cuda as qc
     from quant import GGMLType, QTensor
@@ -138,11 +139,13 @@ def _shapes():
         "m18": dict(SHAPES["M18"], n_layers=2, vocab=4096),
         # M30's layers (Q4_K and, in layer 1, Q6_K downs of K = 768; head dim 128)
         "m30": dict(SHAPES["M30"], n_layers=2, vocab=4096),
+        # gpt-oss-20b's experts (32 of 2880, 4 a token; MXFP4_MOE: experts MXFP4, the rest Q8_0)
+        "go": dict(SHAPES["GO20"], n_layers=2, vocab=4096),
     }
 
 
 CASES = [("tiny", "Q4_K_M"), ("tiny", "Q8_0"), ("tiny", "Q4_0"), ("tiny", "Q5_K"), ("odd", "Q4_K_M"),
-         ("m18", "Q4_K_M"), ("m30", "Q4_K_M")]
+         ("m18", "Q4_K_M"), ("m30", "Q4_K_M"), ("tiny", "MXFP4_MOE"), ("go", "MXFP4_MOE")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{s}-{m}" for s, m in CASES])

@@ -3,7 +3,7 @@ Numba cache, in a process of its own: `python -m lab.cpu_warm` (tests on PYTHONP
 
 On a fresh GPU machine they compile for minutes inside the first test that builds a CPU
 engine; tests/gpu/device_moe.sh starts this beside the GPU-only tests instead.  A tiny
-random qwen3moe in Q4_K_M, Q8_0 and F16 (the latter on test_models' float CPU backend):
+random qwen3moe in Q4_K_M, Q8_0, F16 (the latter on test_models' float CPU backend) and MXFP4_MOE:
 a prompt, decode steps and a 3-row step."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def main() -> int:
     from runtime.engine import Engine
     t = time.perf_counter()
     with tempfile.TemporaryDirectory() as d:
-        for mix in ("Q4_K_M", "Q8_0", "F16"):
+        for mix in ("Q4_K_M", "Q8_0", "F16", "MXFP4_MOE"):
             lm = load_weights_only(write_random_gguf(Path(d) / f"{mix}.gguf", mix=mix, **SHAPE))
             e = Engine(lm, device="cpu", n_ctx=256)
             if mix == "F16":
