@@ -39,8 +39,9 @@ def main(argv=None):
     clock = time.process_time if a.cpu else time.perf_counter
     for n in (int(r) for r in a.rows.split(",")):
         x = rng.standard_normal((n, d)).astype(np.float32)
+        logits = be.matmul(x, router).copy()
         paths = {"fused": lambda: be.moe(x, router, experts, k, True),
-                 "by-expert": lambda: be._moe_by_expert(x, router, experts, k, True)}
+                 "by-expert": lambda: be._moe_by_expert(x, logits, experts, k, True)}
         res = {p: [] for p in paths}
         for p, f in paths.items():        # compile, warm
             be.arena.reset()
