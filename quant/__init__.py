@@ -12,8 +12,9 @@ QTensor.from_file_bytes(name, qtype, shape, flat_uint8)
 dequantize(qt)           float32 of qt.shape (bit-exact with gguf.quants.dequantize)
 dequantize_rows(qt, ids) float32 [len(ids), K] touching only those rows (embeddings)
 matmul(x, W, out=None)   y = x @ W.T; x float32 [n, K]; W read block by block, never unpacked
-quantize(x, qtype)       float32 [M, K] -> uint8 [M, row_nbytes] for Q8_0, Q4_0, Q4_K (bit-exact
-                         with llama.cpp's reference quantizers) and F32, F16, BF16
+quantize(x, qtype)       float32 [M, K] -> uint8 [M, row_nbytes] for Q8_0, Q4_0, Q5_0, Q3_K, Q4_K,
+                         Q5_K, Q6_K, MXFP4 (bit-exact with llama.cpp's reference quantizers) and
+                         F32, F16, BF16
 
 Lower-level entries for the CPU backend
 ---------------------------------------
