@@ -408,6 +408,7 @@ class CUDABackend:
         self._argmax_state: dict = {}   # rows -> (best u64, count u32 (zeroed), ids int32) [rows]
         self._mask_dev: dict = {}       # shape -> the device copy of a step's token masks
         self._pmoe = None               # deferred weighted sum of a decode moe op (y, w, k, out): see add
+        self._host_combine = None       # the host-routed moe op's weighted sum (ElementwiseKernel)
         self.moe_on_device = MOE_ON_DEVICE
         # the moe ops of the step being run: [all, routed on the device]; and per model,
         # whether its last eager step of up to GRAPH_ROWS rows routed every one on the
@@ -1035,7 +1036,16 @@ class CUDABackend:
         for a, b, e in runs:
             self.qc.matmul(g[a:b], [downs[e]], [y[a:b]], [db[e]] if biases is not None else None, ws=self.ws)
         out = self._buf((n, d))
-        self.qc.moe_combine(y, w_d, top_k, out, pos=pos_d)
+        # (the ElementwiseKernel run on an H100 in session 30, kept while qc.moe_combine, which
+        # the device-routed path uses, has not yet run on a GPU)
+        if self._host_combine is None:
+            self._host_combine = cp.ElementwiseKernel(
+                "raw float32 y, raw int32 pos, raw float32 w, int32 k, int32 d", "float32 out",
+                "const int t = i / d, c = i % d; float s = 0.f;"
+                "for (int j = 0; j < k; ++j) s += w[t * k + j] * y[(long long)pos[t * k + j] * d + c];"
+                "out = s;", "llamba_moe_combine")
+        self._host_combine(y, pos_d, w_d, np.int32(top_k), np.int32(d), out)
+        self._pdl.fence()
         return out
 
     def rope(self, x, step, inv_freq, neox, pos_scale=1.0, mscale=1.0):
