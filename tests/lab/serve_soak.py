@@ -23,6 +23,12 @@ Verdicts:
   as the prompts' timing varies; they stay within the pool the flags size) grows by at most
   --rss-slack MB after the first round (where the step plans, arenas and code fill).  The rounds
   send the same prompts in the same order; which answers are dropped differs.
+
+The server runs without transparent huge pages (prctl PR_SET_THP_DISABLE) unless --thp: numpy
+asks for them on large arrays, so a K or V array of the pool becomes resident 2 MB at a time,
+and RSS rises in steps of 2 MB x (K and V arrays: 2 x layers) -- 120 MB on SmolLM2, each 341
+blocks -- as the blocks ever used cross each huge page: the blocks' memory cannot be told from
+the rest.  With 4 KB pages it follows the blocks.
 """
 from __future__ import annotations
 
@@ -37,10 +43,19 @@ import time
 from types import SimpleNamespace
 
 
-def start_server(args: list[str], timeout: float = 600, env=None) -> tuple[subprocess.Popen, str]:
-    """`python -m runtime serve ARGS --port 0` on loopback; (process, base URL) once it serves."""
+def _no_thp() -> None:
+    """In the child before exec: no transparent huge pages for this process (prctl
+    PR_SET_THP_DISABLE, kept across exec)."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(41, 1, 0, 0, 0)
+
+
+def start_server(args: list[str], timeout: float = 600, env=None, thp: bool = True) -> tuple[subprocess.Popen, str]:
+    """`python -m runtime serve ARGS --port 0` on loopback; (process, base URL) once it serves.
+    thp=False: without transparent huge pages (Linux)."""
     proc = subprocess.Popen([sys.executable, "-m", "runtime", "serve", "--port", "0", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=None if thp else _no_thp)
     deadline = time.monotonic() + timeout
     lines = []
     while time.monotonic() < deadline:
@@ -214,11 +229,13 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--every", type=float, default=2.0, help="seconds between RSS samples")
     p.add_argument("--rss-slack", type=float, default=32.0, metavar="MB")
+    p.add_argument("--thp", action="store_true", help="leave transparent huge pages as the system has them")
     p.add_argument("serve_args", nargs="*", help="more `serve` arguments (after --)")
     a = p.parse_args(argv)
     proc, base = start_server(["-m", a.model, "-np", str(a.parallel), "-c", str(a.ctx), "-t", str(a.threads),
-                               "--metrics", *a.serve_args])
-    print(f"server pid {proc.pid} at {base}; load average {os.getloadavg()[0]:.1f}", flush=True)
+                               "--metrics", *a.serve_args], thp=a.thp)
+    print(f"server pid {proc.pid} at {base}{'' if a.thp else ' (no transparent huge pages)'}; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
     rounds = []
     try:
         for k in range(a.rounds):
