@@ -21,7 +21,8 @@ off/cold and off/warm of each round, with their medians.
 this process (the engine sized as `serve` sizes it), one line per scheduler iteration: its
 time, the tokens each request advanced, how many wait; then each request's time to first token.
 
-    PYTHONPATH=tests python -m lab.serve_prefix trace -m MODEL [-t 2] [-C 8] [--prefix 1500] [--no-prefix-cache]
+    PYTHONPATH=tests python -m lab.serve_prefix trace -m MODEL [-t 2] [-C 8] [--prefix 1500] [--warm]
+        [--no-prefix-cache]
 """
 from __future__ import annotations
 
@@ -104,6 +105,11 @@ def trace(a) -> int:
         last[:] = now, cpu
     texts = prompts(max(a.clients, 8), a.seed, a.prefix, 1000 + a.seed)
     ids = [eng.tokenizer.encode(t) for t in texts[:a.clients]]
+    if a.warm:          # the same prefix computed before, behind other questions (not traced)
+        before = prompts(max(a.clients, 8), a.seed + 1, a.prefix, 1000 + a.seed)
+        for q in [sch.submit(Request(eng.tokenizer.encode(t), SamplingParams(temperature=0.0), max_tokens=1))
+                  for t in before[:a.clients]]:
+            q.done.wait()
     print(f"prompts: {[len(x) for x in ids]} tokens; load average {os.getloadavg()[0]:.1f}", flush=True)
     sch.on_step = on_step
     t0 = time.perf_counter()
@@ -145,6 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show", type=int, default=0, help="trace: steps shown after the last first token")
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--warm", action="store_true", help="trace: the prefix was computed before (another wave)")
     a = p.parse_args(argv)
     return compare(a) if a.mode == "compare" else trace(a)
 

@@ -183,10 +183,7 @@ def verdict(rounds: list[dict], rss_slack: float = 32.0) -> list[tuple[str, bool
     seen = sum(r["server_statuses"].get("499", 0) for r in rounds)
     out.append(("aborts are real", aborted > 0 and seen == aborted,
                 f"clients closed {aborted} answers mid-stream, the server counted {seen} (499)"))
-    backs = []
-    for i, r in enumerate(rounds):
-        a = r["after"]
-        backs.append(a["kv_used"] == 0 and a["kv_cached"] <= a["cached_limit"])
+    backs = [r["after"]["kv_used"] == 0 and r["after"]["kv_cached"] <= r["after"]["cached_limit"] for r in rounds]
     last = rounds[-1]["after"]
     out.append(("blocks back", all(backs),
                 f"idle after each round: used {[r['after']['kv_used'] for r in rounds]}, cached "
