@@ -110,6 +110,9 @@ class BlockPool:
         self.hash_of: dict[int, bytes] = {}
         self.by_hash: dict[bytes, int] = {}
         self.max_cached: int | None = None      # at most this many cached blocks (None: the whole pool)
+        # blocks ever handed out: the stack gives never-used blocks in order, so these are blocks
+        # 0..touched-1, the part of a lazily mapped pool that holds memory
+        self.touched = 0
 
     def available(self) -> int:
         return len(self.free) + len(self.cached)
@@ -123,6 +126,7 @@ class BlockPool:
         else:
             raise CacheFull("KV cache full")
         self.ref[b] = 1
+        self.touched = max(self.touched, b + 1)
         return b
 
     def incref(self, b: int) -> None:

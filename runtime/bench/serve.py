@@ -8,8 +8,11 @@ output tokens/s, requests/s, and how many answers failed.  Tokens are counted as
 chunks that carry text (one token each on both llama-server and Llamba).
 
 --shared-prefix N puts the same N-token-ish text before every prompt (a system prompt that
-clients share: the prefix cache's case).  --abort-fraction F drops that fraction of the
-answers mid-stream (clients that go away).
+clients share: the prefix cache's case; --prefix-seed picks another prefix, or the same one
+behind other questions).  --abort-fraction F drops that fraction of the answers mid-stream: the
+client closes its socket after a random number of tokens (a client that goes away).  Every
+answer is counted by outcome: its HTTP status, "aborted", an error event inside a 200 stream
+(counted as 500) or the transport error's name; `server_errors` counts the 5xx among them.
 
 --schemas [FILE] measures structured output instead (default FILE: the 30+ schemas of
 tests/fixtures/constrain/schemas.json), one request at a time: for each schema a streamed chat
@@ -44,14 +47,17 @@ TOPICS = ("a lighthouse keeper", "the history of bread", "a robot learning to pa
           "a journey across a desert", "the first computer", "a storm at sea", "a small mountain village")
 
 
-def prompts(n: int, seed: int, shared_prefix: int = 0) -> list[str]:
+def prompts(n: int, seed: int, shared_prefix: int = 0, prefix_seed: int | None = None) -> list[str]:
     """n prompts of mixed lengths (about 20, 150 and 600 words, in a 4:2:1 mix), seeded; behind a
-    shared prefix, short ones (a system prompt, then a user's question)."""
+    shared prefix, short ones (a system prompt, then a user's question).  The prefix is drawn
+    from `prefix_seed` (default: `seed`), the questions from `seed`."""
     rng = random.Random(seed)
     prefix = ""
     if shared_prefix:
-        srng = random.Random(seed + 1)
-        prefix = "System: " + " ".join(srng.choice(WORDS) for _ in range(int(shared_prefix * 0.75))) + "\n\n"
+        srng = random.Random((seed if prefix_seed is None else prefix_seed) + 1)
+        # (each of WORDS, after a space, is one token in SmolLM2's and Qwen2.5's vocabularies: N words
+        # make a prefix of ~N tokens; until session 31 it took 0.75 N words, ~0.75 N tokens)
+        prefix = "System: " + " ".join(srng.choice(WORDS) for _ in range(shared_prefix)) + "\n\n"
     out = []
     for i in range(n):
         words = 20 if shared_prefix else rng.choice((20, 20, 20, 20, 150, 150, 600))
@@ -136,7 +142,9 @@ def summarize(results, wall, c) -> dict:
     codes = {}
     for r in results:
         codes[str(r["status"])] = codes.get(str(r["status"]), 0) + 1
+    server_errors = sum(1 for r in results if isinstance(r["status"], int) and r["status"] >= 500)
     return {"concurrency": c, "requests": len(results), "completed": len(ok), "statuses": codes,
+            "server_errors": server_errors, "aborted": codes.get("aborted", 0),
             "wall_s": round(wall, 2), "output_tokens": tokens,
             "output_tok_s": round(tokens / wall, 2), "requests_s": round(len(ok) / wall, 3),
             "ttft_p50_ms": round(1e3 * _pct(ttft, 50), 1), "ttft_p99_ms": round(1e3 * _pct(ttft, 99), 1),
@@ -158,7 +166,7 @@ def run(args) -> int:
     rows = []
     for c in levels:
         n = max(c * (args.requests or 1), 8)
-        texts = prompts(n, args.seed, args.shared_prefix)
+        texts = prompts(n, args.seed, args.shared_prefix, args.prefix_seed)
         results, wall = asyncio.run(_run_level(url, headers, c, args, texts))
         row = summarize(results, wall, c)
         rows.append(row)
@@ -166,7 +174,7 @@ def run(args) -> int:
             print(f"C={c:3d}  {row['output_tok_s']:8.1f} tok/s  {row['requests_s']:6.2f} req/s  "
                   f"TTFT p50 {row['ttft_p50_ms']:8.1f} p99 {row['ttft_p99_ms']:8.1f} ms  "
                   f"ITL p50 {row['itl_p50_ms']:6.1f} p99 {row['itl_p99_ms']:7.1f} ms  "
-                  f"{row['completed']}/{row['requests']} ok {row['statuses']}", flush=True)
+                  f"{row['completed']}/{row['requests']} ok, 5xx {row['server_errors']} {row['statuses']}", flush=True)
     if args.json:
         print(json.dumps({"url": url, "rows": rows}))
     return 0
@@ -313,7 +321,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--max-tokens", type=int, default=None, help="default 128; --schemas 256")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--shared-prefix", type=int, default=0, metavar="N", help="a shared ~N-token prefix on every prompt")
-    p.add_argument("--abort-fraction", type=float, default=0.0, help="drop this fraction of answers mid-stream")
+    p.add_argument("--prefix-seed", type=int, default=None, help="seed of the shared prefix (default: --seed)")
+    p.add_argument("--abort-fraction", type=float, default=0.0,
+                   help="close the connection mid-answer in this fraction of requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None)
     p.add_argument("--api-key", default=None)

@@ -24,6 +24,7 @@ from .guard import BodyTooLarge, Guard
 from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 RETRY_AFTER = "2"
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}   # their metric labels
 
 
 def create_app(host, *, api_key=None, allowed_hosts=None, cors_origins=(), metrics=None,
@@ -31,12 +32,19 @@ def create_app(host, *, api_key=None, allowed_hosts=None, cors_origins=(), metri
     app = FastAPI(title="Llamba", docs_url=None, redoc_url=None)
     app.state.host, app.state.metrics = host, metrics
 
+    def count(http, status: int) -> None:
+        """An answer of a completion endpoint that did not stream to its end, by status."""
+        if metrics is not None and http.url.path in ENDPOINTS:
+            metrics.requests.labels(ENDPOINTS[http.url.path], str(status)).inc()
+
     @app.exception_handler(APIError)
-    async def _api_error(_, e: APIError):
+    async def _api_error(http, e: APIError):
+        count(http, e.status)
         return errors.response(e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_, e: RequestValidationError):
+    async def _invalid(http, e: RequestValidationError):
+        count(http, 400)
         err = (e.errors() or [{}])[0]
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
@@ -62,7 +70,8 @@ def create_app(host, *, api_key=None, allowed_hosts=None, cors_origins=(), metri
         return errors.response(413, f"request body exceeds the limit of {max_body} bytes", None, "body_too_large")
 
     @app.exception_handler(Exception)
-    async def _crash(_, e: Exception):
+    async def _crash(http, e: Exception):
+        count(http, 500)
         return errors.response(500, f"internal error: {type(e).__name__}", None, "internal_error")
 
     @app.get("/health")
@@ -383,6 +392,8 @@ async def _whole(shape, reqs, queue, sch, http, started, metrics, n_prompts):
                 index, ev = await asyncio.wait_for(queue.get(), timeout=0.5)
             except asyncio.TimeoutError:
                 if await http.is_disconnected():
+                    if metrics:
+                        metrics.requests.labels("chat" if shape.chat else "completions", "499").inc()
                     return Response(status_code=499)
                 continue
             texts[index] += ev.text
@@ -417,6 +428,7 @@ async def _sse(shape, reqs, queue, sch, started, include_usage, metrics, n_promp
         from ..tools import ToolCallParser
         names = [t["function"]["name"] for t in shape.tools or []]
         parsers = [ToolCallParser(shape.tool_fmt, names=names) for _ in range(n)]
+    outcome = "499"         # (nginx's "client closed request") until the answer is whole
     try:
         if shape.chat:
             for i in range(n):
@@ -439,6 +451,7 @@ async def _sse(shape, reqs, queue, sch, started, include_usage, metrics, n_promp
             if ev.finish is not None:
                 left -= 1
                 if ev.finish == "error":
+                    outcome = "500"
                     yield "data: " + json.dumps(errors.body(500, f"generation failed: {ev.error}", None,
                                                             "generation_error")) + "\n\n"
                     return
@@ -448,10 +461,11 @@ async def _sse(shape, reqs, queue, sch, started, include_usage, metrics, n_promp
                 yield shape.chunk(index, finish=finish, stop_reason=ev.stop_reason)
         if include_usage:
             yield shape.usage_chunk(_usage(reqs, n_prompts))
+        outcome = "200"
         yield "data: [DONE]\n\n"
-        if metrics:
-            metrics.requests.labels("chat" if shape.chat else "completions", "200").inc()
     finally:        # the client went away (the response task is cancelled) or we are done
+        if metrics:
+            metrics.requests.labels("chat" if shape.chat else "completions", outcome).inc()
         for r in reqs:
             if r.finish_reason is None:
                 r.cancel()

@@ -38,6 +38,18 @@ class _SchedulerCollector:
         for state in ("used", "cached", "free"):
             kv.add_metric([state], st.kv.get(f"blocks_{state}", 0))
         yield kv
+        cache = sch.cache
+        limits = [p.max_cached for p in cache.pools]
+        yield GaugeMetricFamily("llamba_kv_blocks_cached_limit",
+                                "Most blocks kept cached for prefix reuse (--cache-ram; the pool where unbounded)",
+                                value=sum(p.num_blocks if m is None else m for p, m in zip(cache.pools, limits)))
+        yield GaugeMetricFamily("llamba_kv_blocks_touched",
+                                "Blocks ever handed out (on the CPU the pool's pages are mapped on first use: "
+                                "its memory is these blocks)", value=sum(p.touched for p in cache.pools))
+        # (where layer groups have pools of their own, llamba_kv_blocks counts each pool's blocks:
+        # their mean size times a count is the memory they hold)
+        yield GaugeMetricFamily("llamba_kv_block_bytes", "Bytes of one block counted in llamba_kv_blocks (mean)",
+                                value=cache.bytes_per_token * cache.block_size / len(cache.pools))
         yield CounterMetricFamily("llamba_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)",
                                   value=st.prompt_tokens)
         yield CounterMetricFamily("llamba_generated_tokens", "Tokens generated", value=st.generated_tokens)

@@ -127,6 +127,7 @@ def test_limited_cache_keeps_the_blocks_ever_used_bounded():
             cache.release(s)
         assert cache.stats().blocks_cached <= cap
     assert len(ever) <= peak + cap                     # without the limit: all 50 waves' blocks
+    assert ever == set(range(cache.pools[0].touched))  # (the server's llamba_kv_blocks_touched)
     probe = cache.new_sequence()
     last = [1000 * 49 + 10 * (wave - 1) + t for t in range(3 * bs + 1)]
     assert cache.reuse_prefix(probe, last) == 3 * bs   # the latest prompt is still cached
