@@ -59,7 +59,7 @@ def on_gpu(name: str, n_layers: int, gpu_layers: int | None = None, cpu_moe: int
 
 def tensor_device_bytes(t) -> int:
     """Bytes a tensor takes on the device: matrices as stored, vectors as float32."""
-    if len(t.shape) == 1 or t.name.endswith(".bias"):      # (experts' biases [E, cols] too)
+    if len(t.shape) == 1 or getattr(t, "name", "").endswith(".bias"):      # (experts' biases [E, cols] too)
         return 4 * math.prod(t.shape)
     return int(t.nbytes)
 

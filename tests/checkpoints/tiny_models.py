@@ -127,7 +127,7 @@ def make_tiny(family: str, folder: Path, seed: int = 0, dtype: str = "float16", 
                 p.normal_(0.0, 1.0)
             elif name.endswith("self_attn.sinks"):      # gpt-oss: from well below the scores to above
                 p.uniform_(-2.0, 3.0)
-            elif name.endswith("experts.gate_up_proj"):  # gpt-oss: large enough that its clamp (7) acts
+            elif family == "gptoss" and name.endswith("experts.gate_up_proj"):   # its clamp (7) acts
                 p.normal_(0.0, 3.0 / math.sqrt(p.shape[1]))
             elif p.ndim >= 2:       # (3-D: a layer's experts, [n_experts, out, in])
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
