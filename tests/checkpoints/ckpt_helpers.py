@@ -35,3 +35,39 @@ def edit_config(src, dst, **changes):
     cfg.update(changes)
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
+
+
+def assert_batch_invariant(eng, prompts, n_steps=6):
+    """Sequences decoding together get bit for bit the logits each gets alone."""
+    def prefill(p):
+        s = eng.new_sequence()
+        return s, int(eng.step([s], [p])[0].argmax())
+
+    alone = []
+    for p in prompts:
+        s, t = prefill(p)
+        rows = []
+        for _ in range(n_steps):
+            rows.append(eng.step([s], [[t]])[0])
+            t = int(rows[-1].argmax())
+        alone.append(np.stack(rows))
+        eng.release(s, keep_cached=False)
+    started = [prefill(p) for p in prompts]
+    seqs, last = [s for s, _ in started], [t for _, t in started]
+    for i in range(n_steps):
+        out = eng.step(seqs, [[t] for t in last])
+        for b in range(len(seqs)):
+            assert np.array_equal(out[b], alone[b][i]), f"sequence {b}, step {i}"
+        last = [int(r.argmax()) for r in out]
+
+
+def assert_verify_rows_equal_single_steps(eng, ids):
+    """A k+1-token step (speculative verify) equals feeding its tokens one at a time."""
+    seq = eng.new_sequence()
+    eng.step([seq], [ids[:40]])
+    base = len(seq)
+    extra = ids[40:47]
+    batched = eng.step([seq], [extra], all_logits=True)
+    eng.cache.truncate(seq, base)
+    single = np.stack([eng.step([seq], [[t]])[0] for t in extra])
+    assert np.array_equal(batched, single)

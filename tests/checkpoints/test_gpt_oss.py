@@ -10,7 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from ckpt_helpers import edit_config, engine_logits, kl
+from ckpt_helpers import (assert_batch_invariant, assert_verify_rows_equal_single_steps, edit_config,
+                          engine_logits, kl)
 from models import UnsupportedModelFile, check_tensors, config_from_gguf
 from models.hf_config import CheckpointError
 from runtime.gguf_file import GGUFFile
@@ -251,42 +252,13 @@ def test_batched_decode_gives_each_sequence_its_own_logits(tiny):
     d, _, _ = tiny
     eng = Engine(load_model(d), n_ctx=256)
     prompts = [prompt_ids(seed)[:n] for seed, n in ((1, 20), (2, 33), (3, 7), (4, 50), (5, 12))]
-    n_steps = 6
-
-    def prefill(p):
-        s = eng.new_sequence()
-        return s, int(eng.step([s], [p])[0].argmax())
-
-    alone = []
-    for p in prompts:
-        s, t = prefill(p)
-        rows = []
-        for _ in range(n_steps):
-            rows.append(eng.step([s], [[t]])[0])
-            t = int(rows[-1].argmax())
-        alone.append(np.stack(rows))
-        eng.release(s, keep_cached=False)
-    started = [prefill(p) for p in prompts]
-    seqs, last = [s for s, _ in started], [t for _, t in started]
-    for i in range(n_steps):
-        out = eng.step(seqs, [[t] for t in last])
-        for b in range(len(seqs)):
-            assert np.array_equal(out[b], alone[b][i]), f"sequence {b}, step {i}"
-        last = [int(r.argmax()) for r in out]
+    assert_batch_invariant(eng, prompts)
 
 
 def test_verify_rows_equal_single_steps(tiny):
     from runtime.engine import Engine
     d, ids, _ = tiny
-    eng = Engine(load_model(d), n_ctx=256)
-    seq = eng.new_sequence()
-    eng.step([seq], [ids[:40]])
-    base = len(seq)
-    extra = ids[40:47]
-    batched = eng.step([seq], [extra], all_logits=True)
-    eng.cache.truncate(seq, base)
-    single = np.stack([eng.step([seq], [[t]])[0] for t in extra])
-    assert np.array_equal(batched, single)
+    assert_verify_rows_equal_single_steps(Engine(load_model(d), n_ctx=256), ids)
 
 
 def test_fused_k_quant_experts_with_biases_equal_the_expert_by_expert_path(tmp_path):
