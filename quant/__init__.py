@@ -48,6 +48,10 @@ Batch invariance: for n <= BATCH_INVARIANT_MAX_ROWS (16) row r of matmul(x, W) i
 bit-identical whatever n is, whatever the other rows of x contain and however rows are split
 between threads (in fact for every n below 32, the sgemm threshold).
 """
+from .kernel_cache import configure as _configure_kernel_cache
+
+_configure_kernel_cache()     # before any kernel is decorated: see kernel_cache.py
+
 from .types import (BLOCK_LAYOUT, QK, QK_K, SUPPORTED, TYPE_INFO, GGMLType, UnsupportedQuantType,
                     row_nbytes, tensor_nbytes, type_name)
 from .tensor import QTensor

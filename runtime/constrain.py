@@ -38,6 +38,7 @@ import json
 import threading
 from collections import OrderedDict
 
+import quant  # noqa: F401  (first: it points Numba's cache at quant/kernel_cache.py's folder)
 import numba as nb
 import numpy as np
 

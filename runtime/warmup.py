@@ -1,7 +1,7 @@
 """First-run kernel compilation, said aloud.
 
 Numba compiles each kernel for *this* CPU on first use and caches it on disk
-(NUMBA_CACHE_DIR, or beside the sources); nothing compiled on another machine is
+(NUMBA_CACHE_DIR, or a folder per version of the kernel sources: quant/kernel_cache.py); nothing compiled on another machine is
 ever loaded, so no "illegal instruction" on an older CPU.  The first start
 therefore spends tens of seconds compiling: we tell the user, and warm the
 kernels with a few throwaway forwards before the real prompt.  A marker per (Llamba
@@ -21,10 +21,8 @@ from . import __version__
 
 
 def _cache_dir() -> str:
-    """Where Numba caches the compiled kernels: beside this install's sources
-    unless NUMBA_CACHE_DIR says otherwise."""
-    import os
-    return os.environ.get("NUMBA_CACHE_DIR") or str(Path(__file__).resolve().parent.parent)
+    from quant.kernel_cache import cache_dir
+    return cache_dir()
 
 
 def _marker(engine) -> Path:
@@ -51,10 +49,7 @@ def first_run(engine) -> bool:
     if not _marker(engine).exists():
         return True
     root = Path(_cache_dir())
-    for sub in (root / "quant" / "__pycache__", root):      # the usual place first
-        if sub.is_dir() and next(sub.rglob("*.nbi"), None) is not None:
-            return False
-    return True
+    return not (root.is_dir() and next(root.rglob("*.nbi"), None) is not None)
 
 
 # Row counts that reach every kernel path: a prompt (many rows: dequantize-tile +

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 
+import quant  # noqa: F401  (first: it points Numba's cache at quant/kernel_cache.py's folder)
 import numba as nb
 import numpy as np
 

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 
+import quant  # noqa: F401  (first: it points Numba's cache at quant/kernel_cache.py's folder)
 import numba
 import numpy as np
 from numba import njit, prange
