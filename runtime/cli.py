@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-type", default="f16", choices=["f16", "q8_0", "k16v8"])
     s.add_argument("--cache-ram", type=int, default=None, metavar="MiB",
                    help="KV memory that finished requests' blocks may keep for prefix reuse (default on the CPU: "
-                        "an eighth of the pool, at least one context; -1: the whole pool)")
+                        "8192 as llama-server, or the whole pool where smaller; -1: the whole pool)")
     s.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV blocks across requests")
     s.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="speculative decoding while a request decodes alone (a small model of the same vocabulary)")

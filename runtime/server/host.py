@@ -25,10 +25,17 @@ class ServeConfig:
     gpu_layers: int | None = None
     cpu_moe: int = 0                  # --cpu-moe (-1) / --n-cpu-moe N: experts in system memory, on the CPU
     draft_model: str | None = None
-    # MiB of KV blocks that finished requests may keep cached for prefix reuse (None: on the CPU an
-    # eighth of the pool, at least one context; -1: the whole pool).  The CPU's pools are mapped
-    # lazily: without a bound the server's memory grows with each distinct prompt up to the pool.
+    # MiB of KV blocks that finished requests may keep cached for prefix reuse (None: on the CPU
+    # CACHE_RAM_MIB, llama-server's default; -1: the whole pool).  The CPU's pools are mapped
+    # lazily: the server's memory grows with each distinct prompt up to the bound, then stays.
     cache_ram: int | None = None
+
+
+# llama-server's --cache-ram default.  An eighth of the pool (sessions 30-31) kept the resident
+# memory small but let a repeated prompt set of 8 clients (~5,000 tokens) fall out of the cache,
+# so warm requests recomputed prompts llama-server answered from its slots (its whole pool is
+# resident from the start): this bound spends no more memory than the peer does.
+CACHE_RAM_MIB = 8192
 
 
 class ModelHost:
@@ -118,5 +125,6 @@ def cached_blocks(cfg: ServeConfig, engine) -> int | None:
         return None if cfg.cache_ram < 0 else (cfg.cache_ram << 20) // max(1, bpb)
     if engine.backend.name != "cpu":        # device memory is allocated whole: nothing to save
         return None
-    return max(engine.cache.num_blocks // 8, -(-engine.n_ctx // engine.block_size))
+    bound = (CACHE_RAM_MIB << 20) // max(1, bpb)
+    return None if bound >= engine.cache.num_blocks else bound
 

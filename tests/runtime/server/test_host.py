@@ -15,8 +15,9 @@ def _engine(device="cpu", blocks=5826, n_ctx=4096, bytes_per_token=23040):
 
 def test_cpu_server_bounds_its_cached_blocks_by_default():
     eng = _engine()
-    assert cached_blocks(ServeConfig(), eng) == 5826 // 8                  # an eighth of the pool
-    assert cached_blocks(ServeConfig(), _engine(blocks=600)) == 4096 // 16  # but one context at least
+    assert cached_blocks(ServeConfig(), eng) is None                       # 134 MiB pool: under 8 GiB
+    big = _engine(blocks=40000, bytes_per_token=1 << 14)                    # 10 GiB pool
+    assert cached_blocks(ServeConfig(), big) == (8192 << 20) // ((1 << 14) * 16)   # llama-server's 8 GiB
     assert cached_blocks(ServeConfig(cache_ram=-1), eng) is None
     assert cached_blocks(ServeConfig(cache_ram=36), eng) == (36 << 20) // (23040 * 16)
     assert cached_blocks(ServeConfig(), _engine(device="cuda")) is None
