@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV memory that finished requests' blocks may keep for prefix reuse (default on the CPU: "
                         "8192 as llama-server, or the whole pool where smaller; -1: the whole pool)")
     s.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV blocks across requests")
+    s.add_argument("--reasoning-format", default="auto", choices=["auto", "deepseek", "none"],
+                   help="a model's reasoning (Qwen3's <think>, gpt-oss's analysis) in message.reasoning_content "
+                        "(auto, deepseek: llama-server's names) or left in content (none); a request's "
+                        "reasoning_format overrides it")
     s.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="speculative decoding while a request decodes alone (a small model of the same vocabulary)")
     key = s.add_mutually_exclusive_group()
@@ -362,7 +366,7 @@ def cmd_serve(args) -> int:
     cfg = ServeConfig(model=args.model, device=args.device, threads=args.threads, n_ctx=args.ctx_size,
                       parallel=args.parallel, queue=args.queue, kv_tokens=args.kv_tokens, cache_type=args.cache_type,
                       prefix_cache=not args.no_prefix_cache, gpu_layers=args.gpu_layers, draft_model=args.draft_model,
-                      cache_ram=args.cache_ram, cpu_moe=args.n_cpu_moe)
+                      cache_ram=args.cache_ram, cpu_moe=args.n_cpu_moe, reasoning_format=args.reasoning_format)
     return serve(cfg, host=args.host, port=args.port, api_key=key, cors_origins=args.cors_origin,
                  metrics=args.metrics, max_body=args.max_body, say=_say)
 

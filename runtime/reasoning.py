@@ -9,8 +9,9 @@ stream decodes them):
   answer describes itself.
 - harmony (gpt-oss): messages `<|start|>assistant<|channel|>NAME<|message|>` text `<|end|>`,
   the answer's first header already in the prompt (`<|start|>assistant`): the `analysis`
-  channel is the reasoning, `final` (and `commentary`, the user-visible preambles and tool
-  calls) the answer; `<|return|>` / `<|call|>` end the turn.
+  channel is the reasoning, `final` (and `commentary`, the user-visible preambles) the answer;
+  a message to a recipient (`to=functions.NAME` in its header) is a tool call, its body the
+  arguments; `<|return|>` / `<|call|>` end the turn.
 
 `split(text)` reads a whole or partial answer (the app re-reads the streamed text at
 each refresh); `for_template(text)` gives the fields a chat template wants back for an
@@ -20,7 +21,8 @@ marker is all answer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # harmony's tokens, as gpt-oss's vocabulary spells them
@@ -29,6 +31,7 @@ H_RETURN, H_CALL, H_CONSTRAIN = "<|return|>", "<|call|>", "<|constrain|>"
 _H_MARKS = (H_START, H_CHANNEL, H_MESSAGE, H_END, H_RETURN, H_CALL)
 REASONING_CHANNELS = ("analysis",)
 _MAX_HEADER = 256       # a "header" longer than this was never one: the text is shown as answer
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 
 @dataclass
@@ -37,6 +40,9 @@ class Parts:
     answer: str = ""
     thinking: bool = False      # the text ends inside the reasoning (still thinking)
     format: str = ""            # "think", "harmony" or "" (no markers)
+    # harmony's tool calls: (function name, arguments text, whole); a call still being written
+    # comes last with whole=False
+    calls: list = field(default_factory=list)
 
 
 def detect(text: str) -> str:
@@ -89,10 +95,11 @@ class Deltas:
     def __init__(self):
         self.text = ""
         self._r = self._a = 0
+        self.parts = Parts()        # the last split (harmony's tool calls are read from it)
 
     def feed(self, piece: str, final: bool = False) -> tuple[str, str]:
         self.text += piece
-        p = split(self.text, final=final)
+        p = self.parts = split(self.text, final=final)
         out = p.reasoning[self._r:], p.answer[self._a:]
         self._r, self._a = len(p.reasoning), len(p.answer)
         return out
@@ -134,10 +141,10 @@ def _split_think(text: str, final: bool = False) -> Parts:
 
 def _split_harmony(text: str, final: bool = False) -> Parts:
     """Messages of the assistant's turn; the first header's `<|start|>assistant` was in the prompt."""
-    reasoning, answer = [], []
+    reasoning, answer, calls = [], [], []
     i, n = 0, len(text)
     state = "header"             # header -> body -> (after <|end|>) between -> header ...
-    channel = None
+    channel = to = None
     while i < n:
         if state == "header":
             j = text.find(H_MESSAGE, i)
@@ -150,10 +157,17 @@ def _split_harmony(text: str, final: bool = False) -> Parts:
             c = head.find(H_CHANNEL)
             words = head[c + len(H_CHANNEL):].replace(H_CONSTRAIN, " ").split() if c >= 0 else []
             channel = words[0] if words else None
+            r = _RECIPIENT.search(head)      # before or after the channel: "assistant to=functions.f<|channel|>.."
+            to = r.group(1) if r else None
             state, i = "body", j + len(H_MESSAGE)
         elif state == "body":
             ends = [(k, m) for m in (H_END, H_RETURN, H_CALL, H_START) if (k := text.find(m, i)) >= 0]
-            out = reasoning if channel in REASONING_CHANNELS else answer
+            if to:
+                body = text[i:min(ends)[0]] if ends else text[i:]
+                calls.append((to, body.strip(), bool(ends) or final))
+                out = []
+            else:
+                out = reasoning if channel in REASONING_CHANNELS else answer
             if not ends:
                 rest = text[i:]
                 out.append(rest[:len(rest) - (0 if final else _partial_tail(rest, _H_MARKS))])
@@ -177,4 +191,5 @@ def _split_harmony(text: str, final: bool = False) -> Parts:
             state, i = "header", j + len(H_START)
     said = "".join(answer)
     thinking = (state == "body" and channel in REASONING_CHANNELS) or (state in ("header", "between") and not said)
-    return Parts(reasoning="\n\n".join(r for r in reasoning if r), answer=said, thinking=thinking, format="harmony")
+    return Parts(reasoning="\n\n".join(r for r in reasoning if r), answer=said, thinking=thinking, format="harmony",
+                 calls=calls)

@@ -5,8 +5,8 @@
   Assistant messages with `tool_calls` and `tool` results are normalized first (arguments as objects, as
   the templates expect them).
 * `detect_format(template)`: how the model writes a call: "hermes" (`<tool_call>{json}</tool_call>`, Qwen2.5),
-  "llama3" (`{"name": .., "parameters": ..}`, maybe after `<|python_tag|>`), "mistral" (`[TOOL_CALLS][..]`);
-  anything else is "generic" (Hermes tags, as our fallback prompt asks, plus a bare JSON object).
+  "llama3" (`{"name": .., "parameters": ..}`, maybe after `<|python_tag|>`), "mistral" (`[TOOL_CALLS][..]`),
+  "harmony" (gpt-oss: a commentary message `to=functions.NAME`, read by runtime/reasoning.py); anything else is "generic" (Hermes tags, as our fallback prompt asks, plus a bare JSON object).
 * `parse_tool_calls(text)` -> (content, [ToolCall]); `ToolCallParser` does the same incrementally while
   streaming and yields OpenAI-style deltas (`{"content": ..}` / `{"tool_calls": [{"index", "id",
   "function": {"name", "arguments"}}]}`); arguments stream as their raw JSON text.
@@ -26,7 +26,7 @@ from .constrain import JSON_OPTIONS, Constraint
 __all__ = ["ToolCall", "ToolCallParser", "parse_tool_calls", "normalize_tools", "detect_format",
            "encode_with_tools", "prepare_messages", "tool_constraint", "tool_prompt", "FORMATS"]
 
-FORMATS = ("hermes", "llama3", "mistral", "generic")
+FORMATS = ("hermes", "llama3", "mistral", "harmony", "generic")
 _OPENERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
 _CLOSERS = ("</tool_call>",)
 
@@ -73,6 +73,8 @@ def normalize_tools(tools) -> list[dict]:
 def detect_format(template: str | None) -> str:
     """The tool-call format a chat template teaches its model."""
     t = template or ""
+    if "<|channel|>" in t:
+        return "harmony"
     if "<tool_call>" in t:
         return "hermes"
     if "[TOOL_CALLS]" in t:
@@ -188,6 +190,8 @@ def tool_grammar(tools, tool_choice, tok, fmt: str, parallel: bool = True) -> st
     if tool_choice not in ("auto", "required", None) and not isinstance(tool_choice, dict):
         raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice!r}")
     auto = tool_choice in ("auto", None)
+    if fmt == "harmony":
+        return None if auto else _harmony_grammar(tools, tool_choice, tok)
     key = "parameters" if fmt == "llama3" else "arguments"
     body = "%json " + json.dumps(_calls_schema(tools, tool_choice, key), ensure_ascii=False)
     if fmt == "mistral":
@@ -220,6 +224,33 @@ def tool_grammar(tools, tool_choice, tok, fmt: str, parallel: bool = True) -> st
             + ("start: call (\"\\n\" call)*\n" if parallel else "start: call\n")
             +
             f"call: \"<tool_call>\" {call_tail}\n")
+
+
+def _harmony_grammar(tools, tool_choice, tok) -> str:
+    """gpt-oss must call: its reasoning message (free text up to <|end|>) may come first, then
+    `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{args}` and
+    <|call|>.  Harmony answers "auto" in its own way (no constraint: runtime/reasoning.py reads it)."""
+    t = getattr(tok, "tokenizer", tok)
+    marks = {m: (f"<[{i}]>" if (i := t.token_to_id(m)) is not None else None)     # harmony's tokens, by id
+             for m in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>", "<|call|>")}
+    missing = [m for m, g in marks.items() if g is None]
+    if missing:
+        raise ValueError(f"the vocabulary lacks harmony's {', '.join(missing)}")
+    ch, msg, end, start, con, call = marks.values()
+    fns = [t["function"] for t in tools]
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+        fns = [f for f in fns if f["name"] == name]
+        if not fns:
+            raise ValueError(f"tool_choice names function {name!r}, which is not among the tools")
+    alts = "\n".join(f'call{i}: {json.dumps("commentary to=functions." + f["name"] + " ")} {con} "json" {msg} '
+                     f'%json {json.dumps(dict(f["parameters"], **{"x-guidance": JSON_OPTIONS}), ensure_ascii=False)}'
+                     for i, f in enumerate(fns))
+    return ("%llguidance {}\n"
+            f"start: analysis? {ch} call {call}\n"
+            f'analysis: {ch} "analysis" {msg} THOUGHT {end} {start} "assistant"\n'
+            "THOUGHT: /(.|\\n)*/\n"
+            f"call: {' | '.join(f'call{i}' for i in range(len(fns)))}\n{alts}\n")
 
 
 def tool_constraint(tools, tool_choice, tok, fmt: str = "hermes", parallel: bool = True) -> Constraint | None:

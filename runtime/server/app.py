@@ -16,9 +16,11 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from .. import reasoning
 from ..sampling import SamplingParams
 from ..scheduler import QueueFull, Request
 from . import errors
+from .answer import AnswerStream, template_reasons, whole_message
 from .errors import APIError
 from .guard import BodyTooLarge, Guard
 from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -125,20 +127,28 @@ def create_app(host, *, api_key=None, allowed_hosts=None, cors_origins=(), metri
         choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
         tools = ([t.model_dump(exclude_none=True) for t in body.tools]
                  if body.tools and choice != "none" else None)
-        fmt = detect_format(template or getattr(tok, "chat_template", None)) if tools else None
+        own = template or getattr(tok, "chat_template", None)
+        fmt = detect_format(own) if tools else None
+        extra = body.chat_template_kwargs or {}
         try:
-            ids = await run_in_threadpool(lambda: encode_with_tools(tok, template, msgs, tools, arch=eng.config.arch)
-                                          if tools else encode_chat(tok, template, msgs, arch=eng.config.arch))
+            ids = await run_in_threadpool(lambda: encode_with_tools(tok, template, msgs, tools, arch=eng.config.arch,
+                                                                    **extra)
+                                          if tools else encode_chat(tok, template, msgs, arch=eng.config.arch,
+                                                                    **extra))
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template failed on these messages: {e}", "messages",
                            "chat_template_error")
         except ValueError as e:
             raise APIError(400, str(e), "tools")
         constraint = await run_in_threadpool(_constraint, body, tok, tools, choice, fmt)
+        # reasoning apart from the answer where the template's model writes it (answer.py)
+        split = (body.reasoning_format or h.cfg.reasoning_format) != "none" and template_reasons(own)
+        answer = {"split": split, "opened": split and reasoning.opens_reasoning(tok.decode(ids[-16:])),
+                  "tool_fmt": None if fmt == "harmony" and split else fmt}
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await _complete(h, http, body, [ids], max_tokens, chat=True,
                                logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                               constraint=constraint, tool_fmt=fmt, tools=tools)
+                               constraint=constraint, answer=answer, tools=tools)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
@@ -158,7 +168,7 @@ def create_app(host, *, api_key=None, allowed_hosts=None, cors_origins=(), metri
         return await _complete(h, http, body, prompts, body.max_tokens or 16, chat=False, logprobs=body.logprobs,
                                constraint=constraint)
 
-    async def _complete(h, http, body, prompts, max_tokens, chat: bool, logprobs, constraint=None, tool_fmt=None,
+    async def _complete(h, http, body, prompts, max_tokens, chat: bool, logprobs, constraint=None, answer=None,
                         tools=None):
         eng, sch = h.engine, h.scheduler
         n_ctx = eng.n_ctx
@@ -197,7 +207,7 @@ def create_app(host, *, api_key=None, allowed_hosts=None, cors_origins=(), metri
                            {"Retry-After": RETRY_AFTER})
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        shape = _Shape(rid, created, h.model_id, chat, eng.tokenizer, tool_fmt, tools)
+        shape = _Shape(rid, created, h.model_id, chat, eng.tokenizer, answer, tools)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(shape, reqs, queue, sch, started, include_usage, metrics, len(prompts)),
@@ -227,8 +237,10 @@ def _constraint(body, tok, tools, choice, fmt):
     from ..constrain import Constraint, ConstraintError
     from ..tools import tool_constraint
     rf = body.response_format
+    # harmony's "auto" is no constraint (tools.py): a grammar may shape such an answer
+    tools_constrain = bool(tools) and not (fmt == "harmony" and choice in ("auto", None))
     asked = [k for k, v in (("response_format", rf is not None and rf.type != "text"), ("grammar", body.grammar),
-                            ("regex", body.regex), ("tools", tools)) if v]
+                            ("regex", body.regex), ("tools", tools_constrain)) if v]
     if len(asked) > 1:
         raise APIError(400, f"{' and '.join(asked)} cannot both constrain one answer: use one", asked[1])
     if not asked:
@@ -253,6 +265,11 @@ def _constraint(body, tok, tools, choice, fmt):
 
 def _message(m) -> dict:
     out = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.role == "assistant":
+        if m.reasoning_content:       # as a template reads an earlier turn's reasoning (Qwen3, gpt-oss)
+            out["reasoning_content"] = out["thinking"] = m.reasoning_content
+        elif reasoning.detect(out["content"]):     # sent back raw (reasoning_format "none"): apart again
+            out.update(reasoning.for_template(out["content"]))
     if m.name:
         out["name"] = m.name
     if m.tool_calls:
@@ -284,10 +301,16 @@ def _bridge(loop, queue, index):
 class _Shape:
     """OpenAI's response objects for one request."""
 
-    def __init__(self, rid, created, model, chat, tok, tool_fmt=None, tools=None):
+    def __init__(self, rid, created, model, chat, tok, answer=None, tools=None):
         self.rid, self.created, self.model, self.chat, self.tok = rid, created, model, chat, tok
-        self.tool_fmt = tool_fmt        # tools were offered: parse calls out of the text (runtime/tools.py)
+        # chat: how the text becomes a message (answer.py): {"split": reasoning apart, "opened": the
+        # prompt opened <think>, "tool_fmt": tools were offered, calls parsed out in this format}
+        self.answer = answer or {"split": False, "opened": False, "tool_fmt": None}
         self.tools = tools              # (a call of a function not offered stays text)
+
+    def stream(self) -> AnswerStream:
+        names = [t["function"]["name"] for t in self.tools or []]
+        return AnswerStream(**self.answer, names=names)
 
     def _piece(self, t: int) -> str:
         return self.tok.token_bytes(t).decode("utf-8", "replace")
@@ -324,14 +347,9 @@ class _Shape:
         return "data: " + json.dumps(obj) + "\n\n"
 
     def message(self, text: str, finish: str) -> tuple[dict, str]:
-        """The assistant message of an answer, its tool calls parsed out where tools were offered."""
-        if self.tool_fmt is not None:
-            from ..tools import parse_tool_calls
-            content, calls = parse_tool_calls(text, self.tool_fmt, tools=self.tools)
-            if calls:
-                return ({"role": "assistant", "content": content or None,
-                         "tool_calls": [c.to_openai() for c in calls]}, "tool_calls")
-        return {"role": "assistant", "content": text}, finish
+        """The assistant message of an answer: reasoning apart, tool calls parsed out (answer.py)."""
+        msg, calls = whole_message(text, **self.answer, tools=self.tools)
+        return msg, "tool_calls" if calls else finish
 
     def whole(self, texts, finishes, logprobs, usage, stop_reasons) -> dict:
         if self.chat:
@@ -423,11 +441,7 @@ async def _sse(shape, reqs, queue, sch, started, include_usage, metrics, n_promp
     n = len(reqs)
     timer = _Timer(metrics, started, n)
     left = n
-    parsers = None
-    if shape.tool_fmt is not None:
-        from ..tools import ToolCallParser
-        names = [t["function"]["name"] for t in shape.tools or []]
-        parsers = [ToolCallParser(shape.tool_fmt, names=names) for _ in range(n)]
+    streams = [shape.stream() for _ in range(n)] if shape.chat else None
     outcome = "499"         # (nginx's "client closed request") until the answer is whole
     try:
         if shape.chat:
@@ -438,10 +452,8 @@ async def _sse(shape, reqs, queue, sch, started, include_usage, metrics, n_promp
             if ev.token is not None:
                 timer.token(index)
             lp = shape.logprobs([ev.logprob]) if ev.logprob is not None else None
-            if parsers is not None:
-                deltas = parsers[index].feed(ev.text) if ev.text else []
-                if ev.finish is not None:
-                    deltas += parsers[index].finish()
+            if streams is not None:
+                deltas = streams[index].feed(ev.text or "", final=ev.finish is not None)
                 for k, d in enumerate(deltas):
                     yield shape.chunk(index, delta=d, logprobs=lp if k == 0 else None)
                 if lp and not deltas:
@@ -456,7 +468,7 @@ async def _sse(shape, reqs, queue, sch, started, include_usage, metrics, n_promp
                                                             "generation_error")) + "\n\n"
                     return
                 finish = _finish_reason(ev.finish)
-                if parsers is not None and parsers[index].calls:
+                if streams is not None and streams[index].calls:
                     finish = "tool_calls"
                 yield shape.chunk(index, finish=finish, stop_reason=ev.stop_reason)
         if include_usage:

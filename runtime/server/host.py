@@ -29,6 +29,7 @@ class ServeConfig:
     # CACHE_RAM_MIB, llama-server's default; -1: the whole pool).  The CPU's pools are mapped
     # lazily: the server's memory grows with each distinct prompt up to the bound, then stays.
     cache_ram: int | None = None
+    reasoning_format: str = "auto"    # "none": a model's reasoning stays in content (answer.py)
 
 
 # llama-server's --cache-ram default.  An eighth of the pool (sessions 30-31) kept the resident

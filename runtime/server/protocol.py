@@ -6,6 +6,7 @@ something we would not do hears so, instead of getting an answer that silently i
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
@@ -119,6 +120,7 @@ class Message(Strict):
     name: str | None = Field(None, max_length=256)
     tool_calls: list[ToolCall] | None = Field(None, max_length=64)
     tool_call_id: str | None = Field(None, max_length=256)
+    reasoning_content: Text | None = None        # an earlier answer's reasoning, as we sent it
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -134,6 +136,30 @@ class ChatRequest(Sampling, Constrained):
     max_completion_tokens: int | None = Field(None, ge=1, le=1 << 20)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # llama-server's extensions: where the reasoning goes ("none": left in content), and
+    # variables for the chat template (Qwen3's enable_thinking, gpt-oss's reasoning_effort)
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None
+    chat_template_kwargs: dict | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        if v is None:
+            return v
+        if len(v) > 32:
+            raise ValueError("at most 32 chat_template_kwargs")
+        for k in v:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", k):
+                raise ValueError(f"chat_template_kwargs key {k[:80]!r} is not a name")
+            if k in RESERVED_TEMPLATE_NAMES:
+                raise ValueError(f"chat_template_kwargs cannot set {k!r}: the server sets it")
+        return v
+
+
+# what the server itself hands a chat template
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                     "raise_exception", "strftime_now", "tojson", "arch", "template",
+                                     "tokenizer"})
 
 
 class CompletionRequest(Sampling, Constrained):

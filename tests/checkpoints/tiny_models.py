@@ -221,3 +221,50 @@ def llama_cpp_convert(script: Path, folder: Path, out: Path, outtype: str = "f16
     if r.returncode != 0:
         raise RuntimeError(f"llama.cpp's converter failed on {folder.name}:\n{r.stderr[-3000:]}")
     return out
+
+
+# ---- gpt-oss's text side ---------------------------------------------------------------------------------------
+# o200k's split, as gpt-oss's tokenizer.json (and tiktoken's o200k_base) write it
+O200K = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+         r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+         r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# harmony's special tokens (o200k_harmony's names)
+HARMONY_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+                    "<|end|>", "<|message|>", "<|call|>"]
+
+
+def make_harmony(folder: Path, texts=()):
+    """A tiny gpt-oss checkpoint with an o200k-style tokenizer (byte-level BPE of ~2000 tokens
+    trained on the GPL and `texts` with o200k's split, harmony's special tokens, gpt-oss's
+    tokenizer_config / generation_config) and, where llama.cpp's test set can be fetched,
+    gpt-oss's chat template.  Returns (folder, the `tokenizers` Tokenizer, {special: id},
+    the template's path or None)."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(O200K), behavior="isolated"),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    corpus = Path("/usr/share/common-licenses/GPL-3")
+    lines = corpus.read_text().splitlines() if corpus.exists() else []
+    lines += list(texts) * 3
+    hf.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=2000, show_progress=False,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.add_special_tokens(HARMONY_SPECIALS)
+    n = hf.get_vocab_size()
+    d = make_tiny("gptoss", folder, vocab_size=n)
+    for p in d.iterdir():
+        if p.name.startswith("tokenizer") or p.name in ("special_tokens_map.json", "chat_template.jinja"):
+            p.unlink()
+    hf.save(str(d / "tokenizer.json"))
+    template = llama_cpp_template("openai-gpt-oss-120b.jinja")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|startoftext|>",
+              "eos_token": "<|return|>", "pad_token": "<|endoftext|>", "model_max_length": 4096}
+    if template is not None:
+        config["chat_template"] = template.read_text()
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    ids = {t: hf.token_to_id(t) for t in HARMONY_SPECIALS}
+    (d / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": ids["<|startoftext|>"], "eos_token_id": [ids["<|return|>"], ids["<|endoftext|>"],
+                                                                 ids["<|call|>"]]}))
+    return d, hf, ids, template

@@ -15,16 +15,9 @@ from runtime import reasoning
 from runtime.tokenizer import _PRE, Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "checkpoints"))
-from tiny_models import llama_cpp_template, make_tiny  # noqa: E402
+from tiny_models import HARMONY_SPECIALS as SPECIALS, O200K, make_harmony  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tokenizer"
-# o200k's split, as gpt-oss's tokenizer.json (and tiktoken's o200k_base) write it
-O200K = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-         r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-         r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# harmony's special tokens (o200k_harmony's names)
-SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
-            "<|message|>", "<|call|>"]
 HARMONY_ANSWER = ("<|channel|>analysis<|message|>The user says hi. Reply briefly.<|end|><|start|>assistant"
                   "<|channel|>final<|message|>Hi! How can I help?")
 
@@ -54,39 +47,8 @@ def test_o200k_split_is_tokenizers_own():
 
 @pytest.fixture(scope="module")
 def harmony(tmp_path_factory):
-    """A tiny gpt-oss checkpoint with an o200k-style tokenizer (byte-level BPE of ~2000 tokens
-    trained on the GPL with o200k's split, harmony's special tokens, gpt-oss's
-    tokenizer_config / generation_config) and, where llama.cpp's test set can be fetched,
-    gpt-oss's chat template."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
-    from tokenizers import Tokenizer as HFTokenizer
-    hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(O200K), behavior="isolated"),
-                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    hf.decoder = decoders.ByteLevel()
-    corpus = Path("/usr/share/common-licenses/GPL-3")
-    lines = corpus.read_text().splitlines() if corpus.exists() else []
-    lines += _texts() * 3
-    hf.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=2000, show_progress=False,
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf.add_special_tokens(SPECIALS)
-    n = hf.get_vocab_size()
-    d = make_tiny("gptoss", tmp_path_factory.mktemp("harmony") / "ck", vocab_size=n)
-    for p in d.iterdir():
-        if p.name.startswith("tokenizer") or p.name in ("special_tokens_map.json", "chat_template.jinja"):
-            p.unlink()
-    hf.save(str(d / "tokenizer.json"))
-    template = llama_cpp_template("openai-gpt-oss-120b.jinja")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|startoftext|>",
-              "eos_token": "<|return|>", "pad_token": "<|endoftext|>", "model_max_length": 4096}
-    if template is not None:
-        config["chat_template"] = template.read_text()
-    (d / "tokenizer_config.json").write_text(json.dumps(config))
-    ids = {t: hf.token_to_id(t) for t in SPECIALS}
-    (d / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": ids["<|startoftext|>"], "eos_token_id": [ids["<|return|>"], ids["<|endoftext|>"],
-                                                                 ids["<|call|>"]]}))
-    return d, hf, ids, template
+    """The tiny gpt-oss checkpoint with its o200k-style tokenizer (tiny_models.make_harmony)."""
+    return make_harmony(tmp_path_factory.mktemp("harmony") / "ck", _texts())
 
 
 def _check_ids(tok, hf, what):
@@ -164,10 +126,13 @@ def test_harmony_answer_splits_into_reasoning_and_answer_as_it_streams():
         assert whole.reasoning.startswith(p.reasoning) and whole.answer.startswith(p.answer), k
         assert "<|" not in p.reasoning + p.answer and not (p.reasoning + p.answer).endswith("<"), k
         assert p.thinking == (len("<|channel|>") <= k < opened), k
-    # a tool call goes out on the commentary channel: shown as the answer, not as reasoning
+    # a tool call (a message to a recipient) is neither reasoning nor answer: a call, whole at its <|call|>
     call = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant to=functions.get_weather"
             "<|channel|>commentary <|constrain|>json<|message|>{\"city\": \"Paris\"}")
-    assert reasoning.split(call).reasoning == "Need the weather." and reasoning.split(call).answer == '{"city": "Paris"}'
+    p = reasoning.split(call)
+    assert (p.reasoning, p.answer, p.calls) == ("Need the weather.", "", [("functions.get_weather", '{"city": "Paris"}',
+                                                                           False)])
+    assert reasoning.split(call + "<|call|>").calls == [("functions.get_weather", '{"city": "Paris"}', True)]
     # a model that writes no channels at all: its text is the answer, nothing is lost
     assert reasoning.split("just text").answer == "just text"
     assert reasoning.for_template("just text") == {"content": "just text"}
