@@ -73,8 +73,9 @@ USE_POOL_SGEMM = os.environ.get("LLAMBA_QUANT_POOL_SGEMM", "1") != "0"
 # environment variable LLAMBA_QUANT_PARALLEL_MIN.
 PARALLEL_MIN_ELEMS = int(os.environ.get("LLAMBA_QUANT_PARALLEL_MIN", 1 << 19))
 # The guarantee the rest of Llamba may rely on: for n <= this, row r of
-# matmul(x, W) is bit-identical whatever the other rows of x are.
-BATCH_INVARIANT_MAX_ROWS = 16
+# matmul(x, W) is bit-identical whatever the other rows of x are (every row count
+# below the sgemm path's runs the same per-row integer arithmetic).
+BATCH_INVARIANT_MAX_ROWS = LARGE_BATCH_MIN - 1
 assert BATCH_INVARIANT_MAX_ROWS < LARGE_BATCH_MIN
 
 # family, serial row kernel, parallel kernel

@@ -186,13 +186,13 @@ class Engine:
     def _splits(self, n_tokens: int, ctx: int) -> int:
         """Context splits for flash-decoding.
 
-        Up to 16 new tokens (decode, speculative verify, batched decode) always get
-        the same split count, fixed by the model and thread count: a token's
-        attention is then summed in the same order whatever the batch, so verifying
+        Up to the backend's exact_rows new tokens (decode, speculative verify, batched
+        decode) always get the same split count, fixed by the model and thread count: a
+        token's attention is then summed in the same order whatever the batch, so verifying
         k+1 tokens in one step gives bit-identical logits to k+1 single steps.
         Larger (prefill) batches have work enough without splitting."""
         threads = getattr(self.backend, "threads", 1)
-        if n_tokens <= 16:
+        if n_tokens <= getattr(self.backend, "exact_rows", 16):
             return max(1, math.ceil(2 * threads / self.config.n_kv_heads))
         return 1
 

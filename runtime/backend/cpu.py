@@ -107,7 +107,9 @@ class CPUKVStorage:
 
 class CPUBackend:
     name = "cpu"
-    exact_rows = 16             # steps up to this many tokens are batch-invariant (engine._splits' rule)
+    # steps up to this many tokens are batch-invariant (the matmuls' integer path, engine._splits'
+    # rule): 8 clients' decode rows and a new request's prompt tail share one forward
+    exact_rows = quant.BATCH_INVARIANT_MAX_ROWS
     plans_ok = True             # a subclass that overrides an op must route its kernels through
                                 # scratch.call and set this again to keep the plans (cpu_plan.py)
     moe_fused = True            # VNNI-type experts through quant/moe_cpu.py (False: one matmul an expert)

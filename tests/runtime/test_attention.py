@@ -205,7 +205,7 @@ def _decode_rows(cache_type, lengths, h=14, kvh=2, d=64, bs=16, splits=3, seed=5
         own = np.concatenate([np.full(b - a, i) for i, a, b in zip(seqs, starts, ends)]).astype(np.int32)
         st = Step(tokens=np.zeros(len(pos), np.int32), positions=pos, slots=tables[own, pos // bs] * bs + pos % bs,
                   seq_of_token=own, block_tables=tables, logit_rows=np.zeros(0, np.int64), block_size=bs,
-                  attn_scale=0.125, attn_splits=splits if len(pos) <= 16 else 1, windows=[0])
+                  attn_scale=0.125, attn_splits=splits if len(pos) <= be.exact_rows else 1, windows=[0])
         k = np.concatenate([Ks[i][a:b] for i, a, b in zip(seqs, starts, ends)])
         v = np.concatenate([Vs[i][a:b] for i, a, b in zip(seqs, starts, ends)])
         be.arena.reset()
@@ -221,16 +221,19 @@ def _decode_rows(cache_type, lengths, h=14, kvh=2, d=64, bs=16, splits=3, seed=5
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "q8_0", "k16v8"])
-def test_decode_row_bit_identical_alone_or_in_batches_up_to_16(cache_type):
-    """Batched decode (exact_rows = 16): a sequence's decode row gives the same bits
-    alone as in a step with 1..15 other sequences' rows (context lengths on both sides
+def test_decode_row_bit_identical_alone_or_in_batches_up_to_exact_rows(cache_type):
+    """Batched decode (the CPU's exact_rows, 31): a sequence's decode row gives the same bits
+    alone as in a step with 1..30 other sequences' rows (context lengths on both sides
     of block and split boundaries)."""
+    from runtime.backend.cpu import CPUBackend
+    m = CPUBackend.exact_rows
     lengths = [5, 16, 17, 31, 47, 64, 65, 100, 127, 128, 129, 200, 255, 256, 300, 333]
+    lengths += [7 + 23 * i for i in range(m - len(lengths))]
     decode = _decode_rows(cache_type, lengths)
-    batches = {b: decode(range(b)) for b in range(2, 17)}
-    for i in range(16):
+    batches = {b: decode(range(b)) for b in range(2, m + 1)}
+    for i in range(m):
         alone = decode([i])[0]
-        for b in range(i + 1, 17):
+        for b in range(i + 1, m + 1):
             if b >= 2:
                 assert np.array_equal(batches[b][i], alone), (cache_type, i, b)
 

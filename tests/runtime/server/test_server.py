@@ -4,46 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import json
 import re
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
+from lab.serve_soak import start_server, stop_server
+
 KEY = "test-key-123"
 CHAT = [{"role": "user", "content": "Name three fruits."}]
 
 
 def _start(args, timeout=240):
-    """Start `python -m runtime serve ARGS --port 0`; return (process, base URL) once it serves."""
-    proc = subprocess.Popen([sys.executable, "-m", "runtime", "serve", "--port", "0", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timeout
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            if proc.poll() is not None:
-                break
-            continue
-        lines.append(line)
-        m = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
-        if m:
-            return proc, m.group(1)
-    proc.kill()
-    raise RuntimeError("server did not start:\n" + "".join(lines))
+    """Start `python -m runtime serve ARGS --port 0`; return (process, base URL) once it serves
+    (lab/serve_soak.py's, which keeps draining the server's stderr)."""
+    return start_server(args, timeout=timeout)
 
 
-def _stop(proc):
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+_stop = stop_server
 
 
 @pytest.fixture(scope="module")
