@@ -44,6 +44,10 @@ multiplied with BLAS sgemm (x stays float32).
 Matrices under 2**19 weights run on the calling thread, larger ones in parallel over chunks
 of W rows (env LLAMBA_QUANT_PARALLEL_MIN to change).
 
+Every kernel lets go of the GIL while it runs (nogil): a server's event loop and the app's window
+go on (reading requests, streaming tokens) while a forward computes on another thread, instead of
+waiting for each matmul call to end.
+
 Batch invariance: for n <= BATCH_INVARIANT_MAX_ROWS (31) row r of matmul(x, W) is
 bit-identical whatever n is, whatever the other rows of x contain and however rows are split
 between threads (in fact for every n below 32, the sgemm threshold).

@@ -109,7 +109,7 @@ def q8_block(typingctx, L, src, so, dst, dst4, s16, s32, do, do16, do32):
     return sig, codegen
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def quantize_q8_32(x, xq, xd, xs):
     """x f32 [n, K] -> xq int16 [n, K], xd f32 [n, K/32] steps, xs f32 [n, K/32] = xd * sum(q)."""
     n, K = x.shape
@@ -125,7 +125,7 @@ def quantize_q8_32(x, xq, xd, xs):
             xs[r, b] = d * F32(s)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def quantize_q8_256(x, xq, xd, xb):
     """x f32 [n, K] -> xq int16 [n, K], xd f32 [n, K/256], xb int32 [n, K/32] sums of q per 32."""
     n, K = x.shape
@@ -154,7 +154,7 @@ def _q8_32_natural(x, xq, xd, xsum, xs):
             xs[r * nb + b] = d * F32(xsum[r * nb + b])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def quantize_q8_32_i8(x, xq, xd, xsum, xs):
     """For the VNNI kernels: x f32 [n, K] -> xq int8 [n*K] (flat, in pair order:
     pair_pos), and flat [n*K/32] xd steps, xsum int32 code sums, xs = xd * xsum.
@@ -172,7 +172,7 @@ def quantize_q8_32_i8(x, xq, xd, xsum, xs):
                 xq[o + 32 + i] = t
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def quantize_q8_32_quad(x, xq, xd, xsum, xs):
     """As quantize_q8_32_i8 (same codes, steps and sums), the codes in quad order for
     vnni_quad (K a multiple of 128): per four blocks, codes 0-15 of each, then codes
@@ -224,7 +224,7 @@ Q4_K_ORDER = np.array([128 * g + 64 * (L // 2) + 16 * (L % 2) + 8 * v + 32 * hi 
 _Q4K_POS = np.argsort(Q4_K_ORDER)           # where each weight's code lies
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def quantize_q8_256_i8(x, xq, xq4, xd, xb, xb16, xbf):
     """For the VNNI kernels, all flat: x f32 [n, K] -> xq int8 [n*K], the same
     codes in Q4_K's load order xq4 int8 [n*K] (Q4_K_ORDER), xd f32 [n*K/256],
@@ -271,7 +271,7 @@ def _group_codes(xq, n, K, xg):
                         xg[o + t] = 0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def group_q8_32(n, K, xq, xd, xsum, xs, xg, xdg, xsumg, xsg):
     """Regroup quantize_q8_32_i8's flat outputs for vnni.leg_grp: codes as
     _group_codes, lane arrays [ng, nb*16] (blocks b..b+G-1, b a multiple of

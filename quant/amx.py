@@ -132,7 +132,7 @@ def amx_block(typingctx, xb, i0, wp, kp, ct):
     return sig, codegen
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def gemm_amx_tiles(qt, wdata, xb, n, out, fch, wpk, ct, pk):
     """As gemm_bf16.gemm_bf16_tiles, with the AMX kernel: xb rows padded to a
     multiple of 32, ct f32 [threads, 32, 32]."""

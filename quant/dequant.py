@@ -69,7 +69,7 @@ def _k4_scales(g, src, o, d, dmin):
 # One row decoder a type: the per-element arithmetic differs (Q4_0 subtracts 8 from the
 # code, Q4_1 adds a float min, ...) and must stay gguf-py's to the bit, and each short loop
 # is vectorized on its own (deq_row's note on trip counts); they share the helpers above.
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deq_row_q4_0(src, dst, L):
     for b in range(dst.size // QK):
         o = b * 18
@@ -80,7 +80,7 @@ def deq_row_q4_0(src, dst, L):
             dst[b * QK + j + 16] = d * F32(np.int32(q >> 4) - 8)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deq_row_q4_1(src, dst, L):
     for b in range(dst.size // QK):
         o = b * 20
@@ -92,7 +92,7 @@ def deq_row_q4_1(src, dst, L):
             dst[b * QK + j + 16] = d * F32(q >> 4) + m
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deq_row_q5_0(src, dst, L):
     for b in range(dst.size // QK):
         o = b * 22
@@ -106,7 +106,7 @@ def deq_row_q5_0(src, dst, L):
             dst[b * QK + j + 16] = d * F32((np.int32(q >> 4) | h1) - 16)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deq_row_q5_1(src, dst, L):
     for b in range(dst.size // QK):
         o = b * 24
@@ -121,7 +121,7 @@ def deq_row_q5_1(src, dst, L):
             dst[b * QK + j + 16] = d * F32(np.int32(q >> 4) | h1) + m
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deq_row_q8_0(src, dst, L):
     for b in range(dst.size // QK):
         o = b * 34
@@ -130,7 +130,7 @@ def deq_row_q8_0(src, dst, L):
             dst[b * QK + j] = F32(np.int8(src[o + 2 + j])) * d
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deq_row_mxfp4(src, dst, L):
     for b in range(dst.size // QK):
         o = b * 17
@@ -141,7 +141,7 @@ def deq_row_mxfp4(src, dst, L):
             dst[b * QK + j + 16] = d * F32(_KV_MXFP4[q >> 4])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deq_row_q4_k(src, dst, L):
     for b in range(dst.size // QK_K):
         o = b * 144
@@ -156,7 +156,7 @@ def deq_row_q4_k(src, dst, L):
                 dst[base + 32 + l] = d1 * F32(q >> 4) - dm1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deq_row_q5_k(src, dst, L):
     for b in range(dst.size // QK_K):
         o = b * 176
@@ -174,7 +174,7 @@ def deq_row_q5_k(src, dst, L):
                 dst[base + 32 + l] = d1 * F32(q1) - dm1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deq_row_q6_k(src, dst, L):
     for b in range(dst.size // QK_K):
         o = b * 210
@@ -214,7 +214,7 @@ def scale_q3_k(j, src, o):
     return (lo | (hi << 4)) - 32
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deq_row_q3_k(src, dst, L):
     for b in range(dst.size // QK_K):
         o = b * 110
@@ -232,26 +232,26 @@ def deq_row_q3_k(src, dst, L):
                         dst[base + t] = dl * F32(q - 4 + 4 * h)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deq_row_f16(src, dst, L):
     for i in range(dst.size):
         dst[i] = _h(src, 2 * i)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deq_row_bf16(src, dst, L):
     for i in range(dst.size):
         u = (np.uint32(src[2 * i]) | (np.uint32(src[2 * i + 1]) << np.uint32(8))) << np.uint32(16)
         dst[i] = bits_to_f32(u)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deq_row_f32(src, dst, L):
     for i in range(dst.size):
         dst[i] = bits_to_f32(_u32(src, 4 * i))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def deq_row(qt, src, dst, L):
     """Decode one row of type id qt (bytes src) into dst (float32, row length).
 
@@ -288,14 +288,14 @@ def deq_row(qt, src, dst, L):
         deq_row_f32(src, dst, L)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def deq_rows_kernel(qt, data, rows, out, L):
     """out[i] = decoded row rows[i] of data (L = 32, see deq_row)."""
     for i in prange(rows.size):
         deq_row(qt, data[rows[i]], out[i], L)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def deq_range_kernel(qt, data, r0, out, L):
     """out[i] = decoded row r0 + i of data (a tile of consecutive rows; L = 32)."""
     for i in prange(out.shape[0]):

@@ -46,7 +46,7 @@ def _put_f16(dst, o, v):
     dst[o + 1] = np.uint8(h >> np.uint16(8))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def encode_q8_0(x, out):
     M, K = x.shape
     for r in prange(M):
@@ -87,7 +87,7 @@ def _block_scale(src, xo, dst, o, qmin):
     return F32(1.0) / d if d != F32(0.0) else F32(0.0)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def encode_q4_0(x, out):
     M, K = x.shape
     for r in prange(M):
@@ -104,7 +104,7 @@ def encode_q4_0(x, out):
                 dst[o + 2 + j] = np.uint8(q0 | (q1 << 4))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _make_qkx2_quants(x, xo, weights, L, lo, Laux, nmax, rmin, nstep):
     """make_qkx2_quants(32, nmax, x+xo, weights, L+lo, &min, Laux, rmin, 0.1, nstep, false)
     (Q4_K: 15, -1, 20; Q5_K: 31, -0.5, 15).  Returns (scale, the_min)."""
@@ -174,7 +174,7 @@ def _make_qkx2_quants(x, xo, weights, L, lo, Laux, nmax, rmin, nstep):
     return scale, -vmin
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _qk_k_row(src, dst, nmax, rmin, nstep, bsize):
     """One row of Q4_K (nmax 15) or Q5_K (nmax 31): same sub-block fit and
     6-bit scale packing; Q5_K also keeps each code's 5th bit in 32 bytes of qh."""
@@ -248,19 +248,19 @@ def _qk_k_row(src, dst, nmax, rmin, nstep, bsize):
                 dst[o + qs + 32 * g + l] = np.uint8(l1 | (l2 << 4))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def encode_q4_k(x, out):
     for r in prange(x.shape[0]):
         _qk_k_row(x[r], out[r], 15, F32(-1.0), 20, 144)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def encode_q5_k(x, out):
     for r in prange(x.shape[0]):
         _qk_k_row(x[r], out[r], 31, F32(-0.5), 15, 176)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def encode_q5_0(x, out):
     M, K = x.shape
     for r in prange(M):
@@ -304,7 +304,7 @@ def _qx_sums(x, xo, n, nmax, iscale, L, lo, lofs, store):
     return sumlx, suml2
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _make_qx_quants_16_32(x, xo, L, lo):
     """make_qx_quants(16, 32, x+xo, L+lo, rmse_type=1, qw=NULL): weights x^2,
     scale searched over 19 candidate grids.  L holds l + 32 in [0, 63]."""
@@ -333,7 +333,7 @@ def _make_qx_quants_16_32(x, xo, L, lo):
     return scale
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def encode_q6_k(x, out):
     M, K = x.shape
     nb = K // QK_K
@@ -383,7 +383,7 @@ def encode_q6_k(x, out):
                                                          | ((L[j + l + 96] >> 4) << 6))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _make_q3_quants_16(x, xo, L, lo):
     """make_q3_quants(16, 4, x+xo, L+lo, do_rmse=true): weights x^2, codes moved one
     at a time while the weighted fit improves (5 passes at most).  L holds l + 4."""
@@ -421,7 +421,7 @@ def _make_q3_quants_16(x, xo, L, lo):
     return sumlx / suml2 if suml2 > F32(0.0) else F32(0.0)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def encode_q3_k(x, out):
     """quantize_row_q3_K_ref: 16 sub-blocks of 16, codes -4..3 (low 2 bits in qs, the
     third in hmask), scales to 6 bits against the super-block's largest."""
@@ -489,7 +489,7 @@ def _best_mxfp4(v, d):
     return best
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def encode_mxfp4(x, out):
     """quantize_row_mxfp4_ref: the block's exponent floor(log2f(amax)) - 2 + 127 (so its
     largest value lands on the codes 4..6 x 2^e of the top), each value the nearest code.

@@ -320,7 +320,7 @@ def _bf16_bits(v):
     return (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def pack_x(x, xb):
     """x f32 [n, K] -> xb uint32 [n8, K/2] bf16 pairs; rows n..n8-1 zero."""
     n, K = x.shape
@@ -370,7 +370,7 @@ def _prep_tile(qt, wdata, m0, t, f, wp, P):
             pack_tile(f, wp, k0 // 2, ch // 2)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def gemm_bf16_tiles(qt, wdata, xb, n, out, fch, wpk, ct, pk):
     """out[:n] = x @ dequant(W).T in bf16: tiles of 32 W rows handed out to the
     pool (chunk size 1, set by the caller); each worker packs its tile into

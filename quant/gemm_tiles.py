@@ -63,7 +63,7 @@ def _sgemm_xwT(typingctx, fn, wide, n, t, K, x, w, out, m0):
     return sig, codegen
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def gemm_tiles(fn, wide, qt, wdata, x, out, wbuf, tile):
     """out = x @ dequant(W).T: tiles of `tile` W rows handed out to the pool
     (chunk size 1, set by the caller), each dequantized into the worker's own

@@ -31,13 +31,13 @@ def _dots(x, wr, out, m):
         out[r, m] = s
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, nogil=True)
 def rows_f32(x, w, out, m0, m1):
     for m in range(m0, m1):
         _dots(x, w[m], out, m)
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, nogil=True)
 def rows_f16(x, w, out, buf, bf16, m0, m1):
     K = x.shape[1]
     for m in range(m0, m1):
@@ -51,7 +51,7 @@ def rows_f16(x, w, out, buf, bf16, m0, m1):
         _dots(x, buf, out, m)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def par_f32(x, w, out, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
@@ -59,7 +59,7 @@ def par_f32(x, w, out, nch):
         rows_f32(x, w, out, c * per, min(M, (c + 1) * per))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def par_f16(x, w, out, bufs, bf16, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
@@ -67,7 +67,7 @@ def par_f16(x, w, out, bufs, bf16, nch):
         rows_f16(x, w, out, bufs[c], bf16, c * per, min(M, (c + 1) * per))
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, nogil=True)
 def rows_dequant_fma(qt, x, w, out, buf, L, m0, m1):
     """The float-FMA alternative for quantized W (benchmark comparison only):
     dequantize each row exactly (dequant.deq_row) into buf, FMA with float x."""
@@ -76,7 +76,7 @@ def rows_dequant_fma(qt, x, w, out, buf, L, m0, m1):
         _dots(x, buf, out, m)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def par_dequant_fma(qt, x, w, out, bufs, L, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch

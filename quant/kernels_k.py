@@ -54,7 +54,7 @@ def _rows_q4k_like(n, xq, xd, xb, a, wb, mb, sb, d, dmin):
 # the per-row dot: _rows_q4k_like), yet stay two kernels: that loop is the hot one, one
 # body a bit layout with literal trip counts for LLVM's SLP vectorizer (the module note),
 # and a merged body is a change to measure on a quiet machine, not to make blind.
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, nogil=True)
 def rows_q4_k(w, xq, xd, xb, out, a, wb, mb, m0, m1):
     """W rows [m0, m1) of out = x @ W.T (a, wb, mb: this worker's scratch)."""
     n = xq.shape[0]
@@ -84,7 +84,7 @@ def rows_q4_k(w, xq, xd, xb, out, a, wb, mb, m0, m1):
             out[r, m] = a[r]
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, nogil=True)
 def rows_q5_k(w, xq, xd, xb, out, a, wb, mb, m0, m1):
     """W rows [m0, m1) of out = x @ W.T (a, wb, mb: this worker's scratch)."""
     n = xq.shape[0]
@@ -120,7 +120,7 @@ def rows_q5_k(w, xq, xd, xb, out, a, wb, mb, m0, m1):
 # no fastmath: with it LLVM contracted the float update differently where the serial and
 # the threaded callers inline this kernel (AVX2 hosts: rows 1e-6 apart), and a row's
 # result must not depend on how the rows are split over threads
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rows_q6_k(w, xq, xd, xb, out, a, wb, mb, m0, m1):
     """W rows [m0, m1) of out = x @ W.T (a, wb, mb: this worker's scratch)."""
     n = xq.shape[0]
@@ -164,7 +164,7 @@ def rows_q6_k(w, xq, xd, xb, out, a, wb, mb, m0, m1):
 # across runs (Numba hashes a closure's pickled cells, and a Dispatcher pickles with a
 # uuid4 of its process), and a type switch inside the prange, or the kernel passed as an
 # argument, changes what LLVM inlines where (rows_q6_k's note: results moved by 1e-6).
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def par_q4_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
@@ -172,7 +172,7 @@ def par_q4_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
         rows_q4_k(w, xq, xd, xb, out, acc[c], wbuf[c], mbuf[c], c * per, min(M, (c + 1) * per))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def par_q5_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
@@ -180,7 +180,7 @@ def par_q5_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
         rows_q5_k(w, xq, xd, xb, out, acc[c], wbuf[c], mbuf[c], c * per, min(M, (c + 1) * per))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def par_q6_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
@@ -188,7 +188,7 @@ def par_q6_k(w, xq, xd, xb, out, acc, wbuf, mbuf, nch):
         rows_q6_k(w, xq, xd, xb, out, acc[c], wbuf[c], mbuf[c], c * per, min(M, (c + 1) * per))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def multi_q4_k(ws, xq, xd, xb, outs, acc, wbuf, mbuf, cw, cm0, cm1):
     """Several W (a tuple, same type and K) in one parallel region: chunk c is
     rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
@@ -196,7 +196,7 @@ def multi_q4_k(ws, xq, xd, xb, outs, acc, wbuf, mbuf, cw, cm0, cm1):
         rows_q4_k(ws[cw[c]], xq, xd, xb, outs[cw[c]], acc[c], wbuf[c], mbuf[c], cm0[c], cm1[c])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def multi_q5_k(ws, xq, xd, xb, outs, acc, wbuf, mbuf, cw, cm0, cm1):
     """Several W (a tuple, same type and K) in one parallel region: chunk c is
     rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
@@ -204,7 +204,7 @@ def multi_q5_k(ws, xq, xd, xb, outs, acc, wbuf, mbuf, cw, cm0, cm1):
         rows_q5_k(ws[cw[c]], xq, xd, xb, outs[cw[c]], acc[c], wbuf[c], mbuf[c], cm0[c], cm1[c])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def multi_q6_k(ws, xq, xd, xb, outs, acc, wbuf, mbuf, cw, cm0, cm1):
     """Several W (a tuple, same type and K) in one parallel region: chunk c is
     rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""

@@ -63,7 +63,7 @@ def _rows_min(n, nb, xq, xd, xs, out, m, wq, ws, wm, acc):
         out[r, m] = a + t
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, nogil=True)
 def rows_q4_0(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
     n = xq.shape[0]
     nb = xq.shape[1] // 32
@@ -76,7 +76,7 @@ def rows_q4_0(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
         _rows(n, nb, xq, xd, out, m, wq, ws, acc)
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, nogil=True)
 def rows_q4_1(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
     n = xq.shape[0]
     nb = xq.shape[1] // 32
@@ -91,7 +91,7 @@ def rows_q4_1(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
         _rows_min(n, nb, xq, xd, xs, out, m, wq, ws, wm, acc)
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, nogil=True)
 def rows_q5_0(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
     n = xq.shape[0]
     nb = xq.shape[1] // 32
@@ -104,7 +104,7 @@ def rows_q5_0(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
         _rows(n, nb, xq, xd, out, m, wq, ws, acc)
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, nogil=True)
 def rows_q5_1(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
     n = xq.shape[0]
     nb = xq.shape[1] // 32
@@ -119,7 +119,7 @@ def rows_q5_1(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
         _rows_min(n, nb, xq, xd, xs, out, m, wq, ws, wm, acc)
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, nogil=True)
 def rows_q8_0(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
     n = xq.shape[0]
     nb = xq.shape[1] // 32
@@ -132,7 +132,7 @@ def rows_q8_0(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
         _rows(n, nb, xq, xd, out, m, wq, ws, acc)
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, nogil=True)
 def rows_mxfp4(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
     """MXFP4: the codes are ggml's doubled E2M1 values (int8, |v| <= 12) by table lookup,
     the block's scale its E8M0 byte as e8m0_half."""
@@ -157,7 +157,7 @@ def rows_mxfp4(w, xq, xd, xs, out, wq, wf, acc, m0, m1):
 # across runs (Numba hashes a closure's pickled cells, and a Dispatcher pickles with a
 # uuid4 of its process), and a type switch inside the prange, or the kernel passed as an
 # argument, changes what LLVM inlines where (rows_q6_k's note: results moved by 1e-6).
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def par_q4_0(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
@@ -165,7 +165,7 @@ def par_q4_0(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
         rows_q4_0(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], accbuf[c], c * per, min(M, (c + 1) * per))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def par_q4_1(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
@@ -173,7 +173,7 @@ def par_q4_1(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
         rows_q4_1(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], accbuf[c], c * per, min(M, (c + 1) * per))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def par_q5_0(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
@@ -181,7 +181,7 @@ def par_q5_0(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
         rows_q5_0(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], accbuf[c], c * per, min(M, (c + 1) * per))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def par_q5_1(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
@@ -189,7 +189,7 @@ def par_q5_1(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
         rows_q5_1(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], accbuf[c], c * per, min(M, (c + 1) * per))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def par_q8_0(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
@@ -197,7 +197,7 @@ def par_q8_0(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
         rows_q8_0(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], accbuf[c], c * per, min(M, (c + 1) * per))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def par_mxfp4(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
     M = w.shape[0]
     per = (M + nch - 1) // nch
@@ -205,7 +205,7 @@ def par_mxfp4(w, xq, xd, xs, out, wqbuf, wfbuf, accbuf, nch):
         rows_mxfp4(w, xq, xd, xs, out, wqbuf[c], wfbuf[c], accbuf[c], c * per, min(M, (c + 1) * per))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def multi_q4_0(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
     """Several W (a tuple, same type and K) in one parallel region: chunk c is
     rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
@@ -213,7 +213,7 @@ def multi_q4_0(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
         rows_q4_0(ws[cw[c]], xq, xd, xs, outs[cw[c]], wqbuf[c], wfbuf[c], accbuf[c], cm0[c], cm1[c])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def multi_q4_1(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
     """Several W (a tuple, same type and K) in one parallel region: chunk c is
     rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
@@ -221,7 +221,7 @@ def multi_q4_1(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
         rows_q4_1(ws[cw[c]], xq, xd, xs, outs[cw[c]], wqbuf[c], wfbuf[c], accbuf[c], cm0[c], cm1[c])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def multi_q5_0(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
     """Several W (a tuple, same type and K) in one parallel region: chunk c is
     rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
@@ -229,7 +229,7 @@ def multi_q5_0(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
         rows_q5_0(ws[cw[c]], xq, xd, xs, outs[cw[c]], wqbuf[c], wfbuf[c], accbuf[c], cm0[c], cm1[c])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def multi_q5_1(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
     """Several W (a tuple, same type and K) in one parallel region: chunk c is
     rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
@@ -237,7 +237,7 @@ def multi_q5_1(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
         rows_q5_1(ws[cw[c]], xq, xd, xs, outs[cw[c]], wqbuf[c], wfbuf[c], accbuf[c], cm0[c], cm1[c])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def multi_q8_0(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
     """Several W (a tuple, same type and K) in one parallel region: chunk c is
     rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
@@ -245,7 +245,7 @@ def multi_q8_0(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
         rows_q8_0(ws[cw[c]], xq, xd, xs, outs[cw[c]], wqbuf[c], wfbuf[c], accbuf[c], cm0[c], cm1[c])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def multi_mxfp4(ws, xq, xd, xs, outs, wqbuf, wfbuf, accbuf, cw, cm0, cm1):
     """Several W (a tuple, same type and K) in one parallel region: chunk c is
     rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""

@@ -80,7 +80,7 @@ def grp_buffers(fam: int, P: int, E: int, K: int, get):
             get((ng * nb * 16,)), get((E,), np.int64))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def group_runs(K, starts, act, nact, xq, xd, xsum, xs, xg, xdg, xsumg, xsg, goff):
     """Each chosen expert's run of rows (more than LEG_ROWS_MAX of them) regrouped as
     act_quant.group_q8_32 does for a matrix of that many rows, into the group buffers from
@@ -147,7 +147,7 @@ def _kq_run(kind, w, xq, xq4, xd, xb16, xbf, gx, e, a, b, K, out, res, m0, m1):
                   out[a:b], res, b - a, K, m0, m1)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def gate_up(kg, ku, gw, uw, M, K, xq, xq4, xd, xb16, xbf, gx, starts, act, nact, g, u, res, target):
     """g[p] = gate_e . x[p], u[p] = up_e . x[p] for every pair p of every chosen expert
     e = act[0..nact[0]-1] (its pairs starts[e]..starts[e+1]-1); gw, uw: [E*M, row_nbytes].
@@ -171,7 +171,7 @@ def gate_up(kg, ku, gw, uw, M, K, xq, xq4, xd, xb16, xbf, gx, starts, act, nact,
             _kq_run(ku, uw[e * M:(e + 1) * M], xq, xq4, xd, xb16, xbf, gx, e, a, b, K, u, res[c], m0, m1)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def down(kd, dw, M, K, xq, xq4, xd, xb16, xbf, gx, starts, act, nact, y, res, target):
     """y[p] = down_e . h[p] (h rounded into xq...), as gate_up for one matrix an expert."""
     na = nact[0]
@@ -202,7 +202,7 @@ def _q8_row(fam, x, r, p, xq, xq4, xd, xb, xb16, xbf):
                           xbf[p * n32:(p + 1) * n32])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def q8_rows_par(fam, x, rows, xq, xq4, xd, xb, xb16, xbf, nch):
     """Row p of the output = x[rows[p]] rounded (rows: the pairs' tokens; or None-like
     identity when rows.size == 0), in nch parallel chunks of rows (a prompt's pairs)."""
@@ -213,7 +213,7 @@ def q8_rows_par(fam, x, rows, xq, xq4, xd, xb, xb16, xbf, nch):
             _q8_row(fam, x, rows[p] if rows.size > 0 else p, p, xq, xq4, xd, xb, xb16, xbf)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def q8_rows(fam, x, rows, xq, xq4, xd, xb, xb16, xbf):
     """q8_rows_par on the calling thread (a decode step's few pairs)."""
     P = rows.size if rows.size > 0 else x.shape[0]
@@ -237,7 +237,7 @@ def _gather_one(fam, tokens, p, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, 
         xd[p * n32:(p + 1) * n32] = sd[t * n32:(t + 1) * n32]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def q8_gather_par(fam, tokens, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf, nch):
     """Row p of the flat int8 activations (xq...) = row tokens[p] of the rounded rows
     (sq...: q8_rows' output): a token's row is rounded once, whatever its k experts."""
@@ -248,7 +248,7 @@ def q8_gather_par(fam, tokens, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, x
             _gather_one(fam, tokens, p, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def q8_gather(fam, tokens, K, sq, sq4, sd, sb, sb16, sbf, xq, xq4, xd, xb, xb16, xbf):
     """q8_gather_par on the calling thread."""
     for p in range(tokens.size):

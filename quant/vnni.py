@@ -140,32 +140,32 @@ def _leg_all(kind, w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
             r += t
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rows_q4_0(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
     _leg_all(0, w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rows_q4_1(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
     _leg_all(1, w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rows_q5_0(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
     _leg_all(2, w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rows_q5_1(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
     _leg_all(3, w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rows_q8_0(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
     _leg_all(4, w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rows_mxfp4(w, xq, xd, xsum, xs, out, res, n, K, m0, m1):
     _leg_all(6, w, xq, xd, xsum, xs, out, res, n, K, m0, m1)
 
@@ -208,7 +208,7 @@ def _kq_all(kind, w, xq, xd, xb, out, res, n, K, m0, m1):
             out[r + i, m] = res[i]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rows_q4_k(w, xq4, xd, xbf, unused, out, res, n, K, m0, m1):
     """xq4, xd, xbf: flat outputs of act_quant.quantize_q8_256_i8 (the codes in
     Q4_K's order, xbf the step times the code sum per 32); `unused` keeps the
@@ -216,7 +216,7 @@ def rows_q4_k(w, xq4, xd, xbf, unused, out, res, n, K, m0, m1):
     _kq_all(0, w, xq4, xd, xbf, out, res, n, K, m0, m1)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rows_q6_k(w, xq, xd, xb16, unused, out, res, n, K, m0, m1):
     """As rows_q4_k with xb16, the code sums per 16."""
     _kq_all(1, w, xq, xd, xb16, out, res, n, K, m0, m1)
@@ -248,12 +248,12 @@ def _rows_any(kind, w, xq, xd, xs1, xs2, out, res, n, K, m0, m1):
         rows_q6_k(w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rows_any(kind, w, xq, xd, xs1, xs2, out, res, n, K, m0, m1):
     _rows_any(kind, w, xq, xd, xs1, xs2, out, res, n, K, m0, m1)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def par_any(kind, w, xq, xd, xs1, xs2, out, res, n, K, nch):
     """nch chunks of W rows in parallel; res f32 [nch, 4] per-chunk scratch."""
     M = w.shape[0]
@@ -262,7 +262,7 @@ def par_any(kind, w, xq, xd, xs1, xs2, out, res, n, K, nch):
         _rows_any(kind, w, xq, xd, xs1, xs2, out, res[c], n, K, c * per, min(M, (c + 1) * per))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def multi_any(kind, ws, xq, xd, xs1, xs2, outs, res, n, K, cw, cm0, cm1):
     """Several W (a tuple, same type and K) in one parallel region: chunk c is
     rows cm0[c]..cm1[c]-1 of ws[cw[c]]."""
@@ -270,7 +270,7 @@ def multi_any(kind, ws, xq, xd, xs1, xs2, outs, res, n, K, cw, cm0, cm1):
         _rows_any(kind, ws[cw[c]], xq, xd, xs1, xs2, outs[cw[c]], res[c], n, K, cm0[c], cm1[c])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def multi_kq(kinds, ws, xq, xq4, xd, xbf, xb16, outs, res, n, K, cw, cm0, cm1):
     """As multi_any for a mixture of Q4_K (kind 10) and Q6_K (kind 11) weights
     (Q4_K_M files mix them in q/k/v): one parallel region, each chunk with its
@@ -283,7 +283,7 @@ def multi_kq(kinds, ws, xq, xq4, xd, xbf, xb16, outs, res, n, K, cw, cm0, cm1):
             rows_q6_k(ws[i], xq, xd, xb16, xd, outs[i], res[c], n, K, cm0[c], cm1[c])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def matvec_leg(kind, x, w, xq, xd, xsum, xs, out, res, fresh):
     """One serial call for a 32-element format: quantize x (when fresh) into
     the four activation buffers, then all W rows.  (One Numba dispatch instead
@@ -297,7 +297,7 @@ def matvec_leg(kind, x, w, xq, xd, xsum, xs, out, res, fresh):
     _rows_any(kind, w, xq, xd, xsum, xs, out, res, n, K, 0, w.shape[0])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def matvec_k(kind, x, w, xq, xq4, xd, xb, xb16, xbf, out, res, fresh):
     """As matvec_leg for Q4_K (kind 10) / Q6_K (kind 11)."""
     n, K = x.shape
@@ -379,12 +379,12 @@ def _grp_any(kind, w, xg, xdg, xa, xb, out, res, n, K, m0, m1):
         _leg_grp_rows(4, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def grp_rows(kind, w, xg, xdg, xa, xb, out, res, n, K, m0, m1):
     _grp_any(kind, w, xg, xdg, xa, xb, out, res, n, K, m0, m1)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def grp_par(kind, w, xg, xdg, xa, xb, out, res, n, K, nch):
     """As par_any for the row-group kernels; res f32 [nch, 16]."""
     M = w.shape[0]
@@ -393,7 +393,7 @@ def grp_par(kind, w, xg, xdg, xa, xb, out, res, n, K, nch):
         _grp_any(kind, w, xg, xdg, xa, xb, out, res[c], n, K, c * per, min(M, (c + 1) * per))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def grp_multi(kind, ws, xg, xdg, xa, xb, outs, res, n, K, cw, cm0, cm1):
     for c in prange(cw.size):
         _grp_any(kind, ws[cw[c]], xg, xdg, xa, xb, outs[cw[c]], res[c], n, K, cm0[c], cm1[c])
@@ -773,7 +773,7 @@ def _leg_grp_rows(kind, w, xg, xdg, xsumg, xsg, out, res, n, K, m0, m1):
                 out[16 * gi + r, m] = res[r]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def matvec_grp_leg(kind, x, w, xq, xd, xsum, xs, xg, xdg, xsumg, xsg, out, res, fresh):
     """As matvec_grp_k for the 32-element formats."""
     n, K = x.shape
