@@ -292,18 +292,19 @@ def _views(buf, layout):
 
 
 def _decode_fill_views(host, layout):
-    """Views into a decode graph's packed host buffer (_pack_step's layout, n tokens of
-    one sequence) for the fields that change from step to step."""
+    """Views into a decode graph's packed host buffer (_pack_step's layout: n tokens of
+    one sequence, or one token of each of n sequences) for the fields that change from
+    step to step."""
     v = _views(host, layout)
-    return v["tokens"], v["positions"], v["slots"], v["tables"][:, 0, :]
+    return v["tokens"], v["positions"], v["slots"], v["tables"]
 
 
 def _fill_decode(fill, step):
-    """Write a step of one sequence (a decode token, or a verify step's rows) into its
-    graph's host buffer in place: what _pack_step would write, without building a new
-    array (seq_of_token, all 0, and logit_rows, part of the graph's key, stay as
-    packed).  Table entries past a group's width are zeroed: a table can shrink (a
-    rollback) within one graph width."""
+    """Write a step of one sequence (a decode token, or a verify step's rows), or of a
+    decode token each of several sequences, into its graph's host buffer in place: what
+    _pack_step would write, without building a new array (seq_of_token and logit_rows,
+    fixed by the graph's key, stay as packed).  Table entries past a group's width are
+    zeroed: a table can shrink (a rollback, a sequence replaced) within one graph width."""
     tokens, positions, slots, tables = fill
     tokens[:] = step.tokens
     positions[:] = step.positions
@@ -316,8 +317,8 @@ def _fill_decode(fill, step):
         group_tables = step.group_tables or [step.block_tables]
     for g, t in enumerate(group_tables):
         w = t.shape[1]
-        tables[g, :w] = t[0]
-        tables[g, w:] = 0
+        tables[g, :, :w] = t
+        tables[g, :, w:] = 0
 
 
 class _Profiler:
@@ -528,12 +529,16 @@ class CUDABackend:
         with self.stream:
             # one-token decode steps, and speculative verify steps (up to GRAPH_ROWS
             # tokens of one sequence, logits for every row): each shape its own graph
-            # (a mixture of experts only where it routes on the device: _graph_safe)
-            graphable = (self.use_graphs and step.block_tables.shape[0] == 1
-                         and self._graph_safe(model, n)
-                         and (n == 1 and len(step.logit_rows) == 1
-                              or 1 < n <= GRAPH_ROWS and len(step.logit_rows) == n
-                              or n == PROMPT_GRAPH_ROWS and len(step.logit_rows) == 1 and not argmax))
+            # (a mixture of experts only where it routes on the device: _graph_safe),
+            # and decode steps of several sequences, a token each (the server's batches):
+            # a graph per sequence count too (the same kernels and split counts as eager)
+            S = step.block_tables.shape[0]
+            graphable = (self.use_graphs and self._graph_safe(model, n)
+                         and (S == 1 and (n == 1 and len(step.logit_rows) == 1
+                                          or 1 < n <= GRAPH_ROWS and len(step.logit_rows) == n
+                                          or n == PROMPT_GRAPH_ROWS and len(step.logit_rows) == 1 and not argmax)
+                              or 1 < S == n <= GRAPH_ROWS and len(step.logit_rows) == n
+                              and np.array_equal(step.seq_of_token, np.arange(n))))
             if graphable:
                 return self._forward_graph(model, step, argmax, masks)
             flat, layout = _pack_step(step)
@@ -650,7 +655,7 @@ class CUDABackend:
         n = len(step.tokens)
         # "masked": the graph ends with the logits on the device; the mask goes up and the
         # argmax runs after it (eagerly: the mask is known only once the graph is launched)
-        key = (id(model), MB, n, {True: "ids", False: "logits", "masked": "dev"}[argmax])
+        key = (id(model), MB, n, step.block_tables.shape[0], {True: "ids", False: "logits", "masked": "dev"}[argmax])
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._new_decode_graph(model, step, MB, argmax)

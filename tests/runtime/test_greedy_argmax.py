@@ -167,3 +167,33 @@ def test_decode_fill_in_place_equals_pack(model_path):
         if name == "gemma3-270m":
             assert len(one[0].group_tables) == 2
         _fill_each_equals_pack(one)
+
+
+def test_decode_fill_in_place_equals_pack_several_sequences(model_path):
+    """A decode graph of several sequences (a token each, the server's batches) is filled in
+    place too: each sequence's row of the block tables, tables that grow and a sequence that
+    finishes and is replaced by a shorter one, two layer groups with gemma3."""
+    for name in ("smollm2-135m", "gemma3-270m"):
+        eng = Engine(str(model_path(name)), n_ctx=512, threads=2)
+        steps = []
+        fwd = eng.backend.forward
+
+        def record(model, step):
+            steps.append(step)
+            return fwd(model, step)
+        eng.backend.forward = record
+        seqs = [eng.new_sequence() for _ in range(3)]
+        for i, s in enumerate(seqs):
+            eng.prefill(s, list(range(5, 5 + 10 + 13 * i)))
+        for t in range(20):
+            if t == 10:                              # the longest finishes; a short one takes its place
+                eng.release(seqs[2])
+                seqs[2] = eng.new_sequence()
+                eng.prefill(seqs[2], [7, 8, 9])
+            eng.step(seqs, [[60 + t]] * 3)
+        batched = [s for s in steps if s.block_tables.shape[0] == 3]
+        assert len(batched) == 20
+        for part in (batched[:10], batched[10:]):
+            _fill_each_equals_pack(part)
+        for s in seqs:
+            eng.release(s)
