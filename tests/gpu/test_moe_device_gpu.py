@@ -159,7 +159,7 @@ def pair(request, tmp_path_factory):
     lm = load_weights_only(p)
     dev = Engine(lm, device="cuda", n_ctx=512)
     host = Engine(lm, device="cuda", n_ctx=512)
-    dev.backend.moe_on_device = True           # (off by default until a GPU run has checked it)
+    dev.backend.moe_on_device = True           # (the default; the host-routed engine is the reference)
     host.backend.moe_on_device = False
     yield shape, mix, lm, dev, host
     del dev, host
