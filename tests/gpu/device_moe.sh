@@ -43,13 +43,17 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     python3 -m lab.synth M30 "$M30" --mix Q4_K_M ${TOK:+--tokenizer "$TOK"} 2>&1 | tee "$OUT/m30-write.txt" || exit 1
   fi
   REPS=${REPS:-3}
+  # (a llama.cpp built against a stub libcuda needs the driver's preloaded)
+  LIBCUDA=$(ldconfig -p | grep -m1 "libcuda.so.1 " | awk '{print $NF}')
+  CUBLAS=$(dirname "$(find / -name 'libcublas.so.13' -not -path '*/proc/*' 2>/dev/null | head -1)")
   peer() {
-    [ -n "$LLAMA_BENCH" ] && timeout ${PEER_TIMEOUT:-240} "$LLAMA_BENCH" -m "$M30" -ngl 99 -p 512 -n 128 -fa 1 -r "$REPS" \
+    [ -n "$LLAMA_BENCH" ] && LD_PRELOAD=$LIBCUDA LD_LIBRARY_PATH=$(dirname "$LLAMA_BENCH"):$CUBLAS:$LD_LIBRARY_PATH \
+      timeout ${PEER_TIMEOUT:-240} "$LLAMA_BENCH" -m "$M30" -ngl 99 -p 512 -n 128 -fa 1 -r "$REPS" \
       2>&1 | tee -a "$OUT/m30-llama-bench.txt"
   }
   peer
   # ours: decode steps routed on the device and replayed from CUDA graphs
-  LLAMBA_MOE_DEVICE=1 timeout ${BENCH_TIMEOUT:-300} python3 -m runtime bench -m "$M30" --device cuda -p 512 -n 128 -r "$REPS" --json \
+  timeout ${BENCH_TIMEOUT:-300} python3 -m runtime bench -m "$M30" --device cuda -p 512 -n 128 -r "$REPS" --json \
     2>"$OUT/m30-llamba.log" | tee "$OUT/m30-llamba.json"
   tail -3 "$OUT/m30-llamba.log"
   peer
