@@ -131,6 +131,19 @@ def _fill_each_equals_pack(steps):
         np.testing.assert_array_equal(host, want)
 
 
+def _recording_engine(path):
+    """An engine whose backend keeps every Step it is given (the list comes back with it)."""
+    eng = Engine(str(path), n_ctx=512, threads=2)
+    steps = []
+    fwd = eng.backend.forward
+
+    def record(model, step):
+        steps.append(step)
+        return fwd(model, step)
+    eng.backend.forward = record
+    return eng, steps
+
+
 def test_decode_fill_in_place_equals_pack(model_path):
     """The CUDA decode graph writes each one-token step (and a verify graph each step of
     its k rows) into its packed host buffer in place (_fill_decode); the buffer must then
@@ -138,14 +151,7 @@ def test_decode_fill_in_place_equals_pack(model_path):
     tables that grow, shrink (rollback) and, with gemma3, two layer groups (global and
     sliding window)."""
     for name in ("smollm2-135m", "gemma3-270m"):
-        eng = Engine(str(model_path(name)), n_ctx=512, threads=2)
-        steps = []
-        fwd = eng.backend.forward
-
-        def record(model, step):
-            steps.append(step)
-            return fwd(model, step)
-        eng.backend.forward = record
+        eng, steps = _recording_engine(model_path(name))
         seq = eng.new_sequence()
         eng.prefill(seq, list(range(5, 40)))
         for t in range(6):
@@ -174,14 +180,7 @@ def test_decode_fill_in_place_equals_pack_several_sequences(model_path):
     place too: each sequence's row of the block tables, tables that grow and a sequence that
     finishes and is replaced by a shorter one, two layer groups with gemma3."""
     for name in ("smollm2-135m", "gemma3-270m"):
-        eng = Engine(str(model_path(name)), n_ctx=512, threads=2)
-        steps = []
-        fwd = eng.backend.forward
-
-        def record(model, step):
-            steps.append(step)
-            return fwd(model, step)
-        eng.backend.forward = record
+        eng, steps = _recording_engine(model_path(name))
         seqs = [eng.new_sequence() for _ in range(3)]
         for i, s in enumerate(seqs):
             eng.prefill(s, list(range(5, 5 + 10 + 13 * i)))
