@@ -100,12 +100,6 @@ class ChatSession:
             self.engine.release(self.seq)
             self.seq = None
 
-    def _opens_reasoning(self, ids: list[int]) -> bool:
-        tok = self.engine.tokenizer
-        if tok is None or not ids:
-            return False
-        return reasoning.opens_reasoning(tok.decode(ids[-16:]))
-
     def _answer(self, should_stop, on_step):
         ids = self.prompt_ids()
         seq = self._sequence_for(ids)
@@ -115,7 +109,7 @@ class ChatSession:
         self.last_generation = gen
         reply = {"role": "assistant", "content": ""}
         self.messages.append(reply)
-        if self._opens_reasoning(ids):      # the template opened <think>: the answer says so itself
+        if reasoning.prompt_opens_reasoning(self.engine.tokenizer, ids):      # the template opened <think>: the answer says so itself
             reply["content"] = reasoning.THINK_OPEN
             yield reasoning.THINK_OPEN
         try:

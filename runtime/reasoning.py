@@ -88,6 +88,11 @@ def opens_reasoning(prompt_tail: str) -> bool:
     return i >= 0 and prompt_tail.find(THINK_CLOSE, i) < 0
 
 
+def prompt_opens_reasoning(tok, ids) -> bool:
+    """Whether prompt ids end inside think tags (a tokenizer-less model's never do)."""
+    return tok is not None and bool(ids) and opens_reasoning(tok.decode(ids[-16:]))
+
+
 class Deltas:
     """A streamed answer's pieces in, (new reasoning text, new answer text) out: what
     `split` of the text so far adds to what it gave before (each is a prefix of the next)."""

@@ -163,14 +163,19 @@ def _call_schema(fn: dict, args_key: str) -> dict:
             "required": ["name", args_key], "additionalProperties": False}
 
 
-def _calls_schema(tools: list[dict], choice, args_key: str) -> dict:
+def _chosen_functions(tools: list[dict], choice) -> list[dict]:
+    """The functions a call may name: all of them, or the one `tool_choice` names."""
     fns = [t["function"] for t in tools]
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name") or choice.get("name")
         fns = [f for f in fns if f["name"] == name]
         if not fns:
             raise ValueError(f"tool_choice names function {name!r}, which is not among the tools")
-    alts = [_call_schema(f, args_key) for f in fns]
+    return fns
+
+
+def _calls_schema(tools: list[dict], choice, args_key: str) -> dict:
+    alts = [_call_schema(f, args_key) for f in _chosen_functions(tools, choice)]
     schema = alts[0] if len(alts) == 1 else {"anyOf": alts}
     return dict(schema, **{"x-guidance": JSON_OPTIONS})
 
@@ -230,19 +235,14 @@ def _harmony_grammar(tools, tool_choice, tok) -> str:
     """gpt-oss must call: its reasoning message (free text up to <|end|>) may come first, then
     `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{args}` and
     <|call|>.  Harmony answers "auto" in its own way (no constraint: runtime/reasoning.py reads it)."""
-    t = getattr(tok, "tokenizer", tok)
-    marks = {m: (f"<[{i}]>" if (i := t.token_to_id(m)) is not None else None)     # harmony's tokens, by id
+    vocab = getattr(tok, "tokenizer", tok)
+    marks = {m: (f"<[{i}]>" if (i := vocab.token_to_id(m)) is not None else None)     # harmony's tokens, by id
              for m in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>", "<|call|>")}
     missing = [m for m, g in marks.items() if g is None]
     if missing:
         raise ValueError(f"the vocabulary lacks harmony's {', '.join(missing)}")
     ch, msg, end, start, con, call = marks.values()
-    fns = [t["function"] for t in tools]
-    if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
-        fns = [f for f in fns if f["name"] == name]
-        if not fns:
-            raise ValueError(f"tool_choice names function {name!r}, which is not among the tools")
+    fns = _chosen_functions(tools, tool_choice)
     alts = "\n".join(f'call{i}: {json.dumps("commentary to=functions." + f["name"] + " ")} {con} "json" {msg} '
                      f'%json {json.dumps(dict(f["parameters"], **{"x-guidance": JSON_OPTIONS}), ensure_ascii=False)}'
                      for i, f in enumerate(fns))

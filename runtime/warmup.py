@@ -1,8 +1,8 @@
 """First-run kernel compilation, said aloud.
 
 Numba compiles each kernel for *this* CPU on first use and caches it on disk
-(NUMBA_CACHE_DIR, or a folder per version of the kernel sources: quant/kernel_cache.py); nothing compiled on another machine is
-ever loaded, so no "illegal instruction" on an older CPU.  The first start
+(NUMBA_CACHE_DIR, or a folder per version of the kernel sources: quant/kernel_cache.py);
+nothing compiled on another machine is ever loaded, so no "illegal instruction" on an older CPU.  The first start
 therefore spends tens of seconds compiling: we tell the user, and warm the
 kernels with a few throwaway forwards before the real prompt.  A marker per (Llamba
 version, Numba version, CPU model, kernel cache location, backend and the weight

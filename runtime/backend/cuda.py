@@ -1041,8 +1041,8 @@ class CUDABackend:
         for a, b, e in runs:
             self.qc.matmul(g[a:b], [downs[e]], [y[a:b]], [db[e]] if biases is not None else None, ws=self.ws)
         out = self._buf((n, d))
-        # (the ElementwiseKernel run on an H100 in session 30, kept while qc.moe_combine, which
-        # the device-routed path uses, has not yet run on a GPU)
+        # (the ElementwiseKernel run on an H100 in session 30, kept while qc.moe_combine's pos=
+        # form, this path's, has not run on a GPU: the device-routed path's forms have, session 32)
         if self._host_combine is None:
             self._host_combine = cp.ElementwiseKernel(
                 "raw float32 y, raw int32 pos, raw float32 w, int32 k, int32 d", "float32 out",

@@ -12,8 +12,6 @@ from __future__ import annotations
 from .. import reasoning
 from ..tools import ToolCall, ToolCallParser, parse_tool_calls
 
-REASONING_FORMATS = ("auto", "deepseek", "none")
-
 
 def template_reasons(template: str | None) -> bool:
     """Whether a chat template's model writes reasoning we know how to read."""

@@ -143,7 +143,7 @@ def create_app(host, *, api_key=None, allowed_hosts=None, cors_origins=(), metri
         constraint = await run_in_threadpool(_constraint, body, tok, tools, choice, fmt)
         # reasoning apart from the answer where the template's model writes it (answer.py)
         split = (body.reasoning_format or h.cfg.reasoning_format) != "none" and template_reasons(own)
-        answer = {"split": split, "opened": split and reasoning.opens_reasoning(tok.decode(ids[-16:])),
+        answer = {"split": split, "opened": split and reasoning.prompt_opens_reasoning(tok, ids),
                   "tool_fmt": None if fmt == "harmony" and split else fmt}
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await _complete(h, http, body, [ids], max_tokens, chat=True,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from checkpoints.ckpt_helpers import assert_batch_invariant
 from test_models import _greedy, _rel
 from test_moe_gpu import NEAR_TIE, _margin
 
@@ -213,28 +214,7 @@ def test_eight_sequences_decoding_together_equal_each_alone(pair):
     prompts = [rng.integers(1, lm.config.vocab_size, n).tolist() for n in (12, 30, 5, 21, 9, 17, 3, 26)]
     n_steps = 4
 
-    def start(p):
-        s = dev.new_sequence()
-        return s, int(np.argmax(dev.prefill(s, p)))
-
-    alone = []
-    for p in prompts:
-        s, t = start(p)
-        rows = []
-        for _ in range(n_steps):
-            rows.append(dev.step([s], [[t]])[0])
-            t = int(np.argmax(rows[-1]))
-        alone.append(rows)
-        dev.release(s, keep_cached=False)
-    started = [start(p) for p in prompts]
-    seqs, last = [s for s, _ in started], [t for _, t in started]
-    for i in range(n_steps):
-        out = dev.step(seqs, [[t] for t in last])
-        for b in range(len(seqs)):
-            assert np.array_equal(out[b], alone[b][i]), f"sequence {b}, step {i}"
-        last = [int(np.argmax(r)) for r in out]
-    for s in seqs:
-        dev.release(s, keep_cached=False)
+    assert_batch_invariant(dev, prompts, n_steps)
 
 
 def test_device_routing_matches_cpu(pair):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from checkpoints.ckpt_helpers import assert_batch_invariant
 from test_models import _float_cpu_backend, _greedy, _rel
 from test_verify_invariance_gpu import _verify_and_singles
 
@@ -96,25 +97,4 @@ def test_batched_decode_equals_each_sequence_alone(engines):
     prompts = [rng.integers(1, lm.config.vocab_size, n).tolist() for n in (12, 30, 5, 21)]
     n_steps = 5
 
-    def start(p):
-        s = gpu.new_sequence()
-        return s, int(np.argmax(gpu.prefill(s, p)))
-
-    alone = []
-    for p in prompts:
-        s, t = start(p)
-        rows = []
-        for _ in range(n_steps):
-            rows.append(gpu.step([s], [[t]])[0])
-            t = int(np.argmax(rows[-1]))
-        alone.append(rows)
-        gpu.release(s, keep_cached=False)
-    started = [start(p) for p in prompts]
-    seqs, last = [s for s, _ in started], [t for _, t in started]
-    for i in range(n_steps):
-        out = gpu.step(seqs, [[t] for t in last])
-        for b in range(len(seqs)):
-            assert np.array_equal(out[b], alone[b][i]), f"sequence {b}, step {i}"
-        last = [int(np.argmax(r)) for r in out]
-    for s in seqs:
-        gpu.release(s, keep_cached=False)
+    assert_batch_invariant(gpu, prompts, n_steps)
