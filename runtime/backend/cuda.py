@@ -452,8 +452,7 @@ class CUDABackend:
         become float32 vectors."""
         cp = self.cp
         if self.host_experts is not None and self.host_experts.holds(t.name):
-            self.use_graphs = False     # every step now waits on the host mid-step: none can be captured
-            return self.host_experts.upload(t)
+            return self.host_experts.upload(t)      # (its steps are captured where they wait for nothing)
         if len(t.shape) == 1 or t.name.endswith(".bias"):       # (experts' biases: [E, cols])
             v = cp.asarray(quant.dequantize(t).astype(np.float32).reshape(t.shape))
             self.weight_bytes += v.nbytes
@@ -965,26 +964,27 @@ class CUDABackend:
         a row the same bits.  Experts kept in system memory (--cpu-moe) run on the CPU
         (cuda_host_moe.py).  A branch that waits for the host must not count in
         self._moe_calls[1] (the step could not be captured).  Options as the CPU's (gpt-oss:
-        router_bias, biases (gate, up, down) [E, cols], glu the experts' activation): the
-        device path has no kernels for the expert biases or the clamped SwiGLU yet, so such
-        a layer routes on the host (its steps run eagerly)."""
+        router_bias, biases (gate, up, down) [E, cols], glu the experts' activation: both
+        paths take them)."""
         self._moe_calls[0] += 1
         if self.host_experts is not None and self.host_experts.owns(experts):
             # experts kept in system memory (--cpu-moe): the router here, the experts on the CPU
             return self.host_experts.moe(x, router, experts, top_k, norm_topk, router_bias, biases, glu)
-        if (self.moe_on_device and x.shape[0] <= self.exact_rows and router_bias is None and biases is None
-                and glu == "silu" and self.qc.moe_ids_ok(experts, top_k)):
+        if self.moe_on_device and x.shape[0] <= self.exact_rows and self.qc.moe_ids_ok(experts, top_k):
             self._moe_calls[1] += 1
-            return self._moe_on_device(x, router, experts, top_k, norm_topk)
+            return self._moe_on_device(x, router, experts, top_k, norm_topk, router_bias, biases, glu)
         return self._moe_on_host(x, router, experts, top_k, norm_topk, router_bias, biases, glu)
 
-    def _moe_on_device(self, x, router, experts, top_k, norm_topk):
+    def _moe_on_device(self, x, router, experts, top_k, norm_topk, router_bias=None, biases=None, glu="silu"):
         """The moe op without the host: the router's logits (a matvec), each row's top k and
         weights with x's rounding in one launch (moe_route: moe.py's route bit for bit), gate
         and up of every (row, slot) pair by expert id (matvec_ids), down with SiLU . up folded
         into its rounding, then the rows' weighted sums, deferred to the add that takes them
         (summed into the residual there: one launch).  A pair's sums are those the host path's
-        matvec of its expert makes, so both paths agree bit for bit."""
+        matvec of its expert makes, so both paths agree bit for bit.  gpt-oss: the router's
+        bias in its matvec, the experts' biases added by expert id (add_bias_ids: the single
+        add the host path's matvec store makes), and its clamped SwiGLU by the host path's
+        own kernel before down's rounding."""
         cp, qc = self.cp, self.qc
         self._flush()
         self._check(x)
@@ -996,17 +996,31 @@ class CUDABackend:
         gates, ups, downs = experts
         ff, P = gates.shape[0], n * top_k
         logits = self._buf((n, len(gates)))
-        qc.matmul(x, [router], [logits], ws=self.ws)
+        qc.matmul(x, [router], [logits], [router_bias] if router_bias is not None else None, ws=self.ws)
         ids, w = self._buf((P,), np.int32), self._buf((P,))
         acts = qc.moe_route(x, logits, top_k, norm_topk, ids, w, qc.act_block(gates), self.ws)
         g, u = self._buf((P, ff)), self._buf((P, ff))
         qc.matvec_ids(x, [gates, ups], ids, [g, u], top_k, self.ws, acts=acts)
         y = self._buf((P, d))
-        qc.matvec_ids(g, [downs], ids, [y], 1, self.ws, prologue=("silu", u))
+        if biases is None and glu == "silu":
+            qc.matvec_ids(g, [downs], ids, [y], 1, self.ws, prologue=("silu", u))
+        else:
+            if biases is not None:
+                self._add_bias_ids(g, biases[0], ids)
+                self._add_bias_ids(u, biases[1], ids)
+            self._launch(_GLU_KERNELS[glu], g.size, (g, u, np.int64(g.size)))
+            qc.matvec_ids(g, [downs], ids, [y], 1, self.ws)
+            if biases is not None:
+                self._add_bias_ids(y, biases[2], ids)
         out = self._buf((n, d))
         self._pmoe = (y, w, top_k, out)
         self._unmat.add(out.data.ptr)         # written by the add that takes it, or by _flush
         return out
+
+    def _add_bias_ids(self, y, bias, ids):
+        """y [P, M] += bias [E, M] row ids[p] (add_bias_ids)."""
+        assert y.flags.c_contiguous and bias.flags.c_contiguous and bias.shape[1] == y.shape[1]
+        self._launch("add_bias_ids", y.size, (y, bias, ids, np.int32(y.shape[1]), np.int64(y.size)))
 
     def _moe_on_host(self, x, router, experts, top_k, norm_topk, router_bias=None, biases=None, glu="silu"):
         """The router's logits go to the host, which picks each token's experts and groups

@@ -72,6 +72,18 @@ extern "C" __global__ void swiglu_oai_mul(float* g, const float* __restrict__ u,
     g[i] = (w + 1.f) * (v / (1.f + expf(-1.702f * v)));
 }
 
+// y[p, c] += bias[ids[p], c]: an expert's bias by the (row, slot) pair's expert id (gpt-oss's
+// experts routed on the device).  One add after the matvec's store, as the host-routed path's
+// matvec adds it in its store (mine + bias[m]): the same bits.
+extern "C" __global__ void add_bias_ids(float* y, const float* __restrict__ bias, const int* __restrict__ ids,
+                                        int M, long long n) {
+    PDL_ENTER();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const long long p = i / M;
+    y[i] += bias[(long long)ids[p] * M + (i - p * M)];
+}
+
 extern "C" __global__ void add_inplace(float* x, const float* __restrict__ y, long long n) {
     PDL_ENTER();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -8,7 +8,9 @@ expert: what LLAMBA_MOE_DEVICE=0 runs):
   bits of the per-expert matvec, for every integer type, gate/up in one launch and down
   with SiLU . up folded into its rounding;
 * whole random-weight qwen3moe models (tiny; M18's, M30's and gpt-oss-20b's (MXFP4 experts)
-  layer shapes cut to 2 layers; 60 experts with a down of K = 160): greedy decode gives bit-identical logits
+  layer shapes cut to 2 layers; 60 experts with a down of K = 160; gpt-oss itself, scaled down
+  and at gpt-oss-20b's layer shape: router and expert biases by id, the clamped SwiGLU):
+  greedy decode gives bit-identical logits
   both ways, decode steps replay CUDA graphs (the host path's never do), graph replay
   equals the eager step, verify rows of 1-8 equal single steps, 8 sequences decoding
   together equal each alone, and the CPU backend agrees within test_moe_gpu's bounds."""
@@ -142,11 +144,18 @@ def _shapes():
         "m30": dict(SHAPES["M30"], n_layers=2, vocab=4096),
         # gpt-oss-20b's experts (32 of 2880, 4 a token; MXFP4_MOE: experts MXFP4, the rest Q8_0)
         "go": dict(SHAPES["GO20"], n_layers=2, vocab=4096),
+        # gpt-oss itself (router and expert biases, the clamped SwiGLU, sinks, a window in
+        # layer 0): test_gpt_oss_gpu's scaled-down layers, and gpt-oss-20b's
+        "oss": dict(arch="gpt-oss", n_layers=2, d_model=256, d_ff=256, n_heads=8, n_kv_heads=2, vocab=1000,
+                    tied=False, rope_theta=150000.0, n_experts=8, n_experts_used=2, d_ff_expert=256, head_dim=64,
+                    sliding_window=16),
+        "g20": dict(SHAPES["G20"], n_layers=2, vocab=4096),
     }
 
 
 CASES = [("tiny", "Q4_K_M"), ("tiny", "Q8_0"), ("tiny", "Q4_0"), ("tiny", "Q5_K"), ("odd", "Q4_K_M"),
-         ("m18", "Q4_K_M"), ("m30", "Q4_K_M"), ("tiny", "MXFP4_MOE"), ("go", "MXFP4_MOE")]
+         ("m18", "Q4_K_M"), ("m30", "Q4_K_M"), ("tiny", "MXFP4_MOE"), ("go", "MXFP4_MOE"),
+         ("oss", "MXFP4_MOE"), ("oss", "Q4_K_M"), ("g20", "MXFP4_MOE")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{s}-{m}" for s, m in CASES])
