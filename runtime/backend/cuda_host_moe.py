@@ -15,14 +15,48 @@ expanded to float) and a `moe` op whose experts came from here to `HostExperts.m
        backend's own kernels, quant/moe_cpu.py for K-quant experts, on its -t threads)
   ->   the sum [n, d] back to the device; the model adds it to the residual there.
 
-Every step that passes such a layer waits on the host mid-step, so the backend captures
-no CUDA graph once any expert is on the host (a step of a MoE model runs eagerly).
+A step of up to NODE_ROWS rows whose experts the fused kernels take (quant/moe_cpu.py:
+K-quants and the 32-element formats, on CPUs with AVX512-VNNI) does not wait: the copy
+down, the CPU's work and the copy up are queued on the stream, the CPU's work as a host
+function (moe_host_fn.py: one native call a layer, no Python, no GIL), so decode steps
+are captured as CUDA graphs like an all-GPU model's, and an eager step's Python runs
+ahead of the CPU.  Other steps (a prompt chunk, experts of other types) copy down, wait,
+run CPUBackend.moe_routed and copy up: the same arithmetic, eagerly.
 """
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 
 from .cuda_memory import experts_on_host, layer_of
+
+NODE_ROWS = 32          # most rows a step's host function takes (decode graphs: up to GRAPH_ROWS)
+_CUDA_SUCCESS = 0
+_CU_CTX_SCHED_BLOCKING_SYNC = 4
+
+
+def sleep_while_waiting(device: int) -> bool:
+    """Make threads that wait on the GPU sleep instead of spinning (the primary context's
+    CU_CTX_SCHED_BLOCKING_SYNC).  With the experts on the CPU, the CPU's -t threads run
+    beside a Python thread that waits for each step: spinning, it took one of their cores,
+    and a parallel region waits for its slowest thread (H100 machine, 16 cores, -t 16:
+    1.8 tokens/s, against 47.6 at -t 8).  False where the driver refused."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        dev, ctx, flags = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint()
+        if lib.cuInit(0) != _CUDA_SUCCESS or lib.cuDeviceGet(ctypes.byref(dev), device) != _CUDA_SUCCESS:
+            return False
+        lib.cuDevicePrimaryCtxSetFlags_v2(dev, _CU_CTX_SCHED_BLOCKING_SYNC)
+        # a context already current (CuPy made it): its own flags (CUDA 12.1's cuCtxSetFlags)
+        if lib.cuCtxGetCurrent(ctypes.byref(ctx)) == _CUDA_SUCCESS and ctx.value:
+            if lib.cuCtxSetFlags(_CU_CTX_SCHED_BLOCKING_SYNC) != _CUDA_SUCCESS:
+                return False
+            return lib.cuCtxGetFlags(ctypes.byref(flags)) == _CUDA_SUCCESS and flags.value & 7 == 4
+        return lib.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(ctypes.c_int())) == 0 \
+            and flags.value & 7 == 4
+    except (OSError, AttributeError):
+        return False
 
 
 class HostExperts:
@@ -31,11 +65,15 @@ class HostExperts:
     def __init__(self, gpu, cpu_moe: int, threads: int | None = None, cpu=None):
         from .cpu import CPUBackend
         self.gpu = gpu
+        self.blocking_sync = sleep_while_waiting(gpu.cp.cuda.Device().id)
         self.cpu_moe = int(cpu_moe)
         self.cpu = cpu if cpu is not None else CPUBackend(threads=threads)
         self.weight_bytes = 0           # bytes of the expert tensors kept here
         self.layers: set = set()        # layers whose experts are here
         self._staging: dict = {}        # name -> pinned host buffer, grown to the largest step
+        self._node: dict = {}           # (d, E) -> pinned x, logits, y of NODE_ROWS rows (host functions)
+        self._descs: dict = {}          # (layer's experts, rows) -> host function descriptor and what it names
+        self._launch_host = None        # the driver's cuLaunchHostFunc
 
     def describe(self, cfg) -> str:
         """Which layers' experts are here, for the device line (info, bench, the app's panel)."""
@@ -80,6 +118,9 @@ class HostExperts:
         E = len(experts[0])
         logits = g._buf((n, E))
         g.qc.matmul(x, [router], [logits], [router_bias] if router_bias is not None else None, ws=g.ws)
+        kinds = self._node_kinds(experts)
+        if kinds is not None and n <= NODE_ROWS:
+            return self._moe_node(x, logits, experts, top_k, norm_topk, kinds, biases, glu)
         hx, hl = self._pinned("x", (n, d)), self._pinned("logits", (n, E))
         sp = g.stream.ptr
         rt.memcpyAsync(hx.ctypes.data, x.data.ptr, hx.nbytes, rt.memcpyDeviceToHost, sp)
@@ -92,4 +133,48 @@ class HostExperts:
         out = g._buf((n, d))
         rt.memcpyAsync(out.data.ptr, hy.ctypes.data, hy.nbytes, rt.memcpyHostToDevice, sp)
         g._pdl.fence()
+        return out
+
+    def _node_kinds(self, experts):
+        """The fused kernels' kinds for these experts (moe_cpu.fused_kinds), or None: the
+        step waits for the host instead."""
+        cpu = self.cpu
+        if not cpu.moe_fused:
+            return None
+        from quant import moe_cpu
+        return moe_cpu.fused_kinds(*(e.whole for e in experts))
+
+    def _moe_node(self, x, logits, experts, top_k, norm_topk, kinds, biases, glu):
+        """x and the logits copied down, the CPU's moe as a host function, the sum copied
+        up: all queued on the stream (capturable), nothing waited for."""
+        from .moe_host_fn import descriptor, host_fn
+        g = self.gpu
+        rt = g.cp.cuda.runtime
+        n, d = x.shape
+        E = logits.shape[1]
+        bufs = self._node.get((d, E))
+        if bufs is None:
+            bufs = self._node[(d, E)] = tuple(g._pinned(s, np.float32) for s in
+                                              ((NODE_ROWS, d), (NODE_ROWS, E), (NODE_ROWS, d)))
+        hx, hl, hy = bufs
+        key = (id(experts[0]), n)
+        entry = self._descs.get(key)
+        if entry is None:
+            dsc = descriptor(n, hx, hl, hy, experts, top_k, norm_topk, kinds, glu, self.cpu.threads, biases)
+            entry = self._descs[key] = (dsc, experts, biases)      # (what the words point at, kept alive)
+        if self._launch_host is None:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
+            fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p), ctypes.c_int
+            self._launch_host = (fn, host_fn().address)
+        sp = g.stream.ptr
+        rt.memcpyAsync(hx.ctypes.data, x.data.ptr, n * d * 4, rt.memcpyDeviceToHost, sp)
+        rt.memcpyAsync(hl.ctypes.data, logits.data.ptr, n * E * 4, rt.memcpyDeviceToHost, sp)
+        launch, addr = self._launch_host
+        err = launch(sp, addr, entry[0].ctypes.data)
+        if err != _CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchHostFunc failed (CUresult {err})")
+        out = g._buf((n, d))
+        rt.memcpyAsync(out.data.ptr, hy.ctypes.data, n * d * 4, rt.memcpyHostToDevice, sp)
+        g._pdl.fence()
+        g._moe_calls[1] += 1            # nothing waited for: the step may be captured
         return out

@@ -3,7 +3,9 @@ layer, or of the first 2 of 4, stay in system memory and run on the CPU (the rou
 logits computed on the GPU, the experts by the CPU backend's kernels, the sum added on
 the GPU), against the all-GPU engine and the CPU backend on random-weight Qwen3-MoE
 models (tests/lab/synth.py): greedy tokens and logits within test_moe_gpu.py's bounds,
-the memory on each device, batch invariance, and --gpu-layers beside it."""
+the memory on each device, decode steps captured as graphs with the CPU's work as host
+functions (the bits of the steps that wait for it), batch invariance, and --gpu-layers
+beside it."""
 from __future__ import annotations
 
 import numpy as np
@@ -55,7 +57,7 @@ def test_experts_stay_in_system_memory(engines):
         for i, layer in enumerate(hybrid[key].model.layers):
             on_host = isinstance(layer["ffn_up_exps"], _Experts)
             assert on_host == (i in layers), (key, i)
-        assert not be.use_graphs and "experts of" in be.device_name
+        assert be.use_graphs and "experts of" in be.device_name
         assert be.memory_report()["host_weights_bytes"] == host.weight_bytes
 
 
@@ -109,6 +111,35 @@ def _prefill(eng, ids):
         return eng.prefill(s, ids)
     finally:
         eng.release(s, keep_cached=False)
+
+
+def test_decode_steps_replay_graphs_with_the_waiting_paths_bits(engines):
+    """Where the fused kernels take the experts (Q4_K_M), a step queues the CPU's work as a
+    host function (moe_host_fn.py) and waits for nothing: decode steps replay CUDA graphs,
+    with the logits of steps that copy down, wait and run CPUBackend.moe_routed, bit for
+    bit.  F16 experts take the waiting path: eager steps."""
+    mix, lm, _, _, hybrid = engines
+    eng = hybrid["all"]
+    be, host = eng.backend, eng.backend.host_experts
+    layer = eng.model.layers[0]
+    kinds = host._node_kinds([layer["ffn_gate_exps"], layer["ffn_up_exps"], layer["ffn_down_exps"]])
+    assert (kinds is None) == (mix == "F16")
+    ids = np.random.default_rng(5).integers(1, lm.config.vocab_size, 9).tolist()
+    r0 = be.graph_replays
+    toks, got = _greedy(eng, ids, 10)
+    if kinds is None:
+        assert be.graph_replays == r0
+        return
+    assert be.graph_replays - r0 >= 8
+    host._node_kinds = lambda experts: None         # every step waits for the host
+    try:
+        r0 = be.graph_replays
+        _, want = _greedy(eng, ids, 10, forced=toks)
+        assert be.graph_replays == r0
+    finally:
+        del host._node_kinds
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert np.array_equal(a, b), (i, float(np.abs(np.asarray(a) - b).max()))
 
 
 @pytest.mark.parametrize("rows", [2, 5, 8])

@@ -4,7 +4,8 @@ replace): bit for bit.  Both run each chosen expert's run of rows through the sa
 VNNI row kernels on the same int8 activations, the fused one straight from the 3-D
 tensor's bytes, so nothing may differ, whatever the step's row count or the experts
 its tokens chose.  And a routed model's decode steps are recorded and replayed
-(cpu_plan.py) with the logits of the plain forward."""
+(cpu_plan.py) with the logits of the plain forward; --cpu-moe's host function
+(moe_host_fn.py) gives moe_routed's bits."""
 from __future__ import annotations
 
 import numpy as np
@@ -75,6 +76,47 @@ def test_fused_moe_equals_expert_by_expert(up_type, down_type, d, n):
     be.arena.reset()
     assert np.array_equal(be.moe_routed(x, logits, experts, k, True), fused)
     assert np.isfinite(fused).all() and np.abs(fused).max() > 0
+
+
+@pytest.mark.parametrize("up_type,down_type,d,glu", [(GGMLType.Q4_K, GGMLType.Q6_K, 512, "silu"),
+                                                     (GGMLType.MXFP4, GGMLType.MXFP4, 2880, "swiglu_oai")],
+                         ids=["q4k-q6k-silu", "mxfp4-biases-swiglu_oai"])
+def test_host_function_equals_moe_routed(up_type, down_type, d, glu):
+    """--cpu-moe's host function (runtime/backend/moe_host_fn.py: the fused path as one native
+    call a CUDA graph's host node makes, from a descriptor of pointers), called through a C
+    function pointer from a thread that is not Python's main one, with 1 thread asked for:
+    CPUBackend.moe_routed's bits, for 1 to 40 rows, with gpt-oss's expert biases and SwiGLU."""
+    import ctypes
+    import threading
+
+    from runtime.backend import moe_host_fn
+    rng = np.random.default_rng(3)
+    E, ff, k = 16, 256, 4
+    be = CPUBackend(threads=2)
+    experts = _experts(rng, be, E, d, ff, down_type, up_type)
+    kinds = moe_cpu_kinds(experts)
+    biases = None
+    if glu == "swiglu_oai":
+        biases = [rng.standard_normal((E, m)).astype(np.float32) * 0.01 for m in (ff, ff, d)]
+    call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(moe_host_fn.host_fn().address)
+    for n in (1, 3, 8, 40):
+        x = rng.standard_normal((n, d)).astype(np.float32)
+        logits = rng.standard_normal((n, E)).astype(np.float32)
+        be.arena.reset()
+        want = be.moe_routed(x, logits, experts, k, True, biases, glu).copy()
+        out = np.full((n, d), np.nan, np.float32)
+        dsc = moe_host_fn.descriptor(n, x, logits, out, experts, k, True, kinds, glu, 1, biases)
+        t = threading.Thread(target=call, args=(dsc.ctypes.data,))
+        t.start()
+        t.join()
+        assert np.array_equal(out, want), (n, float(np.nanmax(np.abs(out - want))))
+
+
+def moe_cpu_kinds(experts):
+    from quant import moe_cpu
+    kinds = moe_cpu.fused_kinds(*(e.whole for e in experts))
+    assert kinds is not None
+    return kinds
 
 
 @pytest.mark.parametrize("n", [3, 20, 31])
