@@ -26,6 +26,7 @@ run CPUBackend.moe_routed and copy up: the same arithmetic, eagerly.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 
@@ -39,9 +40,11 @@ _CU_CTX_SCHED_BLOCKING_SYNC = 4
 def sleep_while_waiting(device: int) -> bool:
     """Make threads that wait on the GPU sleep instead of spinning (the primary context's
     CU_CTX_SCHED_BLOCKING_SYNC).  With the experts on the CPU, the CPU's -t threads run
-    beside a Python thread that waits for each step: spinning, it took one of their cores,
-    and a parallel region waits for its slowest thread (H100 machine, 16 cores, -t 16:
-    1.8 tokens/s, against 47.6 at -t 8).  False where the driver refused."""
+    beside a Python thread that waits for each step: spinning, it takes a core, and a
+    parallel region waits for its slowest thread (H100 machine, 16 cores, M30 --cpu-moe
+    -t 16: 1.8 tokens/s spinning, 44.0 sleeping).  Sleeping costs each host function a
+    wake-up (-t 8: 47.6 spinning, 39.6 sleeping), so HostExperts asks for it only when
+    its threads leave no core free.  False where the driver refused."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
         dev, ctx, flags = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint()
@@ -65,9 +68,11 @@ class HostExperts:
     def __init__(self, gpu, cpu_moe: int, threads: int | None = None, cpu=None):
         from .cpu import CPUBackend
         self.gpu = gpu
-        self.blocking_sync = sleep_while_waiting(gpu.cp.cuda.Device().id)
         self.cpu_moe = int(cpu_moe)
-        self.cpu = cpu if cpu is not None else CPUBackend(threads=threads)
+        cores = len(os.sched_getaffinity(0))
+        # by default every core but one: the one the Python thread waiting on the GPU spins on
+        self.cpu = cpu if cpu is not None else CPUBackend(threads=threads or max(1, cores - 1))
+        self.blocking_sync = self.cpu.threads >= cores and sleep_while_waiting(gpu.cp.cuda.Device().id)
         self.weight_bytes = 0           # bytes of the expert tensors kept here
         self.layers: set = set()        # layers whose experts are here
         self._staging: dict = {}        # name -> pinned host buffer, grown to the largest step

@@ -5,7 +5,7 @@
 # 2. lab.cpu_moe_probe: the host half of one token's moe op a layer (the experts' kernels and
 #    Numba's dispatch), at THREADS (default "16 8"), and the memory's read rate;
 # 3. the Qwen3-30B-A3B shape (lab.synth M30, Q4_K_M): `bench --cpu-moe` at each thread count
-#    and all on the GPU; with LLAMA_BENCH (a CUDA build of llama.cpp's llama-bench) the same
+#    and all on the GPU (THREADS "auto": no -t, the backend's default); with LLAMA_BENCH (a CUDA build of llama.cpp's llama-bench) the same
 #    file by llama.cpp before and after ours (-ncmoe 99, and all on the GPU);
 # PROBE=0 skips step 2, GPU_ALL=0 the all-GPU run of step 3.
 # 4. with G20=1, gpt-oss-20b's shape in MXFP4 (lab.synth G20 --mix MXFP4_MOE), both sides.
@@ -44,7 +44,8 @@ wait $WRITE; cat "$OUT/m30-write.txt"
 peer -m "$M30" -ngl 99 -ncmoe 99 -p 0 -n 32 -r "$REPS"
 for T in ${THREADS:-16 8}; do
   echo "== ours --cpu-moe -t $T" | tee -a "$OUT/bench.txt"
-  timeout 200 python3 -m runtime bench -m "$M30" --device cuda --cpu-moe -t "$T" -p 0 -n 32 -r "$REPS" 2>&1 \
+  timeout 200 python3 -m runtime bench -m "$M30" --device cuda --cpu-moe $([ "$T" = auto ] || echo "-t $T") \
+    -p 0 -n 32 -r "$REPS" 2>&1 \
     | tail -4 | tee -a "$OUT/bench.txt"
 done
 peer -m "$M30" -ngl 99 -ncmoe 99 -p 0 -n 32 -r "$REPS"

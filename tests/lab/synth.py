@@ -200,7 +200,16 @@ def write_random_gguf(path, arch, n_layers, d_model, d_ff, n_heads, n_kv_heads, 
         for key, f in r.fields.items():
             if key.startswith("tokenizer."):
                 vtype = f.types[0]
-                w.add_key_value(key, f.contents(), vtype,
+                value = f.contents()
+                # a vocabulary larger than the tokenizer's (gpt-oss-20b's 201088 rows with Qwen's
+                # 151936 tokens): unused padding tokens, so llama.cpp's row check holds too
+                if key == "tokenizer.ggml.tokens" and vocab > len(value):
+                    value = value + [f"<|llamba_pad_{i}|>" for i in range(vocab - len(value))]
+                elif key == "tokenizer.ggml.token_type" and vocab > len(value):
+                    value = value + [5] * (vocab - len(value))          # LLAMA_TOKEN_TYPE_UNUSED
+                elif key == "tokenizer.ggml.scores" and vocab > len(value):
+                    value = value + [0.0] * (vocab - len(value))
+                w.add_key_value(key, value, vtype,
                                 sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
 
     # each tensor: its info now, its bytes made when written (in this order: the noise's
