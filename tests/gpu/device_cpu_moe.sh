@@ -22,7 +22,7 @@ CUBLAS=$(dirname "$(find / -name 'libcublas.so.13' -not -path '*/proc/*' 2>/dev/
 peer() {   # llama-bench ARGS...: llama.cpp (built against a stub libcuda: the driver's preloaded)
   [ -n "$LLAMA_BENCH" ] || return 0
   LD_PRELOAD=$LIBCUDA LD_LIBRARY_PATH=$(dirname "$LLAMA_BENCH"):$CUBLAS:$LD_LIBRARY_PATH \
-    timeout ${PEER_TIMEOUT:-200} "$LLAMA_BENCH" "$@" 2>&1 | grep -E "^\|" | tee -a "$OUT/llama-bench.txt"
+    timeout ${PEER_TIMEOUT:-200} "$LLAMA_BENCH" "$@" 2>&1 | grep -E "^\||error" | tee -a "$OUT/llama-bench.txt"
 }
 {
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|NUMA node\(s\)|L3"
