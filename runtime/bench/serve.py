@@ -4,8 +4,10 @@ vLLM...) with C concurrent streaming clients and report what its users feel.
 Each client sends text completions (`/v1/completions`, streamed) one after another, over a
 fixed, seeded set of prompts of mixed lengths, for --requests each or --duration seconds.
 Reported per concurrency: time to first token and inter-token latency (p50, p99), aggregate
-output tokens/s, requests/s, and how many answers failed.  Tokens are counted as streamed
-chunks that carry text (one token each on both llama-server and Llamba).
+output tokens/s, requests/s, and how many answers failed.  Tokens are the server's usage count
+(stream_options.include_usage), else the streamed token chunks; a token's chunk is one that carries
+text, or an empty text that is not the closing chunk (llama-server streams a token it does not
+show, a random model's control token, as ""; counting only text counted such answers as 0 tokens).
 
 --shared-prefix N puts the same N-token-ish text before every prompt (a system prompt that
 clients share: the prefix cache's case; --prefix-seed picks another prefix, or the same one
@@ -74,11 +76,12 @@ def _sse_event(line: str) -> dict | None:
 
 
 async def _one(client, url, headers, prompt, args, rng, out):
-    body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True}
+    body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
     if args.model:
         body["model"] = args.model
     t0 = time.perf_counter()
-    stamps = []
+    stamps, usage = [], {}
     abort_after = rng.randint(1, max(1, args.max_tokens // 2)) if rng.random() < args.abort_fraction else None
     try:
         async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
@@ -93,7 +96,11 @@ async def _one(client, url, headers, prompt, args, rng, out):
                 if "error" in ev:
                     out.append({"status": 500})
                     return
-                if any(c.get("text") for c in ev.get("choices", [])):
+                usage = ev.get("usage") or usage
+                # a token's chunk: text, or none yet but not the closing one (a token whose text
+                # is held back or not shown, as llama-server streams a control token: "")
+                if any(c.get("text") or ("text" in c and c.get("finish_reason") is None)
+                       for c in ev.get("choices", [])):
                     stamps.append(time.perf_counter())
                     if abort_after is not None and len(stamps) >= abort_after:
                         out.append({"status": "aborted", "tokens": len(stamps), "t0": t0, "stamps": stamps})
@@ -101,7 +108,7 @@ async def _one(client, url, headers, prompt, args, rng, out):
     except Exception as e:          # a refused or dropped connection is a failed answer
         out.append({"status": type(e).__name__})
         return
-    out.append({"status": 200, "tokens": len(stamps), "t0": t0, "stamps": stamps})
+    out.append({"status": 200, "tokens": usage.get("completion_tokens", len(stamps)), "t0": t0, "stamps": stamps})
 
 
 async def _run_level(url, headers, c, args, texts):
