@@ -69,6 +69,20 @@ def _grp_bufs(fam, P, E_, K_):
 
 
 @njit(cache=True, nogil=True)
+def _rounded(fam, a, threads):
+    """a's rows rounded into new flat buffers of family fam (CPUBackend._moe_fused's q8: rows
+    in parallel chunks from 64 on; a row's codes depend on that row alone)."""
+    bufs = _act_bufs(fam, a.shape[0], a.shape[1])
+    nch = min(a.shape[0] // 32, 4 * threads)
+    none = np.empty(0, np.int32)
+    if nch > 1:
+        moe_cpu.q8_rows_par(fam, a, none, bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], bufs[5], nch)
+    else:
+        moe_cpu.q8_rows(fam, a, none, bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], bufs[5])
+    return bufs
+
+
+@njit(cache=True, nogil=True)
 def _glu(code, g, u):
     if code == 0:
         K.silu_mul(g, u)
@@ -94,14 +108,8 @@ def moe_rows(x, logits, gw, uw, dw, kg, ku, kd, top_k, norm, glu, threads, gb, u
     res = np.empty((target + 2 * P + 16, 16), np.float32)
     fx = moe_cpu.K_FAM if kg == 10 or kg == 11 else moe_cpu.LEG_FAM      # (moe_cpu.family)
     fh = moe_cpu.K_FAM if kd == 10 or kd == 11 else moe_cpu.LEG_FAM
-    none = tokens[:0]
     # x rounded once a token, then gathered a pair
-    sq, sq4, sd, sb, sb16, sbf = _act_bufs(fx, n, d)
-    nch = min(n // 32, 4 * threads)
-    if nch > 1:
-        moe_cpu.q8_rows_par(fx, x, none, sq, sq4, sd, sb, sb16, sbf, nch)
-    else:
-        moe_cpu.q8_rows(fx, x, none, sq, sq4, sd, sb, sb16, sbf)
+    sq, sq4, sd, sb, sb16, sbf = _rounded(fx, x, threads)
     xq, xq4, xd, xb, xb16, xbf = _act_bufs(fx, P, d)
     nch = min(P // 32, 4 * threads)
     if nch > 1:
@@ -117,12 +125,7 @@ def moe_rows(x, logits, gw, uw, dw, kg, ku, kd, top_k, norm, glu, threads, gb, u
         moe.add_run_bias(g, gb, starts, act, nact)
         moe.add_run_bias(u, ub, starts, act, nact)
     _glu(glu, g, u)
-    hq, hq4, hd, hb, hb16, hbf = _act_bufs(fh, P, ff)
-    nch = min(P // 32, 4 * threads)
-    if nch > 1:
-        moe_cpu.q8_rows_par(fh, g, none, hq, hq4, hd, hb, hb16, hbf, nch)
-    else:
-        moe_cpu.q8_rows(fh, g, none, hq, hq4, hd, hb, hb16, hbf)
+    hq, hq4, hd, hb, hb16, hbf = _rounded(fh, g, threads)
     gh = _grp_bufs(fh, P, E_, ff)
     if fh == moe_cpu.LEG_FAM:
         moe_cpu.group_runs(ff, starts, act, nact, hq, hd, hb16, hbf, gh[0], gh[1], gh[2], gh[3], gh[4])
