@@ -62,6 +62,7 @@ class Generation:
     def __iter__(self):
         eng = self.engine
         tok = eng.tokenizer
+        stop_ids = tok.stop_ids if tok is not None else frozenset()     # (a weights-only model has no tokenizer)
         sampler = Sampler(self.params)
         seq = self.seq if self.seq is not None else eng.new_sequence()   # an empty Sequence is falsy
         self.seq = seq
@@ -87,7 +88,7 @@ class Generation:
             except ConstraintDead as e:
                 st.stop_reason, st.constraint_error = "constraint", str(e)
                 break
-            if tok is not None and nxt in tok.stop_ids:      # (a weights-only model has no tokenizer)
+            if nxt in stop_ids:
                 st.stop_reason = "eos"
                 break
             if matcher is not None and not matcher.consume(nxt):

@@ -296,6 +296,10 @@ class CPUBackend:
         return self._moe_by_expert(x, logits, experts, top_k, norm_topk, biases, glu)
 
     def _moe_fused(self, x, logits, experts, top_k, norm_topk, kinds, biases=None, glu="silu"):
+        """quant/moe_cpu.py's fused kernels, each through Scratch.call (recorded, on the
+        arena's buffers).  moe_host_fn.moe_rows makes the same calls in one Numba function
+        (--cpu-moe's host functions, which cannot call Python); tests/runtime/test_moe_fused.py
+        holds the two to the same bits: a change here goes there too."""
         call, get = self.scratch.call, self.arena.get
         n, d = x.shape
         gw, uw, dw = (e.whole for e in experts)

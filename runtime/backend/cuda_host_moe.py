@@ -77,6 +77,7 @@ class HostExperts:
         self.layers: set = set()        # layers whose experts are here
         self._staging: dict = {}        # name -> pinned host buffer, grown to the largest step
         self._node: dict = {}           # (d, E) -> pinned x, logits, y of NODE_ROWS rows (host functions)
+        self._kinds: dict = {}          # layer's experts -> (them, fused kinds or None)
         self._descs: dict = {}          # (layer's experts, rows) -> host function descriptor and what it names
         self._launch_host = None        # the driver's cuLaunchHostFunc
 
@@ -123,9 +124,8 @@ class HostExperts:
         E = len(experts[0])
         logits = g._buf((n, E))
         g.qc.matmul(x, [router], [logits], [router_bias] if router_bias is not None else None, ws=g.ws)
-        kinds = self._node_kinds(experts)
-        if kinds is not None and n <= NODE_ROWS:
-            return self._moe_node(x, logits, experts, top_k, norm_topk, kinds, biases, glu)
+        if n <= NODE_ROWS and self._node_kinds(experts) is not None:
+            return self._moe_node(x, logits, experts, top_k, norm_topk, biases, glu)
         hx, hl = self._pinned("x", (n, d)), self._pinned("logits", (n, E))
         sp = g.stream.ptr
         rt.memcpyAsync(hx.ctypes.data, x.data.ptr, hx.nbytes, rt.memcpyDeviceToHost, sp)
@@ -142,17 +142,17 @@ class HostExperts:
 
     def _node_kinds(self, experts):
         """The fused kernels' kinds for these experts (moe_cpu.fused_kinds), or None: the
-        step waits for the host instead."""
-        cpu = self.cpu
-        if not cpu.moe_fused:
-            return None
-        from quant import moe_cpu
-        return moe_cpu.fused_kinds(*(e.whole for e in experts))
+        step waits for the host instead.  Worked out once a layer."""
+        hit = self._kinds.get(id(experts[0]))
+        if hit is None:
+            from quant import moe_cpu
+            kinds = moe_cpu.fused_kinds(*(e.whole for e in experts)) if self.cpu.moe_fused else None
+            hit = self._kinds[id(experts[0])] = (experts, kinds)       # (experts kept: the id stays theirs)
+        return hit[1]
 
-    def _moe_node(self, x, logits, experts, top_k, norm_topk, kinds, biases, glu):
+    def _moe_node(self, x, logits, experts, top_k, norm_topk, biases, glu):
         """x and the logits copied down, the CPU's moe as a host function, the sum copied
         up: all queued on the stream (capturable), nothing waited for."""
-        from .moe_host_fn import descriptor, host_fn
         g = self.gpu
         rt = g.cp.cuda.runtime
         n, d = x.shape
@@ -165,12 +165,14 @@ class HostExperts:
         key = (id(experts[0]), n)
         entry = self._descs.get(key)
         if entry is None:
-            dsc = descriptor(n, hx, hl, hy, experts, top_k, norm_topk, kinds, glu, self.cpu.threads, biases)
+            from .moe_host_fn import descriptor, host_fn
+            dsc = descriptor(n, hx, hl, hy, experts, top_k, norm_topk, self._node_kinds(experts), glu,
+                             self.cpu.threads, biases)
             entry = self._descs[key] = (dsc, experts, biases)      # (what the words point at, kept alive)
-        if self._launch_host is None:
-            fn = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
-            fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p), ctypes.c_int
-            self._launch_host = (fn, host_fn().address)
+            if self._launch_host is None:
+                fn = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
+                fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p), ctypes.c_int
+                self._launch_host = (fn, host_fn().address)
         sp = g.stream.ptr
         rt.memcpyAsync(hx.ctypes.data, x.data.ptr, n * d * 4, rt.memcpyDeviceToHost, sp)
         rt.memcpyAsync(hl.ctypes.data, logits.data.ptr, n * E * 4, rt.memcpyDeviceToHost, sp)
