@@ -2,7 +2,7 @@
 (B sequences, one token each) against one row, and the same through the Scheduler alone
 (run_until_idle, no server), with the CPU step plans recorded/replayed counted.
 
-    PYTHONPATH=tests python -m lab.serve_engine -m MODEL -t 2 [-B 8] [--rounds 5] [--sched]
+    PYTHONPATH=tests python -m lab.serve_engine -m MODEL -t 2 [--device cuda] [-B 8] [--rounds 5] [--sched]
 
 Rounds alternate 1-row and B-row blocks (the machine is shared: medians of ratios).
 """
@@ -18,7 +18,7 @@ def engine_rounds(eng, B: int, rounds: int, steps: int, ctx: int = 40):
     seqs = [eng.new_sequence() for _ in range(B)]
     for i, s in enumerate(seqs):
         eng.step([s], [[(7919 * (j + 31 * i) + 11) % vocab for j in range(ctx)]])
-    plans = eng.backend.plans
+    plans = getattr(eng.backend, "plans", None)
     res = []
     for r in range(rounds):
         row = {}
@@ -51,16 +51,24 @@ def sched_rounds(eng, B: int, rounds: int, n: int, ab_merge: bool = False):
     from runtime.bench.serve import prompts
     from runtime.sampling import SamplingParams
     from runtime.scheduler import Request, Scheduler
-    plans = eng.backend.plans
+    plans = getattr(eng.backend, "plans", None)
     step = eng.step
     merge = getattr(eng, "merge_rows", None)
     acc = defaultdict(lambda: [0, 0.0, 0])
 
+    be = eng.backend
+
     def timed(seqs, toks, **kw):
+        setups, replays = getattr(be, "setup_events", 0), getattr(be, "graph_replays", 0)
         t = time.perf_counter()
         out = step(seqs, toks, **kw)
         rows = sum(len(x) for x in toks)
         kind = "decode" if rows == len(toks) else ("mixed" if rows <= 16 else "prompt")
+        # (a GPU backend: the step replayed from a graph, or one that captured a new graph)
+        if getattr(be, "setup_events", 0) != setups:
+            kind += "+setup"
+        elif getattr(be, "graph_replays", 0) != replays:
+            kind += "@graph"
         a = acc[kind]
         a[0] += rows
         a[1] += time.perf_counter() - t
@@ -89,11 +97,11 @@ def sched_rounds(eng, B: int, rounds: int, n: int, ab_merge: bool = False):
             dt = time.perf_counter() - t
             toks = sum(len(q.output) for q in reqs)
             row[(c, mr)] = toks / dt
-            parts = ", ".join(f"{k} {v[0]} rows {v[1]:.1f} s" for k, v in sorted(acc.items()))
+            parts = ", ".join(f"{k} {v[0]} rows {v[2]} steps {v[1]:.2f} s" for k, v in sorted(acc.items()))
             print(f"  {c} client(s), merge {mr}: {toks / dt:.2f} tok/s, {dt:.1f} s ({parts}; outside steps "
                   f"{dt - sum(v[1] for v in acc.values()):.2f} s), {sch.stats.forwards} forwards, "
                   f"{(plans.recorded - rec0) if plans else 0} recordings, {(plans.replayed - rep0) if plans else 0} replays "
-                  f"of {acc['decode'][2] + acc['mixed'][2]} small forwards", flush=True)
+                  f"of {sum(v[2] for k, v in acc.items() if not k.startswith('prompt'))} small forwards", flush=True)
         a, b = runs
         print(f"round {r}: ratio {b} / {a}: {row[b] / row[a]:.2f}", flush=True)
     eng.step = step
@@ -104,6 +112,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("-m", "--model", required=True)
     p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
     p.add_argument("-B", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="decode steps a block (0: no engine rounds)")
@@ -113,13 +122,13 @@ def main():
     a = p.parse_args()
     from runtime.engine import Engine
     from runtime.warmup import warm_up
-    eng = Engine(a.model, threads=a.threads, n_ctx=4096, cache_blocks=2048)
+    eng = Engine(a.model, device=a.device, threads=a.threads, n_ctx=4096, cache_blocks=2048)
     warm_up(eng, notice=print)
     if a.steps:
         engine_rounds(eng, a.B, a.rounds, a.steps)
     if a.sched:
         sched_rounds(eng, a.B, a.rounds, a.n, a.ab_merge)
-    pl = eng.backend.plans
+    pl = getattr(eng.backend, "plans", None)
     if pl:
         print(f"plans: recorded {pl.recorded}, replayed {pl.replayed}, held {len(pl.plans)}")
 
