@@ -172,3 +172,121 @@ extern "C" __global__ void __launch_bounds__(128) mma4k(
         if (row < n && out < M) y[(long long)row * ldy + out] = res[e];
     }
 }
+
+// ---------------------------------------------------------------- the int8 variant
+// The same walk and float operations; the integers by mma.m16n8k16 s8 -> s32 (exact by
+// construction: no question of the adder), one MMA a run (A = the codes, B = the nibbles),
+// then on the integer pipe I += sc * S and M += mn * bs per C element and run, with the
+// scales of the C element's outputs (2t, 2t + 1: their headers' words by shuffle).
+DEV void mma16816_s8(int (&c)[4], u32 a0, u32 a1, u32 b0) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+}
+
+extern "C" __global__ void __launch_bounds__(128) mma4k_i8(
+        const u8* __restrict__ W, int M, int K, long long row_bytes, const signed char* __restrict__ xq,
+        const float* __restrict__ xd, const short* __restrict__ xi, float* __restrict__ y, int ldy, int n) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int o0 = (blockIdx.x * 4 + warp) * 8;
+    if (o0 >= M) return;
+    const int r0 = blockIdx.y * 16;
+    const int nb = K / 256, nst = (nb + 7) / 8;
+    const u8* wrow = W + (long long)min(o0 + g, M - 1) * row_bytes;
+    const int ra = min(r0 + g, n - 1), rb = min(r0 + g + 8, n - 1);
+    const signed char* xa = xq + (long long)ra * K;
+    const signed char* xb = xq + (long long)rb * K;
+    float res[4];
+    float stk[4][3][4];
+    constexpr int QORD[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+#pragma unroll
+    for (int qi = 0; qi < 8; qi++) {
+        const int q = QORD[qi];
+        float acc[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[j][e] = 0.f;
+        for (int it = 0; it < nst; it++) {
+            const int blk0 = it * 8 + q, blk = min(blk0, nb - 1);
+            const bool ok = blk0 < nb;
+            const u8* b = wrow + (long long)blk * 144;
+            const uint4 h = *(const uint4*)b;
+            // headers of outputs 2t (lane 8t) and 2t + 1 (lane 8t + 4)
+            uint4 hh[2];
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                const int src = 8 * t + 4 * u;
+                hh[u].x = __shfl_sync(0xffffffffu, h.x, src);
+                hh[u].y = __shfl_sync(0xffffffffu, h.y, src);
+                hh[u].z = __shfl_sync(0xffffffffu, h.z, src);
+                hh[u].w = __shfl_sync(0xffffffffu, h.w, src);
+            }
+            const float d0 = __half2float(__ushort_as_half((u16)(hh[0].x & 0xFFFFu)));
+            const float m0 = __half2float(__ushort_as_half((u16)(hh[0].x >> 16)));
+            const float d1 = __half2float(__ushort_as_half((u16)(hh[1].x & 0xFFFFu)));
+            const float m1 = __half2float(__ushort_as_half((u16)(hh[1].x >> 16)));
+            const float xda = ok ? xd[(long long)ra * nb + blk] : 0.f;
+            const float xdb = ok ? xd[(long long)rb * nb + blk] : 0.f;
+            const float dx[4] = {d0 * xda, d1 * xda, d0 * xdb, d1 * xdb};
+            const float ndm[4] = {-(m0 * xda), -(m1 * xda), -(m0 * xdb), -(m1 * xdb)};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                int I[4] = {0, 0, 0, 0}, Mn[4] = {0, 0, 0, 0};
+                // the piece's run sums of x (xi: word j lo, hi, word j + 4 lo, hi), rows g, g + 8
+                const short* pa = xi + (long long)ra * (K / 16) + blk * 16 + 4 * j;
+                const short* pb = xi + (long long)rb * (K / 16) + blk * 16 + 4 * j;
+#pragma unroll
+                for (int w = 0; w < 2; w++) {
+                    const int k = j + 4 * w, gg = k >> 1, hf = k & 1;
+                    const u32 qv = *(const u32*)(b + 16 + 16 * k + 4 * t);
+                    const int e0 = blk * 256 + 64 * gg + 16 * hf + 4 * t;
+#pragma unroll
+                    for (int f = 0; f < 2; f++) {
+                        const int s = 2 * gg + f;
+                        int S[4] = {0, 0, 0, 0};
+                        const u32 bq = (f ? (qv >> 4) : qv) & 0x0F0F0F0Fu;
+                        mma16816_s8(S, *(const u32*)(xa + e0 + 32 * f), *(const u32*)(xb + e0 + 32 * f), bq);
+                        const int sc0 = k4_scale(hh[0].y, hh[0].z, hh[0].w, s, false);
+                        const int sc1 = k4_scale(hh[1].y, hh[1].z, hh[1].w, s, false);
+                        const int mn0 = k4_scale(hh[0].y, hh[0].z, hh[0].w, s, true);
+                        const int mn1 = k4_scale(hh[1].y, hh[1].z, hh[1].w, s, true);
+                        const int ba = pa[2 * w + f], bb = pb[2 * w + f];
+                        I[0] += sc0 * S[0]; I[1] += sc1 * S[1]; I[2] += sc0 * S[2]; I[3] += sc1 * S[3];
+                        Mn[0] += mn0 * ba; Mn[1] += mn1 * ba; Mn[2] += mn0 * bb; Mn[3] += mn1 * bb;
+                    }
+                }
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    acc[j][e] = fmaf(dx[e], (float)I[e], acc[j][e]);
+                    acc[j][e] = fmaf(ndm[e], (float)Mn[e], acc[j][e]);
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float a = acc[j][e];
+                if (qi % 2 == 0) stk[j][0][e] = a;
+                else {
+                    const float p = stk[j][0][e] + a;
+                    if (qi % 4 == 1) stk[j][1][e] = p;
+                    else {
+                        const float c = stk[j][1][e] + p;
+                        if (qi == 3) stk[j][2][e] = c;
+                        else stk[j][2][e] = stk[j][2][e] + c;
+                    }
+                }
+            }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+        res[e] = (stk[0][2][e] + stk[2][2][e]) + (stk[1][2][e] + stk[3][2][e]);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const int row = r0 + g + 8 * (e >> 1), out = o0 + 2 * t + (e & 1);
+        if (row < n && out < M) y[(long long)row * ldy + out] = res[e];
+    }
+}

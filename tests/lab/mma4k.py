@@ -1,8 +1,9 @@
-"""Lab: the Q4_K tensor-core matvec for 9-32 rows (tests/lab/mma4k.cu) against the product's
-decode matvec (mvk4k): every output bit for bit equal to the row's own 1-row result, then
-GPU time against mvk in forwards of at most 8 rows (what a server's step does today).
+"""Lab: the Q4_K tensor-core matvecs for 9-32 rows (tests/lab/mma4k.cu: mma4k, f16 MMAs with the
+run scales folded into the weights; mma4k_i8, s8 MMAs and the scales on the integer pipe)
+against the product's decode matvec (mvk4k): every output bit for bit equal to the row's own
+1-row result, then GPU time against mvk in forwards of at most 8 rows (a server's step today).
 
-    PYTHONPATH=tests python -m lab.mma4k [--rows 1,8,9,16,17,32]
+    PYTHONPATH=tests python -m lab.mma4k [--rows 1,8,9,16,17,32] [--kernels mma4k,mma4k_i8]
 
 Exit status 1 when any output differs.
 """
@@ -20,14 +21,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,9,16,17,32")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--kernels", default="mma4k,mma4k_i8")
     a = ap.parse_args(argv)
     import cupy as cp
     import quant.cuda as qc
     from quant import GGMLType, QTensor
     from lab.gpu_bench import _graph_seconds
     from lab.synth import _Noise, random_weight
-    fn = cp.RawModule(code=(Path(__file__).with_name("mma4k.cu")).read_text(),
-                      options=("-std=c++17",)).get_function("mma4k")
+    mod = cp.RawModule(code=(Path(__file__).with_name("mma4k.cu")).read_text(), options=("-std=c++17",))
     ws = qc.Workspace()
     rows = [int(r) for r in a.rows.split(",")]
     N = max(rows)
@@ -43,27 +44,29 @@ def main(argv=None) -> int:
             qc.matmul(x[r:r + 1], [W], [ref[r:r + 1]], ws=ws)
         ref_h = ref.get()
 
-        def ours(n, Wt, y):
+        def ours(n, Wt, y, fn):
             xq, xd, xs, xi = qc._quantize_act(x[:n], 256, ws)
             fn(((M + 31) // 32, (n + 15) // 16), (128,),
                (Wt.data, np.int32(M), np.int32(K), np.int64(Wt.row_nbytes), xq, xd, xi, y, np.int32(M), np.int32(n)))
 
         line = []
         for n in rows:
-            y = cp.full((n, M), np.nan, cp.float32)
-            ours(n, W, y)
-            got = y.get()
-            bad = int((got.view(np.uint32) != ref_h[:n].view(np.uint32)).sum())
-            bad_all += bad
-            err = float(np.nanmax(np.abs(got - ref_h[:n]))) if bad else 0.0
-            # time: ours for all n rows at once; mvk in forwards of at most 8 rows
             y1 = cp.empty((n, M), cp.float32)
-            t_ours = _graph_seconds(cp, lambda i: ours(n, Ws[i], y1), n_bufs, a.reps)
             groups = [(s, min(n, s + 8)) for s in range(0, n, 8)]
             t_mvk = _graph_seconds(cp, lambda i: [qc.matmul(x[s:e], [Ws[i]], [y1[s:e]], ws=ws) for s, e in groups],
                                    n_bufs, a.reps)
-            line.append(f"{n} rows: {bad} differ (max |d| {err:.3g}), ours {1e6 * t_ours:.1f} us, "
-                        f"mvk x{len(groups)} {1e6 * t_mvk:.1f} us")
+            part = [f"{n} rows: mvk x{len(groups)} {1e6 * t_mvk:.1f} us"]
+            for kname in a.kernels.split(","):
+                fn = mod.get_function(kname)
+                y = cp.full((n, M), np.nan, cp.float32)
+                ours(n, W, y, fn)
+                got = y.get()
+                bad = int((got.view(np.uint32) != ref_h[:n].view(np.uint32)).sum())
+                bad_all += bad
+                err = float(np.nanmax(np.abs(got - ref_h[:n]))) if bad else 0.0
+                t = _graph_seconds(cp, lambda i: ours(n, Ws[i], y1, fn), n_bufs, a.reps)
+                part.append(f"{kname} {1e6 * t:.1f} us, {bad} differ" + (f" (max |d| {err:.3g})" if bad else ""))
+            line.append(", ".join(part))
         print(f"Q4_K {M}x{K}: " + "; ".join(line), flush=True)
         del Ws
     print("bit for bit" if bad_all == 0 else f"{bad_all} outputs differ")
