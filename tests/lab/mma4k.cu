@@ -290,3 +290,148 @@ extern "C" __global__ void __launch_bounds__(128) mma4k_i8(
         if (row < n && out < M) y[(long long)row * ldy + out] = res[e];
     }
 }
+
+// ---------------------------------------------------------------- the tiled f16 variant
+// The f16 route with the A operand shared: a warp tile of 16 rows x 8 NT outputs (NT n-tiles
+// of 8 read the same A fragments), and the pieces walked one after another (j = 0, 2, 1, 3:
+// the butterfly's last two levels pair j with j ^ 2, then j ^ 1), each piece pass a walk of q
+// in the butterfly's order over its blocks, so a thread holds one accumulator and a 3-level
+// stack per C element.  x as fp16 codes x16 [n, K] and run sums bs16 [n, K / 16] (codes_f16,
+// below; in the product q8_act would write them).  grid (ceil(M / (32 NT)), ceil(n / 16)).
+extern "C" __global__ void codes_f16(const signed char* __restrict__ xq, const short* __restrict__ xi, long long nk,
+                                     __half* __restrict__ x16, __half* __restrict__ bs16) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < nk) x16[i] = __int2half_rn((int)xq[i]);
+    if (i < nk / 16) bs16[i] = __int2half_rn((int)xi[i]);
+}
+
+template <int NT>
+__global__ void __launch_bounds__(128) mma4k_t(
+        const u8* __restrict__ W, int M, int K, long long row_bytes, const __half* __restrict__ x16,
+        const float* __restrict__ xd, const __half* __restrict__ bs16, float* __restrict__ y, int ldy, int n) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int o0 = (blockIdx.x * 4 + warp) * 8 * NT;
+    if (o0 >= M) return;
+    const int r0 = blockIdx.y * 16;
+    const int nb = K / 256, nst = (nb + 7) / 8;
+    const u8* wrow[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) wrow[nt] = W + (long long)min(o0 + 8 * nt + g, M - 1) * row_bytes;
+    const int ra = min(r0 + g, n - 1), rb = min(r0 + g + 8, n - 1);
+    const __half* xa = x16 + (long long)ra * K;
+    const __half* xb = x16 + (long long)rb * K;
+    constexpr int QORD[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+    constexpr int JORD[4] = {0, 2, 1, 3};
+    float res[NT][4], half_[NT][4];
+#pragma unroll 1
+    for (int ji = 0; ji < 4; ji++) {
+        const int j = JORD[ji];
+        float stk[NT][3][4];
+#pragma unroll
+        for (int qi = 0; qi < 8; qi++) {
+            const int q = QORD[qi];
+            float acc[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[nt][e] = 0.f;
+            for (int it = 0; it < nst; it++) {
+                const int blk0 = it * 8 + q, blk = min(blk0, nb - 1);
+                const bool ok = blk0 < nb;
+                const float xda = ok ? xd[(long long)ra * nb + blk] : 0.f;
+                const float xdb = ok ? xd[(long long)rb * nb + blk] : 0.f;
+                // A: the piece's 4 runs (word j lo, hi; word j + 4 lo, hi), rows g, g + 8
+                u32 A[4][4];
+#pragma unroll
+                for (int w = 0; w < 2; w++)
+#pragma unroll
+                    for (int f = 0; f < 2; f++) {
+                        const int k = j + 4 * w;
+                        const int e0 = blk * 256 + 64 * (k >> 1) + 16 * (k & 1) + 32 * f + 4 * t;
+                        const uint2 va = *(const uint2*)(xa + e0), vb = *(const uint2*)(xb + e0);
+                        A[2 * w + f][0] = va.x; A[2 * w + f][1] = vb.x; A[2 * w + f][2] = va.y; A[2 * w + f][3] = vb.y;
+                    }
+                u32 am0 = 0u, am1 = 0u, am2 = 0u, am3 = 0u;       // M's A: the run sums (t = 0)
+                if (t == 0) {
+                    const uint2 sa = *(const uint2*)(bs16 + (long long)ra * (K / 16) + blk * 16 + 4 * j);
+                    const uint2 sb = *(const uint2*)(bs16 + (long long)rb * (K / 16) + blk * 16 + 4 * j);
+                    am0 = sa.x; am2 = sa.y; am1 = sb.x; am3 = sb.y;
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const u8* b = wrow[nt] + (long long)blk * 144;
+                    const uint4 h = *(const uint4*)b;
+                    const u32 hx0 = __shfl_sync(0xffffffffu, h.x, 8 * t), hx1 = __shfl_sync(0xffffffffu, h.x, 8 * t + 4);
+                    const float d0 = __half2float(__ushort_as_half((u16)(hx0 & 0xFFFFu)));
+                    const float m0 = __half2float(__ushort_as_half((u16)(hx0 >> 16)));
+                    const float d1 = __half2float(__ushort_as_half((u16)(hx1 & 0xFFFFu)));
+                    const float m1 = __half2float(__ushort_as_half((u16)(hx1 >> 16)));
+                    float cI[4] = {0.f, 0.f, 0.f, 0.f}, cM[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int w = 0; w < 2; w++) {
+                        const int k = j + 4 * w, gg = k >> 1;
+                        const u32 qv = *(const u32*)(b + 16 + 16 * k + 4 * t);
+#pragma unroll
+                        for (int f = 0; f < 2; f++) {
+                            const __half sc = __int2half_rn(k4_scale(h.y, h.z, h.w, 2 * gg + f, false));
+                            u32 b0, b1;
+                            nib_h2(f ? (qv >> 4) : qv, sc, b0, b1);
+                            const u32* a = A[2 * w + f];
+                            mma16816(cI, a[0], a[1], a[2], a[3], b0, b1);
+                        }
+                    }
+                    u32 bm0 = 0u, bm1 = 0u;
+                    if (t == 0) {
+                        const int s0 = 2 * (j >> 1);
+                        bm0 = h2u(__floats2half2_rn((float)k4_scale(h.y, h.z, h.w, s0, true),
+                                                    (float)k4_scale(h.y, h.z, h.w, s0 + 1, true)));
+                        bm1 = h2u(__floats2half2_rn((float)k4_scale(h.y, h.z, h.w, s0 + 4, true),
+                                                    (float)k4_scale(h.y, h.z, h.w, s0 + 5, true)));
+                    }
+                    mma16816(cM, am0, am1, am2, am3, bm0, bm1);
+                    const float dx[4] = {d0 * xda, d1 * xda, d0 * xdb, d1 * xdb};
+                    const float ndm[4] = {-(m0 * xda), -(m1 * xda), -(m0 * xdb), -(m1 * xdb)};
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        acc[nt][e] = fmaf(dx[e], cI[e], acc[nt][e]);
+                        acc[nt][e] = fmaf(ndm[e], cM[e], acc[nt][e]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float a = acc[nt][e];
+                    if (qi % 2 == 0) stk[nt][0][e] = a;
+                    else {
+                        const float p = stk[nt][0][e] + a;
+                        if (qi % 4 == 1) stk[nt][1][e] = p;
+                        else {
+                            const float c = stk[nt][1][e] + p;
+                            if (qi == 3) stk[nt][2][e] = c;
+                            else stk[nt][2][e] = stk[nt][2][e] + c;
+                        }
+                    }
+                }
+        }
+        // the pieces: (j 0 + j 2) + (j 1 + j 3)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float v = stk[nt][2][e];
+                if (ji == 0 || ji == 2) half_[nt][e] = v;
+                else if (ji == 1) res[nt][e] = half_[nt][e] + v;
+                else res[nt][e] = res[nt][e] + (half_[nt][e] + v);
+            }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int row = r0 + g + 8 * (e >> 1), out = o0 + 8 * nt + 2 * t + (e & 1);
+            if (row < n && out < M) y[(long long)row * ldy + out] = res[nt][e];
+        }
+}

@@ -1,9 +1,11 @@
 """Lab: the Q4_K tensor-core matvecs for 9-32 rows (tests/lab/mma4k.cu: mma4k, f16 MMAs with the
-run scales folded into the weights; mma4k_i8, s8 MMAs and the scales on the integer pipe)
+run scales folded into the weights; mma4k_i8, s8 MMAs and the scales on the integer pipe;
+mma4k_t<NT>, the f16 route with 8 NT outputs a warp sharing the activations, which it takes as
+fp16 codes made by codes_f16, timed with it)
 against the product's decode matvec (mvk4k): every output bit for bit equal to the row's own
 1-row result, then GPU time against mvk in forwards of at most 8 rows (a server's step today).
 
-    PYTHONPATH=tests python -m lab.mma4k [--rows 1,8,9,16,17,32] [--kernels mma4k,mma4k_i8]
+    PYTHONPATH=tests python -m lab.mma4k [--rows 1,8,9,16,17,32] [--kernels mma4k,mma4k_i8,mma4k_t<2>,mma4k_t<4>]
 
 Exit status 1 when any output differs.
 """
@@ -21,14 +23,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,9,16,17,32")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--kernels", default="mma4k,mma4k_i8")
+    ap.add_argument("--kernels", default="mma4k,mma4k_i8,mma4k_t<2>,mma4k_t<4>")
     a = ap.parse_args(argv)
     import cupy as cp
     import quant.cuda as qc
     from quant import GGMLType, QTensor
     from lab.gpu_bench import _graph_seconds
     from lab.synth import _Noise, random_weight
-    mod = cp.RawModule(code=(Path(__file__).with_name("mma4k.cu")).read_text(), options=("-std=c++17",))
+    kernels = a.kernels.split(",")
+    mod = cp.RawModule(code=(Path(__file__).with_name("mma4k.cu")).read_text(), options=("-std=c++17",),
+                       name_expressions=[k for k in kernels if "<" in k])
+    get = lambda k: mod.get_function(k)
     ws = qc.Workspace()
     rows = [int(r) for r in a.rows.split(",")]
     N = max(rows)
@@ -44,10 +49,20 @@ def main(argv=None) -> int:
             qc.matmul(x[r:r + 1], [W], [ref[r:r + 1]], ws=ws)
         ref_h = ref.get()
 
-        def ours(n, Wt, y, fn):
+        def ours(n, Wt, y, kname):
             xq, xd, xs, xi = qc._quantize_act(x[:n], 256, ws)
-            fn(((M + 31) // 32, (n + 15) // 16), (128,),
-               (Wt.data, np.int32(M), np.int32(K), np.int64(Wt.row_nbytes), xq, xd, xi, y, np.int32(M), np.int32(n)))
+            if kname.startswith("mma4k_t<"):
+                nt = int(kname[8:-1])
+                x16 = ws.get("lab_x16", n * K, cp.float16, keep=True)
+                bs16 = ws.get("lab_bs16", n * K // 16, cp.float16, keep=True)
+                get("codes_f16")(((n * K + 255) // 256,), (256,), (xq, xi, np.int64(n * K), x16, bs16))
+                get(kname)(((M + 32 * nt - 1) // (32 * nt), (n + 15) // 16), (128,),
+                           (Wt.data, np.int32(M), np.int32(K), np.int64(Wt.row_nbytes), x16, xd, bs16, y,
+                            np.int32(M), np.int32(n)))
+                return
+            get(kname)(((M + 31) // 32, (n + 15) // 16), (128,),
+                       (Wt.data, np.int32(M), np.int32(K), np.int64(Wt.row_nbytes), xq, xd, xi, y, np.int32(M),
+                        np.int32(n)))
 
         line = []
         for n in rows:
@@ -56,15 +71,14 @@ def main(argv=None) -> int:
             t_mvk = _graph_seconds(cp, lambda i: [qc.matmul(x[s:e], [Ws[i]], [y1[s:e]], ws=ws) for s, e in groups],
                                    n_bufs, a.reps)
             part = [f"{n} rows: mvk x{len(groups)} {1e6 * t_mvk:.1f} us"]
-            for kname in a.kernels.split(","):
-                fn = mod.get_function(kname)
+            for kname in kernels:
                 y = cp.full((n, M), np.nan, cp.float32)
-                ours(n, W, y, fn)
+                ours(n, W, y, kname)
                 got = y.get()
                 bad = int((got.view(np.uint32) != ref_h[:n].view(np.uint32)).sum())
                 bad_all += bad
                 err = float(np.nanmax(np.abs(got - ref_h[:n]))) if bad else 0.0
-                t = _graph_seconds(cp, lambda i: ours(n, Ws[i], y1, fn), n_bufs, a.reps)
+                t = _graph_seconds(cp, lambda i: ours(n, Ws[i], y1, kname), n_bufs, a.reps)
                 part.append(f"{kname} {1e6 * t:.1f} us, {bad} differ" + (f" (max |d| {err:.3g})" if bad else ""))
             line.append(", ".join(part))
         print(f"Q4_K {M}x{K}: " + "; ".join(line), flush=True)
