@@ -1,0 +1,27 @@
+"""The lab tensor-core Q4_K kernels (tests/lab/mma4k.cu), emulated thread by thread on the CPU,
+take the product's mvk4k operations in its order (lab.mma4k_emul): their outputs equal an
+emulated mvk4k's bit for bit, here with a partial tile of rows and outputs and a K that is not
+a multiple of 2048 (mvk4k's padded blocks)."""
+import pytest
+
+from lab import mma4k_emul as emul
+
+
+def test_lab_kernels_take_mvk4k_order():
+    bad, dist = emul.check(M=8, K=1536, n=9, kernels=("i8", "t2"), seed=5)
+    assert bad == {"i8": 0, "t2": 0}
+    assert dist < 1e-5          # mvk4k's emulation computes the product (float64 reference)
+
+
+def test_the_check_sees_another_order(monkeypatch):
+    monkeypatch.setattr(emul, "QORD", (0, 1, 2, 3, 4, 5, 6, 7))
+    bad, _ = emul.check(M=8, K=1536, n=9, kernels=("i8",), seed=5)
+    assert bad["i8"] > 0
+
+
+@pytest.mark.parametrize("v", [0.1, 1e-30, -3.0e38])
+def test_fmaf_rounds_once(v):
+    a, b = emul.f32(1 + 2 ** -23), emul.f32(1 - 2 ** -23)
+    # a * b = 1 - 2^-46: rounds to 1 alone; with c = -1 the single rounding keeps -2^-46
+    assert emul.fmaf(a, b, emul.f32(-1)) == emul.f32(-(2.0 ** -46))
+    assert emul.fmaf(emul.f32(v), emul.f32(1), emul.f32(0)) == emul.f32(v)
