@@ -435,3 +435,108 @@ __global__ void __launch_bounds__(128) mma4k_t(
             if (row < n && out < M) y[(long long)row * ldy + out] = res[nt][e];
         }
 }
+
+// ---------------------------------------------------------------- Q6_K in mvs's order
+// mvs<IQ6_K> (qint8.cuh; the product's Q6_K kernel for W of more than MVK_Q6K_MAX_M rows:
+// the outputs, L8's ffn_down) sums output m, row n per lane l = 8 s + p (s: block slot of a
+// 4-block chunk, p: 32-weight part of the block) over its chunks in order:
+//     t = 0; for run u < 4 (8 values): t = fmaf(d * scale[u], (float)si_u, t);  acc = fmaf(t, xd, acc)
+// (si_u = sum (q - 32) * x over the run), then the butterfly: xor 16, 8 pair the slots
+// (s ^ 2, s ^ 1), xor 4, 2, 1 the parts.  Here: slots walked 0, 2, 1, 3, all 8 parts of a
+// block at once (one accumulator a part and C element), a 2-level stack for the slots, then
+// the parts' tree.  si_u by mma.m16n8k16 s8, the run's 8 values at k 0..7 (threads t = 0, 1),
+// zeros above.  Q6_K blocks (210 bytes) are 2-byte aligned: ld32u.
+DEV u32 ld32u(const u8* p) {
+    const u32* a = (const u32*)((size_t)p & ~(size_t)3);
+    return __funnelshift_r(a[0], a[1], ((u32)(size_t)p & 3u) * 8u);
+}
+
+extern "C" __global__ void __launch_bounds__(128) mma6k_s(
+        const u8* __restrict__ W, int M, int K, long long row_bytes, const signed char* __restrict__ xq,
+        const float* __restrict__ xd, float* __restrict__ y, int ldy, int n) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int o0 = (blockIdx.x * 4 + warp) * 8;
+    if (o0 >= M) return;
+    const int r0 = blockIdx.y * 16;
+    const int nb = K / 256, nch = (nb + 3) / 4;
+    const u8* wrow = W + (long long)min(o0 + g, M - 1) * row_bytes;
+    // the C elements' outputs 2t, 2t + 1 (their d and scales)
+    const u8* crow0 = W + (long long)min(o0 + 2 * t, M - 1) * row_bytes;
+    const u8* crow1 = W + (long long)min(o0 + 2 * t + 1, M - 1) * row_bytes;
+    const int ra = min(r0 + g, n - 1), rb = min(r0 + g + 8, n - 1);
+    const signed char* xa = xq + (long long)ra * K;
+    const signed char* xb = xq + (long long)rb * K;
+    constexpr int SORD[4] = {0, 2, 1, 3};
+    float pair[8][4], v2[8][4];
+#pragma unroll
+    for (int si = 0; si < 4; si++) {
+        const int s = SORD[si];
+        float acc[8][4];
+#pragma unroll
+        for (int p = 0; p < 8; p++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[p][e] = 0.f;
+        for (int c = 0; c < nch; c++) {
+            const int blk = 4 * c + s;
+            if (blk >= nb) break;                     // (the whole warp: parts past K add nothing)
+            const u8* b = wrow + (long long)blk * 210;
+            const u8* b0 = crow0 + (long long)blk * 210;
+            const u8* b1 = crow1 + (long long)blk * 210;
+            const float d0 = __half2float(__ushort_as_half(*(const u16*)(b0 + 208)));
+            const float d1 = __half2float(__ushort_as_half(*(const u16*)(b1 + 208)));
+            const float xda = xd[(long long)ra * nb + blk], xdb = xd[(long long)rb * nb + blk];
+#pragma unroll
+            for (int p = 0; p < 8; p++) {
+                const int h = p >> 2, l0 = 8 * (p & 3);
+                float tt[4] = {0.f, 0.f, 0.f, 0.f};
+                u32 qlo = 0u, qhi = 0u, qh = 0u;
+                if (t < 2) {
+                    qlo = ld32u(b + 64 * h + l0 + 4 * t);
+                    qhi = ld32u(b + 64 * h + 32 + l0 + 4 * t);
+                    qh = ld32u(b + 128 + 32 * h + l0 + 4 * t);
+                }
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    u32 a0 = 0u, a1 = 0u, bq = 0u;
+                    if (t < 2) {
+                        const int e0 = blk * 256 + 128 * h + 32 * u + l0 + 4 * t;
+                        a0 = *(const u32*)(xa + e0);
+                        a1 = *(const u32*)(xb + e0);
+                        const u32 ql = (u & 1) ? qhi : qlo;
+                        const u32 q6 = ((ql >> (u >= 2 ? 4 : 0)) & 0x0F0F0F0Fu) | (((qh >> (2 * u)) & 0x03030303u) << 4);
+                        bq = __vsub4(q6, 0x20202020u);
+                    }
+                    int S[4] = {0, 0, 0, 0};
+                    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                                 : "+r"(S[0]), "+r"(S[1]), "+r"(S[2]), "+r"(S[3]) : "r"(a0), "r"(a1), "r"(bq));
+                    const int si_ = 8 * h + (l0 >> 4) + 2 * u;
+                    const float sc0 = d0 * (float)(signed char)b0[192 + si_];
+                    const float sc1 = d1 * (float)(signed char)b1[192 + si_];
+                    tt[0] = fmaf(sc0, (float)S[0], tt[0]);
+                    tt[1] = fmaf(sc1, (float)S[1], tt[1]);
+                    tt[2] = fmaf(sc0, (float)S[2], tt[2]);
+                    tt[3] = fmaf(sc1, (float)S[3], tt[3]);
+                }
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[p][e] = fmaf(tt[e], e < 2 ? xda : xdb, acc[p][e]);
+            }
+        }
+        // slots: level 1 pairs s, s ^ 2 (order 0, 2 | 1, 3), level 2 the two pairs
+#pragma unroll
+        for (int p = 0; p < 8; p++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                if (si == 0 || si == 2) pair[p][e] = acc[p][e];
+                else if (si == 1) v2[p][e] = pair[p][e] + acc[p][e];
+                else v2[p][e] = v2[p][e] + (pair[p][e] + acc[p][e]);
+            }
+    }
+    // the parts: p with p ^ 4, then p ^ 2, then p ^ 1
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const float r = ((v2[0][e] + v2[4][e]) + (v2[2][e] + v2[6][e])) + ((v2[1][e] + v2[5][e]) + (v2[3][e] + v2[7][e]));
+        const int row = r0 + g + 8 * (e >> 1), out = o0 + 2 * t + (e & 1);
+        if (row < n && out < M) y[(long long)row * ldy + out] = r;
+    }
+}

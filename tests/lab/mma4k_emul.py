@@ -389,6 +389,144 @@ def mma4k_t(Wb, x16, xd, bs16, M, K, n, o0, r0, NT):
     return out
 
 
+# ---------------------------------------------------------------- Q6_K: mvs's order
+def _vsub4_32(v):
+    """__vsub4(v, 0x20202020): each byte less 32, modulo 256."""
+    return sum(((((v >> (8 * i)) & 0xFF) - 32) & 0xFF) << (8 * i) for i in range(4))
+
+
+def _q6_run(b, part, u):
+    """The 8 codes (q - 32) of run u of a Q6_K part (IQ6_K::decode_i8's), and its scale index."""
+    h, l0 = part >> 2, 8 * (part & 3)
+    ql = b[64 * h + 32 * (u & 1) + l0: 64 * h + 32 * (u & 1) + l0 + 8].astype(np.int64)
+    qh = b[128 + 32 * h + l0: 128 + 32 * h + l0 + 8].astype(np.int64)
+    q = ((ql >> (4 if u >= 2 else 0)) & 0xF) | (((qh >> (2 * u)) & 3) << 4)
+    return q - 32, 8 * h + (l0 >> 4) + 2 * u
+
+
+def mvs6k(Wb, xq, xd, m, n, K):
+    """Output m, row n of mvs<IQ6_K>: lane l adds parts 32 c + l (chunks c in order), each
+    part t = fmaf(d * scale_u, si_u, t) over its 4 runs then acc = fmaf(t, xd, acc); butterfly."""
+    nb = K // 256
+    nparts = nb * 8
+    accs = []
+    for l in range(32):
+        acc = f32(0)
+        for c in range((K + 1023) // 1024):
+            gp = 32 * c + l
+            if gp >= nparts:
+                continue
+            blk, part = gp // 8, gp % 8
+            b = Wb[m, blk * 210:(blk + 1) * 210]
+            d = half(int(b[208]) | (int(b[209]) << 8))
+            tt = f32(0)
+            for u in range(4):
+                q, si_ = _q6_run(b, part, u)
+                e0 = blk * 256 + 128 * (part >> 2) + 32 * u + 8 * (part & 3)
+                sv = int((q * xq[n, e0:e0 + 8].astype(np.int64)).sum())
+                tt = fmaf(fmul(d, f32(s8(int(b[192 + si_])))), f32(sv), tt)
+            acc = fmaf(tt, xd[n, blk], acc)
+        accs.append(acc)
+    return butterfly(accs)
+
+
+SORD = (0, 2, 1, 3)
+
+
+def mma6k_s(Wb, xq, xd, M, K, n, o0, r0):
+    """One warp of mma6k_s (tests/lab/mma4k.cu), thread by thread."""
+    nb = K // 256
+    L = range(32)
+    g = [l >> 2 for l in L]
+    t = [l & 3 for l in L]
+    wrow = [min(o0 + g[l], M - 1) for l in L]
+    crow = [[min(o0 + 2 * t[l] + u, M - 1) for u in range(2)] for l in L]
+    ra = [min(r0 + g[l], n - 1) for l in L]
+    rb = [min(r0 + g[l] + 8, n - 1) for l in L]
+    xb8 = xq.view(np.uint8)
+    blkb = lambda row, blk: Wb[row, blk * 210:(blk + 1) * 210]
+    pair = [[[None] * 4 for _ in range(8)] for _ in L]
+    v2 = [[[None] * 4 for _ in range(8)] for _ in L]
+    for si, s in enumerate(SORD):
+        acc = [[[f32(0)] * 4 for _ in range(8)] for _ in L]
+        for c in range((nb + 3) // 4):
+            blk = 4 * c + s
+            if blk >= nb:
+                break
+            for p in range(8):
+                h, l0 = p >> 2, 8 * (p & 3)
+                tt = [[f32(0)] * 4 for _ in L]
+                for u in range(4):
+                    ar, br = [], []
+                    for l in L:
+                        if t[l] < 2:
+                            e0 = blk * 256 + 128 * h + 32 * u + l0 + 4 * t[l]
+                            ar.append((u32_at(xb8[ra[l]], e0), u32_at(xb8[rb[l]], e0)))
+                            b = blkb(wrow[l], blk)
+                            ql = u32_at(b, 64 * h + 32 * (u & 1) + l0 + 4 * t[l])
+                            qh = u32_at(b, 128 + 32 * h + l0 + 4 * t[l])
+                            q6 = ((ql >> (4 if u >= 2 else 0)) & 0x0F0F0F0F) | (((qh >> (2 * u)) & 0x03030303) << 4)
+                            br.append(_vsub4_32(q6))
+                        else:
+                            ar.append((0, 0))
+                            br.append(0)
+                    S = mma_s8_m16n8k16(ar, br, [[0] * 4 for _ in L])
+                    si_ = 8 * h + (l0 >> 4) + 2 * u
+                    for l in L:
+                        for e in range(4):
+                            cb = blkb(crow[l][e & 1], blk)
+                            d = half(int(cb[208]) | (int(cb[209]) << 8))
+                            sc = fmul(d, f32(s8(int(cb[192 + si_]))))
+                            tt[l][e] = fmaf(sc, f32(S[l][e]), tt[l][e])
+                for l in L:
+                    for e in range(4):
+                        xv = xd[ra[l], blk] if e < 2 else xd[rb[l], blk]
+                        acc[l][p][e] = fmaf(tt[l][e], xv, acc[l][p][e])
+        for l in L:
+            for p in range(8):
+                for e in range(4):
+                    a = acc[l][p][e]
+                    if si in (0, 2):
+                        pair[l][p][e] = a
+                    elif si == 1:
+                        v2[l][p][e] = fadd(pair[l][p][e], a)
+                    else:
+                        v2[l][p][e] = fadd(v2[l][p][e], fadd(pair[l][p][e], a))
+    out = {}
+    for l in L:
+        for e in range(4):
+            v = v2[l]
+            r = fadd(fadd(fadd(v[0][e], v[4][e]), fadd(v[2][e], v[6][e])),
+                     fadd(fadd(v[1][e], v[5][e]), fadd(v[3][e], v[7][e])))
+            row, col = r0 + g[l] + 8 * (e >> 1), o0 + 2 * t[l] + (e & 1)
+            if row < n and col < M:
+                out[(row, col)] = r
+    return out
+
+
+def check6(M=8, K=1280, n=9, seed=0):
+    """Outputs of mma6k_s differing from mvs<IQ6_K>, and mvs's distance from float64."""
+    from quant import GGMLType, QTensor
+    from quant.dequant import dequantize
+    from quant.encode import quantize
+    rng = np.random.default_rng(seed)
+    Wb = np.ascontiguousarray(quantize(rng.standard_normal((M, K)).astype(np.float32) * 0.05, GGMLType.Q6_K))
+    Wb = Wb.reshape(M, -1).view(np.uint8)
+    xq = rng.integers(-127, 128, (n, K)).astype(np.int8)
+    xd = (rng.random((n, K // 256)) * 0.02 + 1e-3).astype(np.float32)
+    ref = {(r, m): mvs6k(Wb, xq, xd, m, r, K) for r in range(n) for m in range(M)}
+    Wf = dequantize(QTensor("w", GGMLType.Q6_K, (M, K), Wb)).astype(np.float64)
+    f64 = (xq.astype(np.float64) * np.repeat(xd.astype(np.float64), 256, axis=1)) @ Wf.T
+    dist = max(abs(float(ref[k]) - f64[k]) for k in ref) / np.abs(f64).max()
+    got = {}
+    for r0 in range(0, n, 16):
+        for o0 in range(0, M, 8):
+            got.update(mma6k_s(Wb, xq, xd, M, K, n, o0, r0))
+    assert set(got) == set(ref)
+    bad = sum(1 for k in ref if np.float32(got[k]).view(np.uint32) != np.float32(ref[k]).view(np.uint32))
+    return bad, dist
+
+
 # ---------------------------------------------------------------- inputs and the check
 def random_inputs(M, K, n, seed=0):
     """Q4_K weights (quant's encoder on random floats), and activations as q8_act leaves them:
@@ -447,7 +585,9 @@ def main() -> int:
     print(f"mvk4k against the float64 product: largest distance {dist:.2e} of the output scale")
     for k, v in bad.items():
         print(f"{k}: {v} outputs differ from mvk4k")
-    return 0 if not any(bad.values()) else 1
+    bad6, dist6 = check6()
+    print(f"mvs<IQ6_K> against the float64 product: {dist6:.2e}; mma6k_s: {bad6} outputs differ from it")
+    return 0 if not any(bad.values()) and not bad6 else 1
 
 
 if __name__ == "__main__":

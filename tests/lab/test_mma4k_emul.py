@@ -1,7 +1,7 @@
-"""The lab tensor-core Q4_K kernels (tests/lab/mma4k.cu), emulated thread by thread on the CPU,
-take the product's mvk4k operations in its order (lab.mma4k_emul): their outputs equal an
-emulated mvk4k's bit for bit, here with a partial tile of rows and outputs and a K that is not
-a multiple of 2048 (mvk4k's padded blocks)."""
+"""The lab tensor-core kernels (tests/lab/mma4k.cu), emulated thread by thread on the CPU, take
+the product's operations in its order (lab.mma4k_emul): the Q4_K ones equal an emulated mvk4k
+bit for bit, the Q6_K one an emulated mvs<IQ6_K>, here with partial tiles of rows and outputs
+and widths that leave part of the last step empty; another walk order does not."""
 import pytest
 
 from lab import mma4k_emul as emul
@@ -17,6 +17,12 @@ def test_the_check_sees_another_order(monkeypatch):
     monkeypatch.setattr(emul, "QORD", (0, 1, 2, 3, 4, 5, 6, 7))
     bad, _ = emul.check(M=8, K=1536, n=9, kernels=("i8",), seed=5)
     assert bad["i8"] > 0
+
+
+def test_q6k_kernel_takes_mvs_order(monkeypatch):
+    assert emul.check6(M=8, K=1280, n=9, seed=0)[0] == 0
+    monkeypatch.setattr(emul, "SORD", (0, 1, 2, 3))
+    assert emul.check6(M=8, K=1280, n=9, seed=0)[0] > 0
 
 
 @pytest.mark.parametrize("v", [0.1, 1e-30, -3.0e38])
