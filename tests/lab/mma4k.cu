@@ -540,3 +540,92 @@ extern "C" __global__ void __launch_bounds__(128) mma6k_s(
         if (row < n && out < M) y[(long long)row * ldy + out] = r;
     }
 }
+
+// ---------------------------------------------------------------- Q6_K in mvkt's order
+// mvkt<MQ6_K> (qmvk.cuh; Q6_K of at most MVK_Q6K_MAX_M rows) has mvk4k's lane classes
+// L = 4q + j and walk (8-block steps, blocks past K: the last block with xd = 0), and per
+// block and piece j (half h = j >> 1, bytes l0 = 16 (j & 1); runs t of 16 values at
+// 128h + l0 + 32t, scale 8h + (j & 1) + 2t) one exact integer Y = sum_t sc_t * sum (q - 32) x,
+// then acc = fmaf(d * xd, (float)Y, acc).  Here as mma4k_i8: q walked 0, 4, 2, 6, 1, 5, 3, 7,
+// the four pieces at once, a run an s8 MMA (B = q - 32), Y by IMAD.
+extern "C" __global__ void __launch_bounds__(128) mma6k_k(
+        const u8* __restrict__ W, int M, int K, long long row_bytes, const signed char* __restrict__ xq,
+        const float* __restrict__ xd, float* __restrict__ y, int ldy, int n) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int o0 = (blockIdx.x * 4 + warp) * 8;
+    if (o0 >= M) return;
+    const int r0 = blockIdx.y * 16;
+    const int nb = K / 256, nst = (nb + 7) / 8;
+    const u8* wrow = W + (long long)min(o0 + g, M - 1) * row_bytes;
+    const u8* crow0 = W + (long long)min(o0 + 2 * t, M - 1) * row_bytes;
+    const u8* crow1 = W + (long long)min(o0 + 2 * t + 1, M - 1) * row_bytes;
+    const int ra = min(r0 + g, n - 1), rb = min(r0 + g + 8, n - 1);
+    const signed char* xa = xq + (long long)ra * K;
+    const signed char* xb = xq + (long long)rb * K;
+    float stk[4][3][4];
+    constexpr int QORD[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+#pragma unroll
+    for (int qi = 0; qi < 8; qi++) {
+        const int q = QORD[qi];
+        float acc[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[j][e] = 0.f;
+        for (int it = 0; it < nst; it++) {
+            const int blk0 = it * 8 + q, blk = min(blk0, nb - 1);
+            const bool ok = blk0 < nb;
+            const u8* b = wrow + (long long)blk * 210;
+            const u8* b0 = crow0 + (long long)blk * 210;
+            const u8* b1 = crow1 + (long long)blk * 210;
+            const float d0 = __half2float(__ushort_as_half(*(const u16*)(b0 + 208)));
+            const float d1 = __half2float(__ushort_as_half(*(const u16*)(b1 + 208)));
+            const float xda = ok ? xd[(long long)ra * nb + blk] : 0.f;
+            const float xdb = ok ? xd[(long long)rb * nb + blk] : 0.f;
+            const float dx[4] = {d0 * xda, d1 * xda, d0 * xdb, d1 * xdb};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int h = j >> 1, l0 = 16 * (j & 1);
+                const u32 qa = ld32u(b + 64 * h + l0 + 4 * t), qc = ld32u(b + 64 * h + 32 + l0 + 4 * t);
+                const u32 qe = ld32u(b + 128 + 32 * h + l0 + 4 * t);
+                int Y[4] = {0, 0, 0, 0};
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    const u32 Q = (r & 1) ? qc : qa;
+                    const u32 q6 = ((Q >> (4 * (r >> 1))) & 0x0F0F0F0Fu) | (((qe >> (2 * r)) & 0x03030303u) << 4);
+                    const int e0 = blk * 256 + 128 * h + l0 + 32 * r + 4 * t;
+                    int S[4] = {0, 0, 0, 0};
+                    mma16816_s8(S, *(const u32*)(xa + e0), *(const u32*)(xb + e0), __vsub4(q6, 0x20202020u));
+                    const int si_ = 192 + 8 * h + (j & 1) + 2 * r;
+                    const int sc0 = (signed char)b0[si_], sc1 = (signed char)b1[si_];
+                    Y[0] += sc0 * S[0]; Y[1] += sc1 * S[1]; Y[2] += sc0 * S[2]; Y[3] += sc1 * S[3];
+                }
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[j][e] = fmaf(dx[e], (float)Y[e], acc[j][e]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float a = acc[j][e];
+                if (qi % 2 == 0) stk[j][0][e] = a;
+                else {
+                    const float p = stk[j][0][e] + a;
+                    if (qi % 4 == 1) stk[j][1][e] = p;
+                    else {
+                        const float c = stk[j][1][e] + p;
+                        if (qi == 3) stk[j][2][e] = c;
+                        else stk[j][2][e] = stk[j][2][e] + c;
+                    }
+                }
+            }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const float r = (stk[0][2][e] + stk[2][2][e]) + (stk[1][2][e] + stk[3][2][e]);
+        const int row = r0 + g + 8 * (e >> 1), out = o0 + 2 * t + (e & 1);
+        if (row < n && out < M) y[(long long)row * ldy + out] = r;
+    }
+}

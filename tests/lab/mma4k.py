@@ -1,7 +1,7 @@
 """Lab: the Q4_K tensor-core matvecs for 9-32 rows (tests/lab/mma4k.cu: mma4k, f16 MMAs with the
 run scales folded into the weights; mma4k_i8, s8 MMAs and the scales on the integer pipe;
 mma4k_t<NT>, the f16 route with 8 NT outputs a warp sharing the activations, which it takes as
-fp16 codes made by codes_f16, timed with it; and for Q6_K, mma6k_s against mvs)
+fp16 codes made by codes_f16, timed with it; and for Q6_K, mma6k_s against mvs and mma6k_k against mvkt)
 against the product's decode matvec (mvk4k): every output bit for bit equal to the row's own
 1-row result, then GPU time against mvk in forwards of at most 8 rows (a server's step today).
 
@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 
 SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096), (8960, 1536), (1536, 8960)]
-# Q6_K where the product takes mvs (more than MVK_Q6K_MAX_M rows): mma6k_s keeps mvs's order
-SHAPES6 = [(4096, 14336), (151936, 1536), (8960, 1280)]
+# Q6_K: where the product takes mvs (more than MVK_Q6K_MAX_M rows) mma6k_s keeps mvs's order,
+# where it takes mvkt mma6k_k keeps mvkt's
+SHAPES6 = [(4096, 14336), (151936, 1536), (8960, 1280), (1024, 4096), (1536, 8960), (256, 1536)]
 
 
 def main(argv=None) -> int:
@@ -26,7 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,8,9,16,17,32")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--kernels", default="mma4k,mma4k_i8,mma4k_t<2>,mma4k_t<4>", help="the Q4_K kernels")
-    ap.add_argument("--no-q6", action="store_true", help="skip Q6_K (mma6k_s against mvs)")
+    ap.add_argument("--no-q6", action="store_true", help="skip Q6_K (mma6k_s / mma6k_k)")
     a = ap.parse_args(argv)
     import cupy as cp
     import quant.cuda as qc
@@ -43,7 +44,8 @@ def main(argv=None) -> int:
     bad_all = 0
     jobs = [(GGMLType.Q4_K, M, K, kernels) for M, K in SHAPES]
     if not a.no_q6:
-        jobs += [(GGMLType.Q6_K, M, K, ["mma6k_s"]) for M, K in SHAPES6]
+        jobs += [(GGMLType.Q6_K, M, K, ["mma6k_k" if qc._mvk_applies(GGMLType.Q6_K, K, M) else "mma6k_s"])
+                 for M, K in SHAPES6]
     for qt, M, K, knames in jobs:
         raw = random_weight(qt, (M, K), _Noise(M + K))
         n_bufs = max(2, int(np.ceil(120e6 / len(raw))))
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
 
         def ours(n, Wt, y, kname):
             xq, xd, xs, xi = qc._quantize_act(x[:n], 256, ws)
-            if kname == "mma6k_s":
+            if kname.startswith("mma6k"):
                 get(kname)(((M + 31) // 32, (n + 15) // 16), (128,),
                            (Wt.data, np.int32(M), np.int32(K), np.int64(Wt.row_nbytes), xq, xd, y, np.int32(M),
                             np.int32(n)))

@@ -504,8 +504,9 @@ def mma6k_s(Wb, xq, xd, M, K, n, o0, r0):
     return out
 
 
-def check6(M=8, K=1280, n=9, seed=0):
-    """Outputs of mma6k_s differing from mvs<IQ6_K>, and mvs's distance from float64."""
+def check6(M=8, K=1280, n=9, seed=0, order="mvs"):
+    """Outputs of mma6k_s (order "mvs") or mma6k_k (order "mvkt") differing from the product
+    kernel of that order, and its distance from float64."""
     from quant import GGMLType, QTensor
     from quant.dequant import dequantize
     from quant.encode import quantize
@@ -514,17 +515,110 @@ def check6(M=8, K=1280, n=9, seed=0):
     Wb = Wb.reshape(M, -1).view(np.uint8)
     xq = rng.integers(-127, 128, (n, K)).astype(np.int8)
     xd = (rng.random((n, K // 256)) * 0.02 + 1e-3).astype(np.float32)
-    ref = {(r, m): mvs6k(Wb, xq, xd, m, r, K) for r in range(n) for m in range(M)}
+    refk, kern = (mvs6k, mma6k_s) if order == "mvs" else (mvkt6, mma6k_k)
+    ref = {(r, m): refk(Wb, xq, xd, m, r, K) for r in range(n) for m in range(M)}
     Wf = dequantize(QTensor("w", GGMLType.Q6_K, (M, K), Wb)).astype(np.float64)
     f64 = (xq.astype(np.float64) * np.repeat(xd.astype(np.float64), 256, axis=1)) @ Wf.T
     dist = max(abs(float(ref[k]) - f64[k]) for k in ref) / np.abs(f64).max()
     got = {}
     for r0 in range(0, n, 16):
         for o0 in range(0, M, 8):
-            got.update(mma6k_s(Wb, xq, xd, M, K, n, o0, r0))
+            got.update(kern(Wb, xq, xd, M, K, n, o0, r0))
     assert set(got) == set(ref)
     bad = sum(1 for k in ref if np.float32(got[k]).view(np.uint32) != np.float32(ref[k]).view(np.uint32))
     return bad, dist
+
+
+# ---------------------------------------------------------------- Q6_K: mvkt's order
+def _q6k_piece_run(b, j, r):
+    """mvkt's MQ6_K: the 16 codes (q - 32) of run r of piece j, and its scale byte's offset."""
+    h, l0 = j >> 1, 16 * (j & 1)
+    ql = b[64 * h + 32 * (r & 1) + l0: 64 * h + 32 * (r & 1) + l0 + 16].astype(np.int64)
+    qe = b[128 + 32 * h + l0: 128 + 32 * h + l0 + 16].astype(np.int64)
+    q = ((ql >> (4 * (r >> 1))) & 0xF) | (((qe >> (2 * r)) & 3) << 4)
+    return q - 32, 192 + 8 * h + (j & 1) + 2 * r
+
+
+def mvkt6(Wb, xq, xd, m, n, K):
+    """Output m, row n of mvkt<MQ6_K>: mvk4k's lane classes, Y = sum_t sc_t sum (q - 32) x per
+    block and piece, acc = fmaf(d * xd, Y, acc), the butterfly."""
+    nb = K // 256
+    nst = (nb + 7) // 8
+    accs = []
+    for L in range(32):
+        q, j = L // 4, L % 4
+        h, l0 = j >> 1, 16 * (j & 1)
+        acc = f32(0)
+        for it in range(nst):
+            blk0 = it * 8 + q
+            blk = min(blk0, nb - 1)
+            b = Wb[m, blk * 210:(blk + 1) * 210]
+            d = half(int(b[208]) | (int(b[209]) << 8))
+            xdv = xd[n, blk] if blk0 < nb else f32(0)
+            Y = 0
+            for r in range(4):
+                qq, so = _q6k_piece_run(b, j, r)
+                e0 = blk * 256 + 128 * h + l0 + 32 * r
+                Y += s8(int(b[so])) * int((qq * xq[n, e0:e0 + 16].astype(np.int64)).sum())
+            acc = fmaf(fmul(d, xdv), f32(Y), acc)
+        accs.append(acc)
+    return butterfly(accs)
+
+
+def mma6k_k(Wb, xq, xd, M, K, n, o0, r0):
+    """One warp of mma6k_k (tests/lab/mma4k.cu), thread by thread."""
+    nb, nst = K // 256, (K // 256 + 7) // 8
+    L = range(32)
+    g = [l >> 2 for l in L]
+    t = [l & 3 for l in L]
+    wrow = [min(o0 + g[l], M - 1) for l in L]
+    crow = [[min(o0 + 2 * t[l] + u, M - 1) for u in range(2)] for l in L]
+    ra = [min(r0 + g[l], n - 1) for l in L]
+    rb = [min(r0 + g[l] + 8, n - 1) for l in L]
+    xb8 = xq.view(np.uint8)
+    blkb = lambda row, blk: Wb[row, blk * 210:(blk + 1) * 210]
+    stk = [[[[None] * 3 for _ in range(4)] for _ in range(4)] for _ in L]
+    for qi, q in enumerate(QORD):
+        acc = [[[f32(0)] * 4 for _ in range(4)] for _ in L]
+        for it in range(nst):
+            blk0 = it * 8 + q
+            blk, ok = min(blk0, nb - 1), blk0 < nb
+            for j in range(4):
+                h, l0 = j >> 1, 16 * (j & 1)
+                Y = [[0] * 4 for _ in L]
+                for r in range(4):
+                    ar, br = [], []
+                    for l in L:
+                        b = blkb(wrow[l], blk)
+                        Q = u32_at(b, 64 * h + 32 * (r & 1) + l0 + 4 * t[l])
+                        qe = u32_at(b, 128 + 32 * h + l0 + 4 * t[l])
+                        q6 = ((Q >> (4 * (r >> 1))) & 0x0F0F0F0F) | (((qe >> (2 * r)) & 0x03030303) << 4)
+                        e0 = blk * 256 + 128 * h + l0 + 32 * r + 4 * t[l]
+                        ar.append((u32_at(xb8[ra[l]], e0), u32_at(xb8[rb[l]], e0)))
+                        br.append(_vsub4_32(q6))
+                    S = mma_s8_m16n8k16(ar, br, [[0] * 4 for _ in L])
+                    so = 192 + 8 * h + (j & 1) + 2 * r
+                    for l in L:
+                        for e in range(4):
+                            Y[l][e] += s8(int(blkb(crow[l][e & 1], blk)[so])) * S[l][e]
+                for l in L:
+                    for e in range(4):
+                        cb = blkb(crow[l][e & 1], blk)
+                        d = half(int(cb[208]) | (int(cb[209]) << 8))
+                        xv = (xd[ra[l], blk] if e < 2 else xd[rb[l], blk]) if ok else f32(0)
+                        acc[l][j][e] = fmaf(fmul(d, xv), f32(Y[l][e]), acc[l][j][e])
+        for l in L:
+            for j in range(4):
+                for e in range(4):
+                    _fold(stk[l][j][e], qi, acc[l][j][e])
+    out = {}
+    for l in L:
+        for e in range(4):
+            r = fadd(fadd(stk[l][0][e][2], stk[l][2][e][2]), fadd(stk[l][1][e][2], stk[l][3][e][2]))
+            row, col = r0 + g[l] + 8 * (e >> 1), o0 + 2 * t[l] + (e & 1)
+            if row < n and col < M:
+                out[(row, col)] = r
+    return out
 
 
 # ---------------------------------------------------------------- inputs and the check
@@ -587,7 +681,9 @@ def main() -> int:
         print(f"{k}: {v} outputs differ from mvk4k")
     bad6, dist6 = check6()
     print(f"mvs<IQ6_K> against the float64 product: {dist6:.2e}; mma6k_s: {bad6} outputs differ from it")
-    return 0 if not any(bad.values()) and not bad6 else 1
+    badk, distk = check6(order="mvkt", K=2304)
+    print(f"mvkt<MQ6_K> against the float64 product: {distk:.2e}; mma6k_k: {badk} outputs differ from it")
+    return 0 if not any(bad.values()) and not bad6 and not badk else 1
 
 
 if __name__ == "__main__":

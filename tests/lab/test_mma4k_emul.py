@@ -1,6 +1,6 @@
 """The lab tensor-core kernels (tests/lab/mma4k.cu), emulated thread by thread on the CPU, take
 the product's operations in its order (lab.mma4k_emul): the Q4_K ones equal an emulated mvk4k
-bit for bit, the Q6_K one an emulated mvs<IQ6_K>, here with partial tiles of rows and outputs
+bit for bit, the Q6_K ones an emulated mvs<IQ6_K> / mvkt<MQ6_K>, here with partial tiles of rows and outputs
 and widths that leave part of the last step empty; another walk order does not."""
 import pytest
 
@@ -23,6 +23,13 @@ def test_q6k_kernel_takes_mvs_order(monkeypatch):
     assert emul.check6(M=8, K=1280, n=9, seed=0)[0] == 0
     monkeypatch.setattr(emul, "SORD", (0, 1, 2, 3))
     assert emul.check6(M=8, K=1280, n=9, seed=0)[0] > 0
+
+
+def test_q6k_kernel_takes_mvkt_order(monkeypatch):
+    bad, dist = emul.check6(M=8, K=2304, n=9, seed=1, order="mvkt")
+    assert bad == 0 and dist < 1e-5
+    monkeypatch.setattr(emul, "QORD", (0, 1, 2, 3, 4, 5, 6, 7))
+    assert emul.check6(M=8, K=2304, n=9, seed=1, order="mvkt")[0] > 0
 
 
 @pytest.mark.parametrize("v", [0.1, 1e-30, -3.0e38])
