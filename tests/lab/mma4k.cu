@@ -57,6 +57,17 @@ DEV int k4_scale(u32 Y, u32 Z, u32 W, int s, bool mn) {
     return (int)(((s < 4 ? lo : hi) >> (8 * (s & 3))) & 0xFFu);
 }
 
+// fold the finished class q (the qi-th of the walk 0, 4, 2, 6, 1, 5, 3, 7) into a C element's
+// butterfly stack: level 0 holds q until q ^ 4 comes (the butterfly's xor 16), level 1 that
+// pair until the pair of q ^ 2 comes (xor 8), level 2 the sum over q (xor 4) in the end
+DEV void fold_q(float (&st)[3], int qi, float a) {
+    if (qi % 2 == 0) { st[0] = a; return; }
+    const float p = st[0] + a;
+    if (qi % 4 == 1) { st[1] = p; return; }
+    const float c = st[1] + p;
+    st[2] = qi == 3 ? c : st[2] + c;
+}
+
 // y[n, m] = x W^T for n <= 32 rows: grid (ceil(M / 32), ceil(n / 16)), 128 threads.
 // xq int8 [n, K], xd float [n, K / 256], xi int16 [n, K / 16] (q8_act's, mvk's order).
 extern "C" __global__ void __launch_bounds__(128) mma4k(
@@ -76,7 +87,7 @@ extern "C" __global__ void __launch_bounds__(128) mma4k(
     // this thread's C elements: rows g, g + 8; outputs 2t, 2t + 1 (their headers' d, dmin
     // come from the lanes that load those outputs: lane 4 * (2t + e))
     float res[4];
-    float stk[4][3][4];          // per piece: the butterfly's partial sums (levels by q's bits)
+    float stk[4][4][3];          // per piece and C element: the butterfly's partial sums (fold_q)
     constexpr int QORD[8] = {0, 4, 2, 6, 1, 5, 3, 7};
 #pragma unroll
     for (int qi = 0; qi < 8; qi++) {
@@ -148,24 +159,12 @@ extern "C" __global__ void __launch_bounds__(128) mma4k(
 #pragma unroll
         for (int j = 0; j < 4; j++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float a = acc[j][e];
-                if (qi % 2 == 0) stk[j][0][e] = a;                       // q in {0, 2, 1, 3}
-                else {
-                    const float p = stk[j][0][e] + a;                     // (q) + (q ^ 4)
-                    if (qi % 4 == 1) stk[j][1][e] = p;                    // q in {0, 1}: wait for q ^ 2
-                    else {
-                        const float c = stk[j][1][e] + p;                 // level 2
-                        if (qi == 3) stk[j][2][e] = c;
-                        else stk[j][2][e] = stk[j][2][e] + c;             // level 3: (q 0 side) + (q 1 side)
-                    }
-                }
-            }
+            for (int e = 0; e < 4; e++) fold_q(stk[j][e], qi, acc[j][e]);
     }
     // the pieces: level 4 pairs j, j ^ 2; level 5 j, j ^ 1
 #pragma unroll
     for (int e = 0; e < 4; e++)
-        res[e] = (stk[0][2][e] + stk[2][2][e]) + (stk[1][2][e] + stk[3][2][e]);
+        res[e] = (stk[0][e][2] + stk[2][e][2]) + (stk[1][e][2] + stk[3][e][2]);
 #pragma unroll
     for (int e = 0; e < 4; e++) {
         const int row = r0 + g + 8 * (e >> 1), out = o0 + 2 * t + (e & 1);
@@ -198,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(128) mma4k_i8(
     const signed char* xa = xq + (long long)ra * K;
     const signed char* xb = xq + (long long)rb * K;
     float res[4];
-    float stk[4][3][4];
+    float stk[4][4][3];
     constexpr int QORD[8] = {0, 4, 2, 6, 1, 5, 3, 7};
 #pragma unroll
     for (int qi = 0; qi < 8; qi++) {
@@ -267,23 +266,11 @@ extern "C" __global__ void __launch_bounds__(128) mma4k_i8(
 #pragma unroll
         for (int j = 0; j < 4; j++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float a = acc[j][e];
-                if (qi % 2 == 0) stk[j][0][e] = a;
-                else {
-                    const float p = stk[j][0][e] + a;
-                    if (qi % 4 == 1) stk[j][1][e] = p;
-                    else {
-                        const float c = stk[j][1][e] + p;
-                        if (qi == 3) stk[j][2][e] = c;
-                        else stk[j][2][e] = stk[j][2][e] + c;
-                    }
-                }
-            }
+            for (int e = 0; e < 4; e++) fold_q(stk[j][e], qi, acc[j][e]);
     }
 #pragma unroll
     for (int e = 0; e < 4; e++)
-        res[e] = (stk[0][2][e] + stk[2][2][e]) + (stk[1][2][e] + stk[3][2][e]);
+        res[e] = (stk[0][e][2] + stk[2][e][2]) + (stk[1][e][2] + stk[3][e][2]);
 #pragma unroll
     for (int e = 0; e < 4; e++) {
         const int row = r0 + g + 8 * (e >> 1), out = o0 + 2 * t + (e & 1);
@@ -327,7 +314,7 @@ __global__ void __launch_bounds__(128) mma4k_t(
 #pragma unroll 1
     for (int ji = 0; ji < 4; ji++) {
         const int j = JORD[ji];
-        float stk[NT][3][4];
+        float stk[NT][4][3];
 #pragma unroll
         for (int qi = 0; qi < 8; qi++) {
             const int q = QORD[qi];
@@ -402,26 +389,14 @@ __global__ void __launch_bounds__(128) mma4k_t(
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const float a = acc[nt][e];
-                    if (qi % 2 == 0) stk[nt][0][e] = a;
-                    else {
-                        const float p = stk[nt][0][e] + a;
-                        if (qi % 4 == 1) stk[nt][1][e] = p;
-                        else {
-                            const float c = stk[nt][1][e] + p;
-                            if (qi == 3) stk[nt][2][e] = c;
-                            else stk[nt][2][e] = stk[nt][2][e] + c;
-                        }
-                    }
-                }
+                for (int e = 0; e < 4; e++) fold_q(stk[nt][e], qi, acc[nt][e]);
         }
         // the pieces: (j 0 + j 2) + (j 1 + j 3)
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const float v = stk[nt][2][e];
+                const float v = stk[nt][e][2];
                 if (ji == 0 || ji == 2) half_[nt][e] = v;
                 else if (ji == 1) res[nt][e] = half_[nt][e] + v;
                 else res[nt][e] = res[nt][e] + (half_[nt][e] + v);
@@ -563,7 +538,7 @@ extern "C" __global__ void __launch_bounds__(128) mma6k_k(
     const int ra = min(r0 + g, n - 1), rb = min(r0 + g + 8, n - 1);
     const signed char* xa = xq + (long long)ra * K;
     const signed char* xb = xq + (long long)rb * K;
-    float stk[4][3][4];
+    float stk[4][4][3];
     constexpr int QORD[8] = {0, 4, 2, 6, 1, 5, 3, 7};
 #pragma unroll
     for (int qi = 0; qi < 8; qi++) {
@@ -608,23 +583,11 @@ extern "C" __global__ void __launch_bounds__(128) mma6k_k(
 #pragma unroll
         for (int j = 0; j < 4; j++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float a = acc[j][e];
-                if (qi % 2 == 0) stk[j][0][e] = a;
-                else {
-                    const float p = stk[j][0][e] + a;
-                    if (qi % 4 == 1) stk[j][1][e] = p;
-                    else {
-                        const float c = stk[j][1][e] + p;
-                        if (qi == 3) stk[j][2][e] = c;
-                        else stk[j][2][e] = stk[j][2][e] + c;
-                    }
-                }
-            }
+            for (int e = 0; e < 4; e++) fold_q(stk[j][e], qi, acc[j][e]);
     }
 #pragma unroll
     for (int e = 0; e < 4; e++) {
-        const float r = (stk[0][2][e] + stk[2][2][e]) + (stk[1][2][e] + stk[3][2][e]);
+        const float r = (stk[0][e][2] + stk[2][e][2]) + (stk[1][e][2] + stk[3][e][2]);
         const int row = r0 + g + 8 * (e >> 1), out = o0 + 2 * t + (e & 1);
         if (row < n && out < M) y[(long long)row * ldy + out] = r;
     }
