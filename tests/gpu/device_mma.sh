@@ -2,7 +2,7 @@
 # On the lent GPU machine: the tensor-core route for batched decode (quant/cuda/NOTES.md,
 # session 34), in one call:
 #   1. lab.mma_exact: does the f16 MMA's fp32 accumulation keep integer sums exact;
-#   2. lab.mma4k: the lab Q4_K kernels (mma4k, mma4k_i8, mma4k_t<2>, mma4k_t<4>; Q6_K: mma6k_s, mma6k_k) bit for bit against each row's 1-row mvk4k, and timed
+#   2. lab.mma4k: the lab Q4_K kernels (mma4k_i8, mma4k_t<2>, mma4k_t<4>; Q6_K: mma6k_s, mma6k_k) bit for bit against each row's 1-row mvk4k, and timed
 #      against mvk in forwards of at most 8 rows;
 #   3. lab.gpu_rows: the product's matvecs at 1, 2, 4, 8 rows of x (mvk and mvs).
 # Carry .devrun (its wheels: gguf, platformdirs).  ROWS=0 skips step 3.

@@ -11,11 +11,11 @@
 // butterfly's order (0, 4, 2, 6, 1, 5, 3, 7), all four pieces at once, and each finished q
 // folded into a per-piece stack as the butterfly pairs them.
 //
-// I by mma.m16n8k16 f16 -> f32: A = the codes (|x| <= 127), B = sc * q (<= 63 * 15); every
-// partial sum is an integer below 2^24 (lab.mma_exact checks the adder keeps them).  M the
-// same way, k = the piece's 4 runs (threads t = 0 only; the rest of k is zero).
-// The k order inside a run is permuted (thread t takes bytes 4t..4t+3 of the run for both
-// operands): a sum does not depend on it.
+// mma4k_t: I by mma.m16n8k16 f16 -> f32: A = the codes (|x| <= 127), B = sc * q (<= 63 * 15);
+// every partial sum is an integer below 2^24 (lab.mma_exact checks the adder keeps them).  M
+// the same way, k = the piece's 4 runs (threads t = 0 only; the rest of k is zero).  The k
+// order inside a run is permuted (thread t takes bytes 4t..4t+3 of the run for both operands):
+// a sum does not depend on it.  mma4k_i8, mma6k_k, mma6k_s: the integers by s8 MMAs.
 #include <cuda_fp16.h>
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -24,11 +24,6 @@ typedef unsigned int u32;
 
 DEV u32 h2u(__half2 h) { return *(u32*)&h; }
 
-// 4 int8 codes (one 32-bit word) -> half2 (bytes 0, 1) and (bytes 2, 3)
-DEV void codes_h2(u32 w, u32& lo, u32& hi) {
-    lo = h2u(__floats2half2_rn((float)(signed char)(w & 0xFF), (float)(signed char)((w >> 8) & 0xFF)));
-    hi = h2u(__floats2half2_rn((float)(signed char)((w >> 16) & 0xFF), (float)(signed char)(w >> 24)));
-}
 // 4 nibbles (one per byte, at bit 0 of each byte) times sc -> half2 pairs, exact (<= 945)
 DEV void nib_h2(u32 v, __half sc, u32& lo, u32& hi) {
     const __half2 s2 = __half2half2(sc);
@@ -68,103 +63,13 @@ DEV void fold_q(float (&st)[3], int qi, float a) {
     st[2] = qi == 3 ? c : st[2] + c;
 }
 
-// y[n, m] = x W^T for n <= 32 rows: grid (ceil(M / 32), ceil(n / 16)), 128 threads.
-// xq int8 [n, K], xd float [n, K / 256], xi int16 [n, K / 16] (q8_act's, mvk's order).
-extern "C" __global__ void __launch_bounds__(128) mma4k(
-        const u8* __restrict__ W, int M, int K, long long row_bytes, const signed char* __restrict__ xq,
-        const float* __restrict__ xd, const short* __restrict__ xi, float* __restrict__ y, int ldy, int n) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int o0 = (blockIdx.x * 4 + warp) * 8;
-    if (o0 >= M) return;
-    const int r0 = blockIdx.y * 16;
-    const int nb = K / 256, nst = (nb + 7) / 8;
-    // this thread's B output (g) and A rows (g, g + 8), clamped (read, never stored)
-    const u8* wrow = W + (long long)min(o0 + g, M - 1) * row_bytes;
-    const int ra = min(r0 + g, n - 1), rb = min(r0 + g + 8, n - 1);
-    const signed char* xa = xq + (long long)ra * K;
-    const signed char* xb = xq + (long long)rb * K;
-    // this thread's C elements: rows g, g + 8; outputs 2t, 2t + 1 (their headers' d, dmin
-    // come from the lanes that load those outputs: lane 4 * (2t + e))
-    float res[4];
-    float stk[4][4][3];          // per piece and C element: the butterfly's partial sums (fold_q)
-    constexpr int QORD[8] = {0, 4, 2, 6, 1, 5, 3, 7};
-#pragma unroll
-    for (int qi = 0; qi < 8; qi++) {
-        const int q = QORD[qi];
-        float acc[4][4];
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[j][e] = 0.f;
-        for (int it = 0; it < nst; it++) {
-            const int blk0 = it * 8 + q, blk = min(blk0, nb - 1);
-            const bool ok = blk0 < nb;
-            const u8* b = wrow + (long long)blk * 144;
-            const uint4 h = *(const uint4*)b;
-            // d, dmin of outputs 2t, 2t + 1 (lanes 8t, 8t + 4 hold them as their h.x)
-            const u32 hx0 = __shfl_sync(0xffffffffu, h.x, 8 * t), hx1 = __shfl_sync(0xffffffffu, h.x, 8 * t + 4);
-            const float d0 = __half2float(__ushort_as_half((u16)(hx0 & 0xFFFFu)));
-            const float m0 = __half2float(__ushort_as_half((u16)(hx0 >> 16)));
-            const float d1 = __half2float(__ushort_as_half((u16)(hx1 & 0xFFFFu)));
-            const float m1 = __half2float(__ushort_as_half((u16)(hx1 >> 16)));
-            const float xda = ok ? xd[(long long)ra * nb + blk] : 0.f;
-            const float xdb = ok ? xd[(long long)rb * nb + blk] : 0.f;
-            // C element e: (row g, out 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
-            const float dx[4] = {d0 * xda, d1 * xda, d0 * xdb, d1 * xdb};
-            const float ndm[4] = {-(m0 * xda), -(m1 * xda), -(m0 * xdb), -(m1 * xdb)};
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                float cI[4] = {0.f, 0.f, 0.f, 0.f}, cM[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int w = 0; w < 2; w++) {                 // qs words j, j + 4
-                    const int k = j + 4 * w, gg = k >> 1, hh = k & 1;
-                    const u32 qv = *(const u32*)(b + 16 + 16 * k + 4 * t);
-                    const int e0 = blk * 256 + 64 * gg + 16 * hh + 4 * t;   // low run; high: + 32
-#pragma unroll
-                    for (int f = 0; f < 2; f++) {             // low / high nibbles: sub-block 2gg + f
-                        const int s = 2 * gg + f;
-                        const __half sc = __int2half_rn(k4_scale(h.y, h.z, h.w, s, false));
-                        u32 b0, b1, a0, a1, a2, a3;
-                        nib_h2(f ? (qv >> 4) : qv, sc, b0, b1);
-                        codes_h2(*(const u32*)(xa + e0 + 32 * f), a0, a2);
-                        codes_h2(*(const u32*)(xb + e0 + 32 * f), a1, a3);
-                        mma16816(cI, a0, a1, a2, a3, b0, b1);
-                    }
-                }
-                // M: k = the piece's 4 runs (xi: [word j lo, hi, word j + 4 lo, hi]), thread t = 0
-                u32 a0 = 0u, a1 = 0u, a2 = 0u, a3 = 0u, b0 = 0u, b1 = 0u;
-                if (t == 0) {
-                    const short* pa = xi + (long long)ra * (K / 16) + blk * 16 + 4 * j;
-                    const short* pb = xi + (long long)rb * (K / 16) + blk * 16 + 4 * j;
-                    a0 = h2u(__floats2half2_rn((float)pa[0], (float)pa[1]));
-                    a2 = h2u(__floats2half2_rn((float)pa[2], (float)pa[3]));
-                    a1 = h2u(__floats2half2_rn((float)pb[0], (float)pb[1]));
-                    a3 = h2u(__floats2half2_rn((float)pb[2], (float)pb[3]));
-                    const int s0 = 2 * (j >> 1) + 0 + 0, s1 = s0 + 1, s2 = s0 + 4, s3 = s0 + 5;
-                    b0 = h2u(__floats2half2_rn((float)k4_scale(h.y, h.z, h.w, s0, true),
-                                               (float)k4_scale(h.y, h.z, h.w, s1, true)));
-                    b1 = h2u(__floats2half2_rn((float)k4_scale(h.y, h.z, h.w, s2, true),
-                                               (float)k4_scale(h.y, h.z, h.w, s3, true)));
-                }
-                mma16816(cM, a0, a1, a2, a3, b0, b1);
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    acc[j][e] = fmaf(dx[e], cI[e], acc[j][e]);
-                    acc[j][e] = fmaf(ndm[e], cM[e], acc[j][e]);
-                }
-            }
-        }
-        // fold q into the butterfly: level 1 pairs q, q ^ 4; level 2 q, q ^ 2; level 3 q, q ^ 1
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) fold_q(stk[j][e], qi, acc[j][e]);
-    }
-    // the pieces: level 4 pairs j, j ^ 2; level 5 j, j ^ 1
-#pragma unroll
-    for (int e = 0; e < 4; e++)
-        res[e] = (stk[0][e][2] + stk[2][e][2]) + (stk[1][e][2] + stk[3][e][2]);
+// the 4 pieces' sums of C element e: the butterfly's last levels (j with j ^ 2, then j ^ 1)
+DEV float pieces_sum(const float (&stk)[4][4][3], int e) {
+    return (stk[0][e][2] + stk[2][e][2]) + (stk[1][e][2] + stk[3][e][2]);
+}
+
+// a thread's 4 C elements: rows r0 + g (+ 8), outputs o0 + 2t (+ 1)
+DEV void store4(const float (&res)[4], float* y, int ldy, int M, int n, int r0, int o0, int g, int t) {
 #pragma unroll
     for (int e = 0; e < 4; e++) {
         const int row = r0 + g + 8 * (e >> 1), out = o0 + 2 * t + (e & 1);
@@ -172,11 +77,13 @@ extern "C" __global__ void __launch_bounds__(128) mma4k(
     }
 }
 
-// ---------------------------------------------------------------- the int8 variant
-// The same walk and float operations; the integers by mma.m16n8k16 s8 -> s32 (exact by
-// construction: no question of the adder), one MMA a run (A = the codes, B = the nibbles),
-// then on the integer pipe I += sc * S and M += mn * bs per C element and run, with the
-// scales of the C element's outputs (2t, 2t + 1: their headers' words by shuffle).
+// ---------------------------------------------------------------- Q4_K, int8
+// mma4k_i8: y[n, m] = x W^T for n <= 32 rows, grid (ceil(M / 32), ceil(n / 16)), 128 threads;
+// xq int8 [n, K], xd float [n, K / 256], xi int16 [n, K / 16] (q8_act's, mvk's order).  The
+// walk above; the integers by mma.m16n8k16 s8 -> s32 (exact by construction: no question of
+// the adder), one MMA a run (A = the codes, B = the nibbles), then on the integer pipe
+// I += sc * S and M += mn * bs per C element and run, with the scales of the C element's
+// outputs (2t, 2t + 1: their headers' words by shuffle).
 DEV void mma16816_s8(int (&c)[4], u32 a0, u32 a1, u32 b0) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
                  : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
@@ -196,7 +103,6 @@ extern "C" __global__ void __launch_bounds__(128) mma4k_i8(
     const int ra = min(r0 + g, n - 1), rb = min(r0 + g + 8, n - 1);
     const signed char* xa = xq + (long long)ra * K;
     const signed char* xb = xq + (long long)rb * K;
-    float res[4];
     float stk[4][4][3];
     constexpr int QORD[8] = {0, 4, 2, 6, 1, 5, 3, 7};
 #pragma unroll
@@ -268,14 +174,10 @@ extern "C" __global__ void __launch_bounds__(128) mma4k_i8(
 #pragma unroll
             for (int e = 0; e < 4; e++) fold_q(stk[j][e], qi, acc[j][e]);
     }
+    float res[4];
 #pragma unroll
-    for (int e = 0; e < 4; e++)
-        res[e] = (stk[0][e][2] + stk[2][e][2]) + (stk[1][e][2] + stk[3][e][2]);
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        const int row = r0 + g + 8 * (e >> 1), out = o0 + 2 * t + (e & 1);
-        if (row < n && out < M) y[(long long)row * ldy + out] = res[e];
-    }
+    for (int e = 0; e < 4; e++) res[e] = pieces_sum(stk, e);
+    store4(res, y, ldy, M, n, r0, o0, g, t);
 }
 
 // ---------------------------------------------------------------- the tiled f16 variant
@@ -508,12 +410,11 @@ extern "C" __global__ void __launch_bounds__(128) mma6k_s(
             }
     }
     // the parts: p with p ^ 4, then p ^ 2, then p ^ 1
+    float res[4];
 #pragma unroll
-    for (int e = 0; e < 4; e++) {
-        const float r = ((v2[0][e] + v2[4][e]) + (v2[2][e] + v2[6][e])) + ((v2[1][e] + v2[5][e]) + (v2[3][e] + v2[7][e]));
-        const int row = r0 + g + 8 * (e >> 1), out = o0 + 2 * t + (e & 1);
-        if (row < n && out < M) y[(long long)row * ldy + out] = r;
-    }
+    for (int e = 0; e < 4; e++)
+        res[e] = ((v2[0][e] + v2[4][e]) + (v2[2][e] + v2[6][e])) + ((v2[1][e] + v2[5][e]) + (v2[3][e] + v2[7][e]));
+    store4(res, y, ldy, M, n, r0, o0, g, t);
 }
 
 // ---------------------------------------------------------------- Q6_K in mvkt's order
@@ -585,10 +486,8 @@ extern "C" __global__ void __launch_bounds__(128) mma6k_k(
 #pragma unroll
             for (int e = 0; e < 4; e++) fold_q(stk[j][e], qi, acc[j][e]);
     }
+    float res[4];
 #pragma unroll
-    for (int e = 0; e < 4; e++) {
-        const float r = (stk[0][e][2] + stk[2][e][2]) + (stk[1][e][2] + stk[3][e][2]);
-        const int row = r0 + g + 8 * (e >> 1), out = o0 + 2 * t + (e & 1);
-        if (row < n && out < M) y[(long long)row * ldy + out] = r;
-    }
+    for (int e = 0; e < 4; e++) res[e] = pieces_sum(stk, e);
+    store4(res, y, ldy, M, n, r0, o0, g, t);
 }

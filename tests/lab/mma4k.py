@@ -1,11 +1,11 @@
-"""Lab: the Q4_K tensor-core matvecs for 9-32 rows (tests/lab/mma4k.cu: mma4k, f16 MMAs with the
-run scales folded into the weights; mma4k_i8, s8 MMAs and the scales on the integer pipe;
-mma4k_t<NT>, the f16 route with 8 NT outputs a warp sharing the activations, which it takes as
+"""Lab: the Q4_K tensor-core matvecs for 9-32 rows (tests/lab/mma4k.cu: mma4k_i8, s8 MMAs and the
+scales on the integer pipe; mma4k_t<NT>, f16 MMAs with the run scales folded into the weights
+and 8 NT outputs a warp sharing the activations, which it takes as
 fp16 codes made by codes_f16, timed with it; and for Q6_K, mma6k_s against mvs and mma6k_k against mvkt)
 against the product's decode matvec (mvk4k): every output bit for bit equal to the row's own
 1-row result, then GPU time against mvk in forwards of at most 8 rows (a server's step today).
 
-    PYTHONPATH=tests python -m lab.mma4k [--rows 1,8,9,16,17,32] [--kernels mma4k,mma4k_i8,mma4k_t<2>,mma4k_t<4>] [--no-q6]
+    PYTHONPATH=tests python -m lab.mma4k [--rows 1,8,9,16,17,32] [--kernels mma4k_i8,mma4k_t<2>,mma4k_t<4>] [--no-q6]
 
 Exit status 1 when any output differs.
 """
@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,9,16,17,32")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--kernels", default="mma4k,mma4k_i8,mma4k_t<2>,mma4k_t<4>", help="the Q4_K kernels")
+    ap.add_argument("--kernels", default="mma4k_i8,mma4k_t<2>,mma4k_t<4>", help="the Q4_K kernels")
     ap.add_argument("--no-q6", action="store_true", help="skip Q6_K (mma6k_s / mma6k_k)")
     a = ap.parse_args(argv)
     import cupy as cp

@@ -217,16 +217,35 @@ def _hdr(Wb, row, blk):
     return b, [u32_at(b, 4 * i) for i in range(4)]
 
 
-# ---------------------------------------------------------------- mma4k_i8, one warp
-def mma4k_i8(Wb, xq, xd, xi, M, K, n, o0, r0):
-    nb, nst = K // 256, (K // 256 + 7) // 8
-    xb8 = xq.view(np.uint8)
+def _lanes(M, n, o0, r0):
+    """A warp's lanes with each one's (g, t), the output it holds B for and its two A rows
+    (clamped as the kernels clamp them: read, never stored)."""
     L = range(32)
     g = [l >> 2 for l in L]
     t = [l & 3 for l in L]
     wrow = [min(o0 + g[l], M - 1) for l in L]
     ra = [min(r0 + g[l], n - 1) for l in L]
     rb = [min(r0 + g[l] + 8, n - 1) for l in L]
+    return L, g, t, wrow, ra, rb
+
+
+def _pieces_out(stk, g, t, M, n, o0, r0):
+    """pieces_sum and store4: each lane's 4 C elements from its per-piece stacks [j][e][level]."""
+    out = {}
+    for l in range(32):
+        for e in range(4):
+            r = fadd(fadd(stk[l][0][e][2], stk[l][2][e][2]), fadd(stk[l][1][e][2], stk[l][3][e][2]))
+            row, col = r0 + g[l] + 8 * (e >> 1), o0 + 2 * t[l] + (e & 1)
+            if row < n and col < M:
+                out[(row, col)] = r
+    return out
+
+
+# ---------------------------------------------------------------- mma4k_i8, one warp
+def mma4k_i8(Wb, xq, xd, xi, M, K, n, o0, r0):
+    nb, nst = K // 256, (K // 256 + 7) // 8
+    xb8 = xq.view(np.uint8)
+    L, g, t, wrow, ra, rb = _lanes(M, n, o0, r0)
     stk = [[[[None] * 3 for _ in range(4)] for _ in range(4)] for _ in L]     # [lane][j][e][level]
     for qi, q in enumerate(QORD):
         acc = [[[f32(0)] * 4 for _ in range(4)] for _ in L]
@@ -272,23 +291,14 @@ def mma4k_i8(Wb, xq, xd, xi, M, K, n, o0, r0):
             for j in range(4):
                 for e in range(4):
                     _fold(stk[l][j][e], qi, acc[l][j][e])
-    out = {}
-    for l in L:
-        for e in range(4):
-            r = fadd(fadd(stk[l][0][e][2], stk[l][2][e][2]), fadd(stk[l][1][e][2], stk[l][3][e][2]))
-            row, col = r0 + g[l] + 8 * (e >> 1), o0 + 2 * t[l] + (e & 1)
-            if row < n and col < M:
-                out[(row, col)] = r
-    return out
+    return _pieces_out(stk, g, t, M, n, o0, r0)
 
 
 # ---------------------------------------------------------------- mma4k_t<NT>, one warp
 def _nib_h2(v, sc):
     """nib_h2: 4 nibbles (bit 0 of each byte) times sc as two half2 registers (exact)."""
     q = [(v >> (8 * i)) & 0xF for i in range(4)]
-    def pack(a, b):
-        return int(np.array([a * sc, b * sc], np.float16).view(np.uint32)[0])
-    return pack(q[0], q[1]), pack(q[2], q[3])
+    return _h2pack(q[0] * sc, q[1] * sc), _h2pack(q[2] * sc, q[3] * sc)
 
 
 def _h2pack(a, b):
@@ -297,12 +307,8 @@ def _h2pack(a, b):
 
 def mma4k_t(Wb, x16, xd, bs16, M, K, n, o0, r0, NT):
     nb, nst = K // 256, (K // 256 + 7) // 8
-    L = range(32)
-    g = [l >> 2 for l in L]
-    t = [l & 3 for l in L]
+    L, g, t, _, ra, rb = _lanes(M, n, o0, r0)
     wrow = [[min(o0 + 8 * nt + g[l], M - 1) for nt in range(NT)] for l in L]
-    ra = [min(r0 + g[l], n - 1) for l in L]
-    rb = [min(r0 + g[l] + 8, n - 1) for l in L]
     x16u = x16.view(np.uint16)
     bsu = bs16.view(np.uint16)
     u32h = lambda arr, row, off: int(arr[row, off:off + 2].view(np.uint32)[0])   # 2 halves
@@ -436,13 +442,8 @@ SORD = (0, 2, 1, 3)
 def mma6k_s(Wb, xq, xd, M, K, n, o0, r0):
     """One warp of mma6k_s (tests/lab/mma4k.cu), thread by thread."""
     nb = K // 256
-    L = range(32)
-    g = [l >> 2 for l in L]
-    t = [l & 3 for l in L]
-    wrow = [min(o0 + g[l], M - 1) for l in L]
+    L, g, t, wrow, ra, rb = _lanes(M, n, o0, r0)
     crow = [[min(o0 + 2 * t[l] + u, M - 1) for u in range(2)] for l in L]
-    ra = [min(r0 + g[l], n - 1) for l in L]
-    rb = [min(r0 + g[l] + 8, n - 1) for l in L]
     xb8 = xq.view(np.uint8)
     blkb = lambda row, blk: Wb[row, blk * 210:(blk + 1) * 210]
     pair = [[[None] * 4 for _ in range(8)] for _ in L]
@@ -568,13 +569,8 @@ def mvkt6(Wb, xq, xd, m, n, K):
 def mma6k_k(Wb, xq, xd, M, K, n, o0, r0):
     """One warp of mma6k_k (tests/lab/mma4k.cu), thread by thread."""
     nb, nst = K // 256, (K // 256 + 7) // 8
-    L = range(32)
-    g = [l >> 2 for l in L]
-    t = [l & 3 for l in L]
-    wrow = [min(o0 + g[l], M - 1) for l in L]
+    L, g, t, wrow, ra, rb = _lanes(M, n, o0, r0)
     crow = [[min(o0 + 2 * t[l] + u, M - 1) for u in range(2)] for l in L]
-    ra = [min(r0 + g[l], n - 1) for l in L]
-    rb = [min(r0 + g[l] + 8, n - 1) for l in L]
     xb8 = xq.view(np.uint8)
     blkb = lambda row, blk: Wb[row, blk * 210:(blk + 1) * 210]
     stk = [[[[None] * 3 for _ in range(4)] for _ in range(4)] for _ in L]
@@ -611,14 +607,7 @@ def mma6k_k(Wb, xq, xd, M, K, n, o0, r0):
             for j in range(4):
                 for e in range(4):
                     _fold(stk[l][j][e], qi, acc[l][j][e])
-    out = {}
-    for l in L:
-        for e in range(4):
-            r = fadd(fadd(stk[l][0][e][2], stk[l][2][e][2]), fadd(stk[l][1][e][2], stk[l][3][e][2]))
-            row, col = r0 + g[l] + 8 * (e >> 1), o0 + 2 * t[l] + (e & 1)
-            if row < n and col < M:
-                out[(row, col)] = r
-    return out
+    return _pieces_out(stk, g, t, M, n, o0, r0)
 
 
 # ---------------------------------------------------------------- inputs and the check
