@@ -5,7 +5,7 @@ Numba compiles each kernel for *this* CPU on first use and caches it on disk
 nothing compiled on another machine is ever loaded, so no "illegal instruction" on an older CPU.  The first start
 therefore spends tens of seconds compiling: we tell the user, and warm the
 kernels with a few throwaway forwards before the real prompt.  A marker per (Llamba
-version, Numba version, CPU model, kernel cache location, backend and the weight
+version, Numba version, CPU model, kernel cache location, install path, backend and the weight
 types of the model) remembers that it was done: each weight type has kernels of its
 own, so a second model of other types (a speculative draft in Q5_0 after a Q4_K_M
 target) warms up on its first run too.
@@ -30,9 +30,11 @@ def _marker(engine) -> Path:
     import numba
     import hashlib
     cpu = llvm.get_host_cpu_name().replace("/", "_")
-    # a second install (or another cache dir) on the same machine starts cold
-    # and needs its own marker
-    tag = hashlib.sha1(_cache_dir().encode()).hexdigest()[:10]
+    # a second install (or another cache dir) on the same machine starts cold and needs
+    # its own marker: Numba files a kernel under its source file's path and stamp, so a
+    # second checkout of the same sources shares the cache folder but none of its kernels
+    from quant.kernel_cache import HOME
+    tag = hashlib.sha1(f"{_cache_dir()}\0{HOME}".encode()).hexdigest()[:10]
     types = sorted({str(getattr(t, "qtype", "")) for t in engine.loaded.tensors.values()})
     kinds = hashlib.sha1(",".join(types).encode()).hexdigest()[:8]
     backend = engine.backend.name

@@ -78,3 +78,17 @@ def test_cleared_kernel_cache_warms_up_again(model_path, tmp_path, monkeypatch):
     (cache / "some" / "dir").mkdir(parents=True)
     (cache / "some" / "dir" / "k.nbi").touch()
     assert not warmup.first_run(e)
+
+
+def test_second_checkout_warms_up_on_its_own(model_path, tmp_path, monkeypatch):
+    """Two checkouts of the same sources share a kernel folder (it is named by the sources'
+    hash) but none of its kernels (Numba files them by source path): the second must not
+    take the first one's marker, or its first answer compiles everything (0.7 t/s seen)."""
+    from runtime.engine import Engine
+    from runtime import warmup
+    import quant.kernel_cache as kc
+    monkeypatch.setattr(warmup.platformdirs, "user_cache_dir", lambda *a, **k: str(tmp_path))
+    e = Engine(str(model_path("smollm2-135m")), n_ctx=64)
+    here = warmup._marker(e)
+    monkeypatch.setattr(kc, "HOME", tmp_path / "another" / "checkout")
+    assert warmup._marker(e) != here
