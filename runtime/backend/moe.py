@@ -90,31 +90,51 @@ def route(logits, k, norm, ids, w):
     p = np.empty(E, np.float64)
     taken = np.zeros(E, np.bool_)
     for t in range(n):
-        m = logits[t, 0]
-        for e in range(1, E):
-            m = max(m, logits[t, e])
-        s = 0.0
+        _route_row(logits, t, k, norm, ids, w, p, taken)
+
+
+# a prompt's rows are routed in parallel from this many on (a row's operations are the same
+# either way: 2.2 ms a layer for 512 rows of 128 experts on one core, most of it exp_det)
+ROUTE_PAR_ROWS = 64
+
+
+@nb.njit(parallel=True, **_JIT)
+def route_par(logits, k, norm, ids, w):
+    """route, rows in parallel (each thread its own scratch)."""
+    n, E = logits.shape
+    for t in nb.prange(n):
+        _route_row(logits, t, k, norm, ids, w, np.empty(E, np.float64), np.zeros(E, np.bool_))
+
+
+@nb.njit(**_JIT)
+def _route_row(logits, t, k, norm, ids, w, p, taken):
+    """route's row t (p, taken: scratch of E)."""
+    E = logits.shape[1]
+    m = logits[t, 0]
+    for e in range(1, E):
+        m = max(m, logits[t, e])
+    s = 0.0
+    for e in range(E):
+        p[e] = exp_det(np.float64(logits[t, e]) - np.float64(m))
+        s += p[e]
+    taken[:] = False
+    for _ in range(k):
+        best = -1
         for e in range(E):
-            p[e] = exp_det(np.float64(logits[t, e]) - np.float64(m))
-            s += p[e]
-        taken[:] = False
-        for _ in range(k):
-            best = -1
-            for e in range(E):
-                if not taken[e] and (best < 0 or p[e] > p[best]):
-                    best = e
-            taken[best] = True
-        j = 0
-        tot = 0.0
-        for e in range(E):
-            if taken[e]:
-                ids[t, j] = e
-                w[t, j] = p[e] / s
-                tot += p[e] / s
-                j += 1
-        if norm:
-            for j in range(k):
-                w[t, j] = np.float32(w[t, j] / tot)
+            if not taken[e] and (best < 0 or p[e] > p[best]):
+                best = e
+        taken[best] = True
+    j = 0
+    tot = 0.0
+    for e in range(E):
+        if taken[e]:
+            ids[t, j] = e
+            w[t, j] = p[e] / s
+            tot += p[e] / s
+            j += 1
+    if norm:
+        for j in range(k):
+            w[t, j] = np.float32(w[t, j] / tot)
 
 
 def plan(logits: np.ndarray, top_k: int, norm: bool):
@@ -155,7 +175,10 @@ def route_group(logits, k, norm, ids, w, tokens, starts, pos, act, nact):
     expert e's run begins, pos int32 [n, k]: where pair (t, j) landed); the chosen experts ascending in act int64 [E], their count
     in nact[0]."""
     n, E = logits.shape
-    route(logits, k, norm, ids, w)
+    if n >= ROUTE_PAR_ROWS:
+        route_par(logits, k, norm, ids, w)
+    else:
+        route(logits, k, norm, ids, w)
     starts[:] = 0
     for t in range(n):
         for j in range(k):

@@ -71,6 +71,24 @@ def test_routing_and_grouping_match_a_plain_reference(norm):
     assert int((np.diff(starts1) > 0).sum()) == k
 
 
+@pytest.mark.parametrize("norm", [True, False])
+def test_prompt_rows_routed_in_parallel_get_the_serial_bits(norm):
+    """From moe.ROUTE_PAR_ROWS rows on, route_group routes the rows in parallel: every row's
+    experts and weights are those of the one-row-at-a-time route, bit for bit (the GPU's
+    routing kernel is held to the same operations)."""
+    rng = np.random.default_rng(1)
+    n, E, k = 300, 128, 8
+    assert n >= moe.ROUTE_PAR_ROWS
+    logits = (rng.normal(size=(n, E)) * 3).astype(np.float32)
+    logits[7] = 0.5                                    # ties throughout a row
+    w, tokens, starts, pos = moe.plan(logits, k, norm)
+    ids, want = np.empty((n, k), np.int32), np.empty((n, k), np.float32)
+    moe.route(logits, k, norm, ids, want)
+    assert np.array_equal(w.view(np.int32), want.view(np.int32))
+    assert np.array_equal(np.sort(np.repeat(np.arange(E), np.diff(starts))), np.sort(ids.reshape(-1)))
+    assert ids[7].tolist() == list(range(k))
+
+
 # ---- files against transformers ------------------------------------------------------------------------------
 
 def test_norm_topk_false_matches_transformers_and_does_not_convert(tmp_path):
