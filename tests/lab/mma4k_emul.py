@@ -212,6 +212,16 @@ def _fold(stk, qi, a):
             stk[2] = c if qi == 3 else fadd(stk[2], c)
 
 
+def _fold4(st, si, a):
+    """_fold for a walk of 4 slots (0, 2, 1, 3): st = [the pending slot, the sum]."""
+    if si in (0, 2):
+        st[0] = a
+    elif si == 1:
+        st[1] = fadd(st[0], a)
+    else:
+        st[1] = fadd(st[1], fadd(st[0], a))
+
+
 def _hdr(Wb, row, blk):
     b = Wb[row, blk * 144:(blk + 1) * 144]
     return b, [u32_at(b, 4 * i) for i in range(4)]
@@ -312,8 +322,7 @@ def mma4k_t(Wb, x16, xd, bs16, M, K, n, o0, r0, NT):
     x16u = x16.view(np.uint16)
     bsu = bs16.view(np.uint16)
     u32h = lambda arr, row, off: int(arr[row, off:off + 2].view(np.uint32)[0])   # 2 halves
-    res = [[[None] * 4 for _ in range(NT)] for _ in L]
-    halfv = [[[None] * 4 for _ in range(NT)] for _ in L]
+    res = [[[[None, None] for _ in range(4)] for _ in range(NT)] for _ in L]
     for ji, j in enumerate((0, 2, 1, 3)):
         stk = [[[[None] * 3 for _ in range(4)] for _ in range(NT)] for _ in L]
         for qi, q in enumerate(QORD):
@@ -378,20 +387,14 @@ def mma4k_t(Wb, x16, xd, bs16, M, K, n, o0, r0, NT):
         for l in L:
             for nt in range(NT):
                 for e in range(4):
-                    v = stk[l][nt][e][2]
-                    if ji in (0, 2):
-                        halfv[l][nt][e] = v
-                    elif ji == 1:
-                        res[l][nt][e] = fadd(halfv[l][nt][e], v)
-                    else:
-                        res[l][nt][e] = fadd(res[l][nt][e], fadd(halfv[l][nt][e], v))
+                    _fold4(res[l][nt][e], ji, stk[l][nt][e][2])
     out = {}
     for l in L:
         for nt in range(NT):
             for e in range(4):
                 row, col = r0 + g[l] + 8 * (e >> 1), o0 + 8 * nt + 2 * t[l] + (e & 1)
                 if row < n and col < M:
-                    out[(row, col)] = res[l][nt][e]
+                    out[(row, col)] = res[l][nt][e][1]
     return out
 
 
@@ -446,8 +449,7 @@ def mma6k_s(Wb, xq, xd, M, K, n, o0, r0):
     crow = [[min(o0 + 2 * t[l] + u, M - 1) for u in range(2)] for l in L]
     xb8 = xq.view(np.uint8)
     blkb = lambda row, blk: Wb[row, blk * 210:(blk + 1) * 210]
-    pair = [[[None] * 4 for _ in range(8)] for _ in L]
-    v2 = [[[None] * 4 for _ in range(8)] for _ in L]
+    v2 = [[[[None, None] for _ in range(4)] for _ in range(8)] for _ in L]
     for si, s in enumerate(SORD):
         acc = [[[f32(0)] * 4 for _ in range(8)] for _ in L]
         for c in range((nb + 3) // 4):
@@ -486,17 +488,11 @@ def mma6k_s(Wb, xq, xd, M, K, n, o0, r0):
         for l in L:
             for p in range(8):
                 for e in range(4):
-                    a = acc[l][p][e]
-                    if si in (0, 2):
-                        pair[l][p][e] = a
-                    elif si == 1:
-                        v2[l][p][e] = fadd(pair[l][p][e], a)
-                    else:
-                        v2[l][p][e] = fadd(v2[l][p][e], fadd(pair[l][p][e], a))
+                    _fold4(v2[l][p][e], si, acc[l][p][e])
     out = {}
     for l in L:
         for e in range(4):
-            v = v2[l]
+            v = [[c[1] for c in v2[l][p]] for p in range(8)]
             r = fadd(fadd(fadd(v[0][e], v[4][e]), fadd(v[2][e], v[6][e])),
                      fadd(fadd(v[1][e], v[5][e]), fadd(v[3][e], v[7][e])))
             row, col = r0 + g[l] + 8 * (e >> 1), o0 + 2 * t[l] + (e & 1)
