@@ -94,8 +94,10 @@ def route(logits, k, norm, ids, w):
 
 
 # a prompt's rows are routed in parallel from this many on (a row's operations are the same
-# either way: 2.2 ms a layer for 512 rows of 128 experts on one core, most of it exp_det)
-ROUTE_PAR_ROWS = 64
+# either way: 2.2 ms a layer for 512 rows of 128 experts on one core, most of it exp_det);
+# at most warmup.WARMUP_ROWS' prompt (48), so route_par compiles in the warm-up, not in the
+# first answer
+ROUTE_PAR_ROWS = 32
 
 
 @nb.njit(parallel=True, **_JIT)

@@ -79,6 +79,8 @@ def test_prompt_rows_routed_in_parallel_get_the_serial_bits(norm):
     rng = np.random.default_rng(1)
     n, E, k = 300, 128, 8
     assert n >= moe.ROUTE_PAR_ROWS
+    from runtime.warmup import WARMUP_ROWS
+    assert moe.ROUTE_PAR_ROWS <= max(WARMUP_ROWS)         # route_par compiles in the warm-up
     logits = (rng.normal(size=(n, E)) * 3).astype(np.float32)
     logits[7] = 0.5                                    # ties throughout a row
     w, tokens, starts, pos = moe.plan(logits, k, norm)
