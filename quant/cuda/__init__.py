@@ -739,10 +739,12 @@ def f16_activations(x, prologue, out):
 
 
 class _Cublas:
-    """The three cuBLAS calls of the prompt path, called through ctypes into the cuBLAS CuPy
+    """The cuBLAS calls of the prompt path, called through ctypes into the cuBLAS CuPy
     loaded: CuPy's bindings refuse to run while a stream is being captured (prompt chunks
     are replayed from CUDA graphs), cuBLAS itself does not.  Where the library is not
-    found by name, CuPy's bindings (and prompt chunks stay eager: their capture fails)."""
+    found by name, CuPy's bindings (and prompt chunks stay eager: their capture fails).
+    gemm_ex: one GEMM; gemm_batched: cublasGemmStridedBatchedEx (a mixture of experts'
+    prompt, one call for many experts)."""
 
     def __init__(self):
         import ctypes
@@ -754,12 +756,15 @@ class _Cublas:
             lib = ctypes.CDLL(f"cublas64_{major}.dll" if sys.platform == "win32" else f"libcublas.so.{major}")
         except OSError:
             self.create, self.set_stream, self.gemm_ex = cublas.create, cublas.setStream, cublas.gemmEx
+            self.gemm_batched = cublas.gemmStridedBatchedEx
             return
-        v, i = ctypes.c_void_p, ctypes.c_int
+        v, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         create, set_stream, gemm = lib.cublasCreate_v2, lib.cublasSetStream_v2, lib.cublasGemmEx
+        batched = lib.cublasGemmStridedBatchedEx
         create.argtypes, set_stream.argtypes = [ctypes.POINTER(v)], [v, v]
         gemm.argtypes = [v, i, i, i, i, i, v, v, i, i, v, i, i, v, v, i, i, i, i]
-        create.restype = set_stream.restype = gemm.restype = i
+        batched.argtypes = [v, i, i, i, i, i, v, v, i, i, ll, v, i, i, ll, v, v, i, i, ll, i, i, i]
+        create.restype = set_stream.restype = gemm.restype = batched.restype = i
 
         def check(rc, what):
             if rc != 0:
@@ -772,6 +777,7 @@ class _Cublas:
         self.create = make
         self.set_stream = lambda h, s: check(set_stream(h, s), "cublasSetStream")
         self.gemm_ex = lambda *a: check(gemm(*a), "cublasGemmEx")
+        self.gemm_batched = lambda *a: check(batched(*a), "cublasGemmStridedBatchedEx")
 
     def on(self, stream: int) -> int:
         """Our own handle (no other code sets its stream) on `stream`; the stream is set
@@ -809,7 +815,8 @@ def _gemm(gemm_ex, handle, x16, n, K, W, y, bias, accumulate, ws: Workspace):
     for r0 in range(0, M, tile):
         tm = min(tile, M - r0)
         _launch1d(deq, tm * nparts, (np.uint64(base + r0 * W.row_nbytes), np.int32(tm), np.int32(K),
-                                     np.int64(W.row_nbytes), w16), block=DEQ_THREADS)
+                                     np.int64(W.row_nbytes), w16, np.uint64(0), np.int32(tm), np.int64(0)),
+                  block=DEQ_THREADS)
         # row-major y[n, M] = x[n, K] @ w[M, K]^T  ==  column-major y^T = w^T(op T) x
         gemm_ex(handle, 1, 0, tm, n, K,
                 ws._one.ctypes.data, w16.data.ptr, 2, K,
@@ -819,6 +826,37 @@ def _gemm(gemm_ex, handle, x16, n, K, W, y, bias, accumulate, ws: Workspace):
         pdl.fence()         # cuBLAS's kernels never trigger: the next of ours goes out plain
     if bias is not None and not accumulate:
         _launch1d(_mods.fn("add_bias"), n * M, (y, bias, np.int32(n), np.int32(M), np.int32(ldy)))
+
+
+def matmul_experts(x16, E: DeviceExperts, plan, y, ws: Workspace):
+    """A mixture of experts' prompt: y [rows, M] = x16 [rows, K] @ E[e].T, the rows laid out
+    in chunks of experts (plan: moe.ExpertChunks for E's M * K): chunk c's experts
+    plan.experts[j0:j1] (device int32) hold plan.pad[c] rows each from row plan.base[c] on.
+    A chunk is one launch dequantizing its experts to fp16 and one strided-batched cuBLAS
+    GEMM (fp16 x fp16 -> fp32, as the dense prompt path's), not a matmul an expert: a
+    128-expert layer was hundreds of launches from Python."""
+    M, K = E.shape
+    assert y.shape[1] == M and x16.size >= plan.rows * K
+    blas = _blas()
+    handle = blas.on(cp.cuda.get_current_stream().ptr)
+    deq = _mods.get(E.qtype)[f"deq_f16<{STRUCT[E.qtype]}>"]
+    qk = _KBLOCK[E.qtype][0]
+    nparts = K // qk * (8 if qk == QK_K else 1)
+    w16 = ws.get("w16", plan.most * M * K)
+    ldy = y.strides[0] // 4
+    ids = plan.experts_d
+    for (j0, j1), base, pad in zip(plan.chunks, plan.base, plan.pad):
+        ne = j1 - j0
+        _launch1d(deq, ne * M * nparts, (E.data, np.int32(ne * M), np.int32(K), np.int64(E[0].row_nbytes), w16,
+                                         np.uint64(ids.data.ptr + 4 * j0), np.int32(M), np.int64(E.stride)),
+                  block=DEQ_THREADS)
+        # column-major y_e^T [M, pad] = w_e (op T) [M, K] x_e^T [K, pad], for each expert e of the chunk
+        blas.gemm_batched(handle, 1, 0, M, pad, K,
+                          ws._one.ctypes.data, w16.data.ptr, 2, K, M * K,
+                          x16.data.ptr + 2 * base * K, 2, K, pad * K,
+                          ws._zero.ctypes.data, y.data.ptr + 4 * base * ldy, 0, ldy, pad * ldy,
+                          ne, 68, -1)
+        pdl.fence()         # cuBLAS's kernels never trigger: the next of ours goes out plain
 
 
 def embed_rows(W: DeviceWeight, ids, out, scale: float = 1.0):
@@ -839,5 +877,6 @@ def dequantize_f16(W: DeviceWeight):
     qk = _KBLOCK[W.qtype][0]
     nparts = K // qk * (8 if qk == QK_K else 1)
     _launch1d(_mods.get(W.qtype)[f"deq_f16<{STRUCT[W.qtype]}>"], M * nparts,
-              (W.data, np.int32(M), np.int32(K), np.int64(W.row_nbytes), out), block=DEQ_THREADS)
+              (W.data, np.int32(M), np.int32(K), np.int64(W.row_nbytes), out, np.uint64(0), np.int32(M), np.int64(0)),
+              block=DEQ_THREADS)
     return out

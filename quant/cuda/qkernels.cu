@@ -149,7 +149,8 @@ __global__ void __launch_bounds__(128) mv(
 #endif
 template <class T>
 __global__ void __launch_bounds__(DEQ_THREADS) deq_f16(const u8* __restrict__ W, int M, int K, long long row_bytes,
-                                                       __half* out) {
+                                                       __half* out, const int* __restrict__ mats, int Me,
+                                                       long long mat_bytes) {
     PDL_ENTER();
     static_assert(T::RLEN % 8 == 0 && DEQ_THREADS % T::PPB == 0, "runs of whole 16-byte chunks");
     __shared__ __align__(16) __half s[DEQ_THREADS * T::PE];
@@ -161,7 +162,11 @@ __global__ void __launch_bounds__(DEQ_THREADS) deq_f16(const u8* __restrict__ W,
         const int m = (int)(i / nparts), p = (int)(i % nparts);
         const int blk = p / T::PPB, part = p % T::PPB;
         float q[T::PE], sc[T::NRUN], mn[T::NRUN];
-        T::decode(W + (long long)m * row_bytes + (long long)blk * T::BB, part, q, sc, mn);
+        // mats: out's rows are matrices mats[0], mats[1], ... of Me rows each, matrix i at
+        // W + i * mat_bytes (a layer's chosen experts, one launch); else W's rows 0 .. M-1
+        const u8* row = mats ? W + (long long)mats[m / Me] * mat_bytes + (long long)(m % Me) * row_bytes
+                             : W + (long long)m * row_bytes;
+        T::decode(row + (long long)blk * T::BB, part, q, sc, mn);
         __half* o = s + (threadIdx.x / T::PPB) * T::QK;      // this part's quant block in the stretch
 #pragma unroll
         for (int u = 0; u < T::NRUN; u++) {

@@ -1039,6 +1039,8 @@ class CUDABackend:
         self.qc.matmul(x, [router], [logits], [router_bias] if router_bias is not None else None, ws=self.ws)
         self.stream.synchronize()
         w, tokens, starts, pos = moe.plan(logits.get(), top_k, norm_topk)
+        if self.qc.gemm_applies(n):
+            return self._moe_prompt(x, experts, top_k, w, tokens, starts, pos, biases, glu)
         rows, ff = n * top_k, gates[0].shape[0]
         idx = cp.asarray(np.concatenate([tokens, pos.reshape(-1), w.reshape(-1).view(np.int32)]))
         tok_d, pos_d, w_d = idx[:rows], idx[rows:2 * rows], idx[2 * rows:].view(cp.float32)
@@ -1054,18 +1056,58 @@ class CUDABackend:
         self._launch(_GLU_KERNELS[glu], g.size, (g, u, np.int64(g.size)))
         for a, b, e in runs:
             self.qc.matmul(g[a:b], [downs[e]], [y[a:b]], [db[e]] if biases is not None else None, ws=self.ws)
-        out = self._buf((n, d))
+        return self._combine_pairs(y, pos_d, w_d, top_k, n)
+
+    def _combine_pairs(self, y, pos_d, w_d, top_k, n):
+        """out[t] = sum over j of w[t, j] * y[pos[t, j]] (moe.combine's order), a fresh buffer."""
+        out = self._buf((n, y.shape[1]))
         # (the ElementwiseKernel run on an H100 in session 30, kept while qc.moe_combine's pos=
         # form, this path's, has not run on a GPU: the device-routed path's forms have, session 32)
         if self._host_combine is None:
-            self._host_combine = cp.ElementwiseKernel(
+            self._host_combine = self.cp.ElementwiseKernel(
                 "raw float32 y, raw int32 pos, raw float32 w, int32 k, int32 d", "float32 out",
                 "const int t = i / d, c = i % d; float s = 0.f;"
                 "for (int j = 0; j < k; ++j) s += w[t * k + j] * y[(long long)pos[t * k + j] * d + c];"
                 "out = s;", "llamba_moe_combine")
-        self._host_combine(y, pos_d, w_d, np.int32(top_k), np.int32(d), out)
+        self._host_combine(y, pos_d, w_d, np.int32(top_k), np.int32(y.shape[1]), out)
         self._pdl.fence()
         return out
+
+    def _moe_prompt(self, x, experts, top_k, w, tokens, starts, pos, biases, glu):
+        """The host-routed moe op of a prompt (more rows than the matvecs take): the pairs
+        laid out in chunks of experts (moe.ExpertChunks), each chunk one dequantization and
+        one batched GEMM a weight (qc.matmul_experts), then the same combine.  A chunk's pad
+        rows are computed and never read."""
+        cp, qc = self.cp, self.qc
+        n, d = x.shape
+        gates, ups, downs = experts
+        ff = gates.shape[0]
+        ck = moe.ExpertChunks(starts, tokens, pos, max(1, qc.GEMM_TILE_ELEMS // (ff * d)))
+        rows, P = ck.rows, n * top_k
+        idx = cp.asarray(np.concatenate([ck.src, ck.eid, ck.pos.reshape(-1), w.reshape(-1).view(np.int32),
+                                         ck.experts]))
+        src_d, eid_d = idx[:rows], idx[rows:2 * rows]
+        pos_d, w_d = idx[2 * rows:2 * rows + P], idx[2 * rows + P:2 * rows + 2 * P].view(cp.float32)
+        ck.experts_d = idx[2 * rows + 2 * P:]
+        self._pdl.fence()
+        xs, g, u = self._buf((rows, d)), self._buf((rows, ff)), self._buf((rows, ff))
+        self._launch("gather_rows", rows * d, (x, src_d, np.int32(rows), np.int32(d), xs))
+        x16 = qc.f16_activations(xs, None, self.ws.get("x16", rows * d))
+        qc.matmul_experts(x16, gates, ck, g, self.ws)
+        qc.matmul_experts(x16, ups, ck, u, self.ws)
+        if biases is not None:
+            self._add_bias_ids(g, biases[0], eid_d)
+            self._add_bias_ids(u, biases[1], eid_d)
+        if biases is None and glu == "silu":
+            g16 = qc.f16_activations(g, ("silu", u), self.ws.get("x16", rows * ff))
+        else:
+            self._launch(_GLU_KERNELS[glu], g.size, (g, u, np.int64(g.size)))
+            g16 = qc.f16_activations(g, None, self.ws.get("x16", rows * ff))
+        y = self._buf((rows, d))
+        qc.matmul_experts(g16, downs, ck, y, self.ws)
+        if biases is not None:
+            self._add_bias_ids(y, biases[2], eid_d)
+        return self._combine_pairs(y, pos_d, w_d, top_k, n)
 
     def rope(self, x, step, inv_freq, neox, pos_scale=1.0, mscale=1.0):
         self._flush(keep_ropes=True)

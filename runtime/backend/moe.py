@@ -212,3 +212,66 @@ def add_run_bias(x, bias, starts, act, nact):
         for r in range(starts[e], starts[e + 1]):
             for c in range(d):
                 x[r, c] += bias[e, c]
+
+
+class ExpertChunks:
+    """A prompt's (token, expert) pairs laid out for batched expert GEMMs (the CUDA
+    backend's prompts: quant.cuda.matmul_experts).  The chosen experts, most pairs first,
+    go in chunks of at most `cap` experts (what the fp16 tile holds); within a chunk every
+    expert has `pad` rows, the chunk's largest run, so one strided-batched GEMM does the
+    chunk.  A chunk closes early where an expert has at most half its pad (so padding at
+    most doubles a chunk's rows; pad rows repeat a real token and are never combined).
+    Host arrays: src [rows] the token of each laid-out row, eid [rows] its expert, pos
+    [n, k] the row of pair (t, j), experts [used] the chosen experts in chunk order;
+    chunks [(j0, j1)] into experts, base / pad: a chunk's first row and rows an expert;
+    most: the largest chunk's experts.  experts_d: the device copy, set by the caller."""
+
+    def __init__(self, starts, tokens, pos, cap: int):
+        counts = np.diff(starts)
+        used = np.flatnonzero(counts)
+        order = used[np.argsort(-counts[used], kind="stable")]
+        self.chunks, self.base, self.pad = [], [], []
+        rows, j = 0, 0
+        while j < len(order):
+            pad = int(counts[order[j]])
+            j1 = j + 1
+            while j1 < len(order) and j1 - j < cap and 2 * counts[order[j1]] > pad:
+                j1 += 1
+            self.chunks.append((j, j1))
+            self.base.append(rows)
+            self.pad.append(pad)
+            rows += (j1 - j) * pad
+            j = j1
+        self.rows = rows
+        self.most = max((b - a for a, b in self.chunks), default=0)
+        self.experts = order.astype(np.int32)
+        self.src = np.empty(rows, np.int32)
+        self.eid = np.empty(rows, np.int32)
+        at = np.empty(len(tokens), np.int32)         # sorted pair -> laid-out row
+        _lay_out(np.asarray(starts, np.int64), np.asarray(tokens, np.int32), self.experts,
+                 np.asarray([c[0] for c in self.chunks], np.int64), np.asarray(self.base, np.int64),
+                 np.asarray(self.pad, np.int64), self.src, self.eid, at)
+        self.pos = at[pos]
+        self.experts_d = None
+
+
+@nb.njit(**_JIT)
+def _lay_out(starts, tokens, experts, j0s, bases, pads, src, eid, at):
+    """ExpertChunks' rows: expert experts[j] of the chunk starting at j0s[c] takes rows
+    bases[c] + (j - j0s[c]) * pads[c] on; its pairs first (at[sorted pair] = row), then
+    copies of its first token."""
+    c = 0
+    for j in range(len(experts)):
+        while c + 1 < len(j0s) and j0s[c + 1] <= j:
+            c += 1
+        e = experts[j]
+        r0 = bases[c] + (j - j0s[c]) * pads[c]
+        a, b = starts[e], starts[e + 1]
+        for i in range(pads[c]):
+            r = r0 + i
+            eid[r] = e
+            if a + i < b:
+                src[r] = tokens[a + i]
+                at[a + i] = r
+            else:
+                src[r] = tokens[a]

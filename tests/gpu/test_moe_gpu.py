@@ -89,6 +89,44 @@ def test_prefill_logits_match_cpu(engines):
     gpu.release(b)
 
 
+@pytest.mark.parametrize("qtype,E,M,K,n,k", [("Q4_K", 128, 768, 2048, 100, 8), ("MXFP4", 32, 2880, 2880, 64, 4),
+                                               ("Q6_K", 16, 256, 512, 40, 2), ("F16", 8, 64, 256, 12, 2)])
+def test_matmul_experts_equals_each_experts_product(qtype, E, M, K, n, k):
+    """A prompt's pairs laid out in chunks of experts (moe.ExpertChunks, cap 5: several
+    chunks), one dequantization and one batched GEMM a chunk: each pair's row equals its
+    token's fp16 activations times its expert's fp16 weights (float64 on the host), pad
+    rows included (all written, finite).  Shapes: M30's gate, gpt-oss-20b's, small ones."""
+    import cupy as cp
+    import quant.cuda as qc
+    from quant import GGMLType, QTensor
+    from lab.synth import _Noise, random_weight
+    from runtime.backend import moe
+    from runtime.backend.cuda import CUDABackend
+    t = GGMLType[qtype]
+    be = CUDABackend()
+    W = be.upload(QTensor("gate_exps", t, (E, M, K), random_weight(t, (E * M, K), _Noise(4))))
+    cp.cuda.runtime.deviceSynchronize()
+    rng = np.random.default_rng(E + M)
+    logits = rng.standard_normal((n, E)).astype(np.float32)
+    logits[:, 1] += 3                                  # a hot expert
+    w, tokens, starts, pos = moe.plan(logits, k, True)
+    ck = moe.ExpertChunks(starts, tokens, pos, 5)
+    assert len(ck.chunks) > 1
+    ck.experts_d = cp.asarray(ck.experts)
+    x16 = rng.standard_normal((n, K)).astype(np.float16)
+    xs16 = cp.asarray(x16[ck.src])
+    y = cp.full((ck.rows, M), np.nan, cp.float32)
+    qc.matmul_experts(xs16, W, ck, y, qc.Workspace())
+    got = y.get()
+    assert np.isfinite(got).all()
+    for e in ck.experts:
+        w16 = qc.dequantize_f16(W[e]).get().astype(np.float64)
+        r = np.flatnonzero(ck.eid == e)
+        want = x16[ck.src[r]].astype(np.float64) @ w16.T
+        scale = np.abs(x16).max() * np.abs(w16).sum(axis=1).max()
+        assert np.abs(got[r] - want).max() <= 1e-4 * scale, (qtype, int(e))
+
+
 @pytest.mark.parametrize("rows", [2, 5, 8])
 def test_verify_rows_equal_single_steps(engines, rows):
     _, _, gpu, _ = engines
