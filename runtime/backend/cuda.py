@@ -353,6 +353,12 @@ def _mask_rows(m, rows: int) -> np.ndarray:
     return np.ascontiguousarray(m, np.uint32).reshape(rows, -1)
 
 
+def _overlaps(a, b) -> bool:
+    """Whether device arrays a and b share any byte."""
+    a0, b0 = a.data.ptr, b.data.ptr
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
 class CUDABackend:
     name = "cuda"
     # most tokens a step may have with each row's logits equal to a one-token step's
@@ -401,6 +407,7 @@ class CUDABackend:
         self.setup_events = 0           # steps that captured a graph (one-time costs)
         self._last_graph = None
         self._pnorm = None          # deferred RMSNorm (x, w, eps, out)
+        self._pnorm2 = None         # a second one of the same width, launched with it (rmsnorm2)
         self._pglu = None           # deferred GLU (g, u, kind)
         self._propes = []           # deferred RoPEs (x, positions, inv_freq, neox, pos_scale, mscale)
         self._unmat: set = set()    # outputs of folded ops: never written
@@ -584,7 +591,7 @@ class CUDABackend:
 
     def _run_as(self, model, dstep, ops):
         self.arena.reset()
-        self._pnorm, self._pglu, self._propes, self._pmoe = None, None, [], None
+        self._pnorm, self._pnorm2, self._pglu, self._propes, self._pmoe = None, None, None, [], None
         self._unmat.clear()
         out = model.forward(ops, dstep)
         self._flush()
@@ -856,11 +863,18 @@ class CUDABackend:
             self._pmoe = None
             self.qc.moe_combine(y, w, k, out)
             self._unmat.discard(out.data.ptr)
-        if self._pnorm is not None:
-            x, w, eps, out = self._pnorm
-            self._pnorm = None
+        if self._pnorm is not None or self._pnorm2 is not None:
+            one, two = self._pnorm or self._pnorm2, self._pnorm2 if self._pnorm else None
+            self._pnorm = self._pnorm2 = None
+            x, w, eps, out = one
             d = x.shape[-1]
-            self._fn("rmsnorm")((x.size // d,), (min(256, (d + 31) // 32 * 32),), (x, w, np.float32(eps), out, np.int32(d)))
+            threads = (min(256, (d + 31) // 32 * 32),)
+            if two is None:
+                self._fn("rmsnorm")((x.size // d,), threads, (x, w, np.float32(eps), out, np.int32(d)))
+            else:
+                x2, w2, _, out2 = two
+                self._fn("rmsnorm2")((x.size // d + x2.size // d,), threads,
+                                     (x, w, out, np.int32(x.size // d), x2, w2, out2, np.float32(eps), np.int32(d)))
         if self._pglu is not None:
             g, u, kind = self._pglu
             self._pglu = None
@@ -889,6 +903,16 @@ class CUDABackend:
         return out
 
     def rmsnorm(self, x, w, eps):
+        p = self._pnorm
+        if (p is not None and self._pnorm2 is None and self._pglu is None and self._pmoe is None and not self._propes
+                and x.shape[-1] == p[0].shape[-1] and eps == p[2] and x.flags.c_contiguous
+                and not _overlaps(x, p[3])):
+            # a second norm of the same width that does not read the first's output (Qwen3's
+            # and Gemma 3's k heads after q): both in one launch, each row's bits unchanged
+            self._check(x)
+            out = self._buf(x.shape)
+            self._pnorm2 = (x, w, eps, out)
+            return out
         self._flush()
         self._check(x)
         out = self._buf(x.shape)
@@ -1150,7 +1174,7 @@ class CUDABackend:
         slots, tables = step.slots_for(layer), step.tables_for(layer)
         r = self._propes
         fused = (len(r) == 2 and r[0][0] is q and r[1][0] is k and r[0][2] is r[1][2] and r[0][3:] == r[1][3:]
-                 and 2 * r[0][2].shape[0] == d and self._pnorm is None and self._pglu is None
+                 and 2 * r[0][2].shape[0] == d and self._pnorm is None and self._pnorm2 is None and self._pglu is None
                  and not kv.v_quant)     # (a q8_0 V needs a block's max: kv_write_v8 below)
         if fused:
             self._propes = []

@@ -4,12 +4,9 @@
 #include "pdl.cuh"
 
 // out[r] = x[r] / rms(x[r]) * w; one block per row (rows may be heads)
-extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __restrict__ w, float eps,
-                                   float* __restrict__ out, int D) {
-    PDL_ENTER();
+ADEV void rmsnorm_row(const float* __restrict__ xr, const float* __restrict__ w, float eps, float* __restrict__ o,
+                     int D) {
     __shared__ float red[32];
-    const float* xr = x + (long long)blockIdx.x * D;
-    float* o = out + (long long)blockIdx.x * D;
     float ss = 0.f;
     for (int j = threadIdx.x; j < D; j += blockDim.x) ss = fmaf(xr[j], xr[j], ss);
     ss = warp_sum(ss);
@@ -23,6 +20,23 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __r
     __syncthreads();
     const float r = 1.0f / sqrtf(red[0] / D + eps);
     for (int j = threadIdx.x; j < D; j += blockDim.x) o[j] = xr[j] * r * w[j];
+}
+
+extern "C" __global__ void rmsnorm(const float* __restrict__ x, const float* __restrict__ w, float eps,
+                                   float* __restrict__ out, int D) {
+    PDL_ENTER();
+    rmsnorm_row(x + (long long)blockIdx.x * D, w, eps, out + (long long)blockIdx.x * D, D);
+}
+
+// two RMSNorms of one width in one launch (Qwen3's and Gemma 3's q and k heads): blocks below
+// rows1 take x1's rows, the rest x2's; each row's operations are rmsnorm's
+extern "C" __global__ void rmsnorm2(const float* __restrict__ x1, const float* __restrict__ w1, float* __restrict__ out1,
+                                    int rows1, const float* __restrict__ x2, const float* __restrict__ w2,
+                                    float* __restrict__ out2, float eps, int D) {
+    PDL_ENTER();
+    const bool first = (int)blockIdx.x < rows1;
+    const long long r = first ? blockIdx.x : blockIdx.x - rows1;
+    rmsnorm_row((first ? x1 : x2) + r * D, first ? w1 : w2, eps, (first ? out1 : out2) + r * D, D);
 }
 
 // rotate x [N, H, D] in place by each token's position; angles in double, as the CPU does;

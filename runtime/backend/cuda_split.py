@@ -142,7 +142,7 @@ class SplitBackend:
             flat, layout = _pack_step(step)
             dev = _DevStep(step, _views(cp.asarray(flat), layout), 1)
             self.gpu.arena.reset()
-            self.gpu._pnorm, self.gpu._pglu, self.gpu._propes, self.gpu._pmoe = None, None, [], None
+            self.gpu._pnorm, self.gpu._pnorm2, self.gpu._pglu, self.gpu._propes, self.gpu._pmoe = None, None, None, [], None
             self.gpu._unmat.clear()
             self.cpu.arena.reset()
             out = model.forward(self, _DualStep(step, dev))

@@ -50,6 +50,34 @@ def test_rmsnorm_glu_add_rows(backends):
     assert np.array_equal(rows, (x + y)[[2, 0]])
 
 
+def test_two_norms_of_one_width_launch_together_with_the_same_bits(backends):
+    """Qwen3's / Gemma 3's q and k heads: a second RMSNorm of the same width is deferred with
+    the first and both run in one launch (rmsnorm2), each row's bits those of rmsnorm alone;
+    a norm that reads the pending one's output, or of another width, flushes it first."""
+    import cupy as cp
+    cpu, gpu = backends
+    rng = np.random.default_rng(3)
+    q = cp.asarray(rng.standard_normal((5, 16, 128)).astype(np.float32) * 3)
+    k = cp.asarray(rng.standard_normal((5, 2, 128)).astype(np.float32))
+    wq, wk = (cp.asarray(rng.standard_normal(128).astype(np.float32)) for _ in range(2))
+    alone = []
+    for x, w in ((q, wq), (k, wk)):
+        out = gpu.rmsnorm(x, w, 1e-6)
+        gpu._flush()
+        alone.append(out.get())
+    a = gpu.rmsnorm(q, wq, 1e-6)
+    b = gpu.rmsnorm(k, wk, 1e-6)
+    assert gpu._pnorm is not None and gpu._pnorm2 is not None     # one launch for both
+    gpu._flush()
+    assert np.array_equal(a.get(), alone[0]) and np.array_equal(b.get(), alone[1])
+    a = gpu.rmsnorm(q, wq, 1e-6)
+    c = gpu.rmsnorm(a, wk, 1e-6)                                  # reads the first's output: not paired
+    assert gpu._pnorm2 is None
+    gpu._flush()
+    assert np.array_equal(a.get(), alone[0])
+    assert _rel(c.get(), cpu.rmsnorm(alone[0], wk.get(), 1e-6)) < 1e-6
+
+
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("pos_scale", [1.0, 8.0])
 @pytest.mark.parametrize("rope_dim,mscale", [(64, 1.0), (64, 1.3466), (48, 1.19)])
