@@ -778,9 +778,12 @@ class CUDABackend:
             rt.memcpyAsync(g["host_out"].ctypes.data, out.data.ptr, out.nbytes, rt.memcpyDeviceToHost, sp)
 
     def invalidate_plans(self) -> None:
-        """Forget the captured steps (call after changing a model's weights): they hold the old ones."""
+        """Forget the captured steps (call after changing a model's weights, or how its moe ops
+        run): they hold the old ones, and whether a mixture of experts' steps may be captured
+        is worked out again by its next eager step."""
         self._graphs.clear()
         self._last_graph = None
+        self._moe_device_models.clear()
 
     # ---- measuring -------------------------------------------------------------
     def replay_ms(self, reps: int = 50) -> float:
