@@ -1,4 +1,5 @@
-"""A CPU emulation of tests/lab/mma4k.cu's Q4_K kernels, thread by thread (each MMA assembled
+"""A CPU emulation of tests/lab/mma4k.cu's Q4_K kernels (and of mma4k_w, the CTA-wide one in
+tests/lab/pending/mma-decode.diff's qmma.cuh), thread by thread (each MMA assembled
 from the 32 threads' fragment registers as the PTX ISA lays them out), set against an
 emulation of the product's mvk4k (quant/cuda/qmvk.cuh, LPB 4): lane classes, dp4a / dp2a
 integers, its float FMAs and the warp's butterfly.  Both use one correctly rounded fmaf, so
@@ -252,56 +253,88 @@ def _pieces_out(stk, g, t, M, n, o0, r0):
 
 
 # ---------------------------------------------------------------- mma4k_i8, one warp
-def mma4k_i8(Wb, xq, xd, xi, M, K, n, o0, r0):
+def _slot_acc(Wb, xq, xd, xi, M, K, n, o0, r0, q):
+    """A warp's class sums of block slot q (blocks q, q + 8, ...), as mma4k's walk makes them
+    for that slot: [lane][piece j][C element e]."""
     nb, nst = K // 256, (K // 256 + 7) // 8
     xb8 = xq.view(np.uint8)
     L, g, t, wrow, ra, rb = _lanes(M, n, o0, r0)
+    acc = [[[f32(0)] * 4 for _ in range(4)] for _ in L]
+    for it in range(nst):
+        blk0 = it * 8 + q
+        blk, ok = min(blk0, nb - 1), blk0 < nb
+        hs = [_hdr(Wb, wrow[l], blk) for l in L]
+        hh = [[hs[8 * t[l] + 4 * u][1] for u in range(2)] for l in L]        # the shuffles
+        for j in range(4):
+            I = [[0] * 4 for _ in L]
+            Mn = [[0] * 4 for _ in L]
+            for w in range(2):
+                k = j + 4 * w
+                gg, hf = k >> 1, k & 1
+                for f in range(2):
+                    s = 2 * gg + f
+                    ra_regs, rb_regs = [], []
+                    for l in L:
+                        e0 = blk * 256 + 64 * gg + 16 * hf + 4 * t[l]
+                        qv = u32_at(hs[l][0], 16 + 16 * k + 4 * t[l])
+                        ra_regs.append((u32_at(xb8[ra[l]], e0 + 32 * f), u32_at(xb8[rb[l]], e0 + 32 * f)))
+                        rb_regs.append(((qv >> 4) if f else qv) & 0x0F0F0F0F)
+                    S = mma_s8_m16n8k16(ra_regs, rb_regs, [[0] * 4 for _ in L])
+                    for l in L:
+                        sc = [k4_scale(*hh[l][u][1:], s, False) for u in range(2)]
+                        mn = [k4_scale(*hh[l][u][1:], s, True) for u in range(2)]
+                        ba = int(xi[ra[l], blk * 16 + 4 * j + 2 * w + f])
+                        bb = int(xi[rb[l], blk * 16 + 4 * j + 2 * w + f])
+                        for e in range(4):
+                            I[l][e] += sc[e & 1] * S[l][e]
+                            Mn[l][e] += mn[e & 1] * (ba if e < 2 else bb)
+            for l in L:
+                hx0, hx1 = hh[l][0][0], hh[l][1][0]
+                d = (half(hx0 & 0xFFFF), half(hx1 & 0xFFFF))
+                m = (half(hx0 >> 16), half(hx1 >> 16))
+                xda = xd[ra[l], blk] if ok else f32(0)
+                xdb = xd[rb[l], blk] if ok else f32(0)
+                for e in range(4):
+                    xv = xda if e < 2 else xdb
+                    acc[l][j][e] = fmaf(fmul(d[e & 1], xv), f32(I[l][e]), acc[l][j][e])
+                    acc[l][j][e] = fmaf(-fmul(m[e & 1], xv), f32(Mn[l][e]), acc[l][j][e])
+    return acc
+
+
+def mma4k_i8(Wb, xq, xd, xi, M, K, n, o0, r0):
+    L, g, t, *_ = _lanes(M, n, o0, r0)
     stk = [[[[None] * 3 for _ in range(4)] for _ in range(4)] for _ in L]     # [lane][j][e][level]
     for qi, q in enumerate(QORD):
-        acc = [[[f32(0)] * 4 for _ in range(4)] for _ in L]
-        for it in range(nst):
-            blk0 = it * 8 + q
-            blk, ok = min(blk0, nb - 1), blk0 < nb
-            hs = [_hdr(Wb, wrow[l], blk) for l in L]
-            hh = [[hs[8 * t[l] + 4 * u][1] for u in range(2)] for l in L]        # the shuffles
-            for j in range(4):
-                I = [[0] * 4 for _ in L]
-                Mn = [[0] * 4 for _ in L]
-                for w in range(2):
-                    k = j + 4 * w
-                    gg, hf = k >> 1, k & 1
-                    for f in range(2):
-                        s = 2 * gg + f
-                        ra_regs, rb_regs = [], []
-                        for l in L:
-                            e0 = blk * 256 + 64 * gg + 16 * hf + 4 * t[l]
-                            qv = u32_at(hs[l][0], 16 + 16 * k + 4 * t[l])
-                            ra_regs.append((u32_at(xb8[ra[l]], e0 + 32 * f), u32_at(xb8[rb[l]], e0 + 32 * f)))
-                            rb_regs.append(((qv >> 4) if f else qv) & 0x0F0F0F0F)
-                        S = mma_s8_m16n8k16(ra_regs, rb_regs, [[0] * 4 for _ in L])
-                        for l in L:
-                            sc = [k4_scale(*hh[l][u][1:], s, False) for u in range(2)]
-                            mn = [k4_scale(*hh[l][u][1:], s, True) for u in range(2)]
-                            ba = int(xi[ra[l], blk * 16 + 4 * j + 2 * w + f])
-                            bb = int(xi[rb[l], blk * 16 + 4 * j + 2 * w + f])
-                            for e in range(4):
-                                I[l][e] += sc[e & 1] * S[l][e]
-                                Mn[l][e] += mn[e & 1] * (ba if e < 2 else bb)
-                for l in L:
-                    hx0, hx1 = hh[l][0][0], hh[l][1][0]
-                    d = (half(hx0 & 0xFFFF), half(hx1 & 0xFFFF))
-                    m = (half(hx0 >> 16), half(hx1 >> 16))
-                    xda = xd[ra[l], blk] if ok else f32(0)
-                    xdb = xd[rb[l], blk] if ok else f32(0)
-                    for e in range(4):
-                        xv = xda if e < 2 else xdb
-                        acc[l][j][e] = fmaf(fmul(d[e & 1], xv), f32(I[l][e]), acc[l][j][e])
-                        acc[l][j][e] = fmaf(-fmul(m[e & 1], xv), f32(Mn[l][e]), acc[l][j][e])
+        acc = _slot_acc(Wb, xq, xd, xi, M, K, n, o0, r0, q)
         for l in L:
             for j in range(4):
                 for e in range(4):
                     _fold(stk[l][j][e], qi, acc[l][j][e])
     return _pieces_out(stk, g, t, M, n, o0, r0)
+
+
+# ---------------------------------------------------------------- mma4k_w, one CTA
+def mma4k_w(Wb, xq, xd, xi, M, K, n, o0, r0):
+    """Warp q of 8 takes slot q for two 8-output tiles (o0, o0 + 8); shared memory
+    part[q][j][output * 16 + row]; thread i adds its element's 32 class sums."""
+    part = [[[None] * 256 for _ in range(4)] for _ in range(8)]
+    for q in range(8):
+        for c in range(2):
+            acc = _slot_acc(Wb, xq, xd, xi, M, K, n, o0 + 8 * c, r0, q)
+            for l in range(32):
+                g, t = l >> 2, l & 3
+                for j in range(4):
+                    for e in range(4):
+                        part[q][j][(8 * c + 2 * t + (e & 1)) * 16 + g + 8 * (e >> 1)] = acc[l][j][e]
+    out = {}
+    for i in range(256):
+        col, row = o0 + (i >> 4), r0 + (i & 15)
+        P = [[part[q][j][i] for j in range(4)] for q in range(8)]
+        S = [fadd(fadd(fadd(P[0][j], P[4][j]), fadd(P[2][j], P[6][j])),
+                  fadd(fadd(P[1][j], P[5][j]), fadd(P[3][j], P[7][j]))) for j in range(4)]
+        if row < n and col < M:
+            out[(row, col)] = fadd(fadd(S[0], S[2]), fadd(S[1], S[3]))
+    return out
 
 
 # ---------------------------------------------------------------- mma4k_t<NT>, one warp
@@ -633,7 +666,7 @@ def dequant_ref(Wb, xq, xd, M, K):
     return X @ W.T
 
 
-def check(M=16, K=2304, n=16, kernels=("i8", "t2"), seed=0):
+def check(M=16, K=2304, n=16, kernels=("i8", "w", "t2"), seed=0):
     """{kernel: outputs differing from mvk4k}, and the largest relative distance of mvk4k from
     the float64 product (a sanity bound on both)."""
     Wb, xq, xd, xi = random_inputs(M, K, n, seed)
@@ -650,6 +683,9 @@ def check(M=16, K=2304, n=16, kernels=("i8", "t2"), seed=0):
             if kern == "i8":
                 for o0 in range(0, M, 8):
                     got.update(mma4k_i8(Wb, xq, xd, xi, M, K, n, o0, r0))
+            elif kern == "w":
+                for o0 in range(0, M, 16):
+                    got.update(mma4k_w(Wb, xq, xd, xi, M, K, n, o0, r0))
             else:
                 NT = int(kern[1:])
                 for o0 in range(0, M, 8 * NT):

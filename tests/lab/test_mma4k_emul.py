@@ -8,9 +8,16 @@ from lab import mma4k_emul as emul
 
 
 def test_lab_kernels_take_mvk4k_order():
-    bad, dist = emul.check(M=8, K=1536, n=9, kernels=("i8", "t2"), seed=5)
-    assert bad == {"i8": 0, "t2": 0}
+    bad, dist = emul.check(M=8, K=1536, n=9, kernels=("i8", "w", "t2"), seed=5)
+    assert bad == {"i8": 0, "w": 0, "t2": 0}
     assert dist < 1e-5          # mvk4k's emulation computes the product (float64 reference)
+
+
+def test_a_warp_a_slot_keeps_the_order_over_two_tiles_and_a_partial_step():
+    """mma4k_w (qmma.cuh, tests/lab/pending/mma-decode.diff): 24 outputs (a CTA's 16 and a
+    partial one), 17 rows, K 2304 (9 blocks: slot 0's second step alone holds one)."""
+    bad, _ = emul.check(M=24, K=2304, n=17, kernels=("w",), seed=3)
+    assert bad == {"w": 0}
 
 
 def test_the_check_sees_another_order(monkeypatch):
