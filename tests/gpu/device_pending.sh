@@ -4,8 +4,9 @@
 #  0. mvf-tiny: its test, then M30 tg128 with it and without (LLAMBA_MVF_UT=2) between two
 #     llama-bench runs (the model written while step 1 runs);
 #  1. mma-decode's kernels and a model's 32-row step bit for bit (tests/gpu/test_mma_rows_gpu.py);
-#  2. a 32-row L8 decode step with and without it (lab.serve_engine, LLAMBA_MMA=1 / 0): it lands
-#     only if the first is faster (session 36: 1106 against 1475 tok/s);
+#  2. a 32-row L8 decode step with it (Q4_K by mma4k_w, then by mma4k) and without it
+#     (lab.serve_engine, LLAMBA_MMA=0): it lands only if faster (session 36, mma4k: 1106
+#     against 1475 tok/s);
 #  3. with SERVE=1 (once 2 shows it faster): L8 serving, ours and llama-server -np 32, 32 then
 #     1 clients, same file.
 # Carry .devrun (wheels in .devrun/whl, qwen-tok.tok: tests/gpu/prepare_device.py) and .devpeer
@@ -32,10 +33,10 @@ timeout 200 python3 -m pytest -q -x tests/gpu/test_mma_rows_gpu.py -p no:cachepr
 MMA_OK=${PIPESTATUS[0]}
 echo "== mma tests rc $MMA_OK at $((SECONDS-T0)) s" | tee -a "$OUT/log.txt"
 wait
-for mma in 1 0; do
-  echo "== LLAMBA_MMA=$mma" | tee -a "$OUT/engine.txt"
-  LLAMBA_MMA=$mma timeout 100 python3 -m lab.serve_engine -m /tmp/L8.gguf --device cuda -B 32 --rounds 2 --steps 20 2>&1 \
-    | tail -3 | tee -a "$OUT/engine.txt"
+for cfg in "LLAMBA_MMA=1" "LLAMBA_MMA=1 LLAMBA_MMA4K=mma4k" "LLAMBA_MMA=0"; do
+  echo "== $cfg" | tee -a "$OUT/engine.txt"
+  env $cfg timeout 100 python3 -m lab.serve_engine -m /tmp/L8.gguf --device cuda -B 32 --rounds 2 --steps 20 2>&1 \
+    | tail -1 | tee -a "$OUT/engine.txt"
 done
 M30B=(timeout 90 /tmp/ll/llama-bench -m /tmp/M30.gguf -ngl 99 -p 0 -n 128 -fa 1 -r 3)
 "${PENV[@]}" "${M30B[@]}" 2>&1 | grep -E "^\||error" | tee -a "$OUT/M30.txt"
