@@ -475,49 +475,62 @@ def mvs6k(Wb, xq, xd, m, n, K):
 SORD = (0, 2, 1, 3)
 
 
-def mma6k_s(Wb, xq, xd, M, K, n, o0, r0):
-    """One warp of mma6k_s (tests/lab/mma4k.cu), thread by thread."""
+def _slot_acc6(Wb, xq, xd, M, K, n, o0, r0, s):
+    """A warp's part sums of block slot s (blocks s, s + 4, ...), as mma6k_s makes them for
+    that slot: [lane][part p][C element e]."""
     nb = K // 256
     L, g, t, wrow, ra, rb = _lanes(M, n, o0, r0)
     crow = [[min(o0 + 2 * t[l] + u, M - 1) for u in range(2)] for l in L]
     xb8 = xq.view(np.uint8)
     blkb = lambda row, blk: Wb[row, blk * 210:(blk + 1) * 210]
-    v2 = [[[[None, None] for _ in range(4)] for _ in range(8)] for _ in L]
-    for si, s in enumerate(SORD):
-        acc = [[[f32(0)] * 4 for _ in range(8)] for _ in L]
-        for c in range((nb + 3) // 4):
-            blk = 4 * c + s
-            if blk >= nb:
-                break
-            for p in range(8):
-                h, l0 = p >> 2, 8 * (p & 3)
-                tt = [[f32(0)] * 4 for _ in L]
-                for u in range(4):
-                    ar, br = [], []
-                    for l in L:
-                        if t[l] < 2:
-                            e0 = blk * 256 + 128 * h + 32 * u + l0 + 4 * t[l]
-                            ar.append((u32_at(xb8[ra[l]], e0), u32_at(xb8[rb[l]], e0)))
-                            b = blkb(wrow[l], blk)
-                            ql = u32_at(b, 64 * h + 32 * (u & 1) + l0 + 4 * t[l])
-                            qh = u32_at(b, 128 + 32 * h + l0 + 4 * t[l])
-                            q6 = ((ql >> (4 if u >= 2 else 0)) & 0x0F0F0F0F) | (((qh >> (2 * u)) & 0x03030303) << 4)
-                            br.append(_vsub4_32(q6))
-                        else:
-                            ar.append((0, 0))
-                            br.append(0)
-                    S = mma_s8_m16n8k16(ar, br, [[0] * 4 for _ in L])
-                    si_ = 8 * h + (l0 >> 4) + 2 * u
-                    for l in L:
-                        for e in range(4):
-                            cb = blkb(crow[l][e & 1], blk)
-                            d = half(int(cb[208]) | (int(cb[209]) << 8))
-                            sc = fmul(d, f32(s8(int(cb[192 + si_]))))
-                            tt[l][e] = fmaf(sc, f32(S[l][e]), tt[l][e])
+    acc = [[[f32(0)] * 4 for _ in range(8)] for _ in L]
+    for c in range((nb + 3) // 4):
+        blk = 4 * c + s
+        if blk >= nb:
+            break
+        for p in range(8):
+            h, l0 = p >> 2, 8 * (p & 3)
+            tt = [[f32(0)] * 4 for _ in L]
+            for u in range(4):
+                ar, br = [], []
+                for l in L:
+                    if t[l] < 2:
+                        e0 = blk * 256 + 128 * h + 32 * u + l0 + 4 * t[l]
+                        ar.append((u32_at(xb8[ra[l]], e0), u32_at(xb8[rb[l]], e0)))
+                        b = blkb(wrow[l], blk)
+                        ql = u32_at(b, 64 * h + 32 * (u & 1) + l0 + 4 * t[l])
+                        qh = u32_at(b, 128 + 32 * h + l0 + 4 * t[l])
+                        q6 = ((ql >> (4 if u >= 2 else 0)) & 0x0F0F0F0F) | (((qh >> (2 * u)) & 0x03030303) << 4)
+                        br.append(_vsub4_32(q6))
+                    else:
+                        ar.append((0, 0))
+                        br.append(0)
+                S = mma_s8_m16n8k16(ar, br, [[0] * 4 for _ in L])
+                si_ = 8 * h + (l0 >> 4) + 2 * u
                 for l in L:
                     for e in range(4):
-                        xv = xd[ra[l], blk] if e < 2 else xd[rb[l], blk]
-                        acc[l][p][e] = fmaf(tt[l][e], xv, acc[l][p][e])
+                        cb = blkb(crow[l][e & 1], blk)
+                        d = half(int(cb[208]) | (int(cb[209]) << 8))
+                        sc = fmul(d, f32(s8(int(cb[192 + si_]))))
+                        tt[l][e] = fmaf(sc, f32(S[l][e]), tt[l][e])
+            for l in L:
+                for e in range(4):
+                    xv = xd[ra[l], blk] if e < 2 else xd[rb[l], blk]
+                    acc[l][p][e] = fmaf(tt[l][e], xv, acc[l][p][e])
+    return acc
+
+
+def _parts_tree(v):
+    """mvs's butterfly over the 8 parts (lane xor 4, 2, 1)."""
+    return fadd(fadd(fadd(v[0], v[4]), fadd(v[2], v[6])), fadd(fadd(v[1], v[5]), fadd(v[3], v[7])))
+
+
+def mma6k_s(Wb, xq, xd, M, K, n, o0, r0):
+    """One warp of mma6k_s (tests/lab/mma4k.cu), thread by thread."""
+    L, g, t, *_ = _lanes(M, n, o0, r0)
+    v2 = [[[[None, None] for _ in range(4)] for _ in range(8)] for _ in L]
+    for si, s in enumerate(SORD):
+        acc = _slot_acc6(Wb, xq, xd, M, K, n, o0, r0, s)
         for l in L:
             for p in range(8):
                 for e in range(4):
@@ -525,17 +538,36 @@ def mma6k_s(Wb, xq, xd, M, K, n, o0, r0):
     out = {}
     for l in L:
         for e in range(4):
-            v = [[c[1] for c in v2[l][p]] for p in range(8)]
-            r = fadd(fadd(fadd(v[0][e], v[4][e]), fadd(v[2][e], v[6][e])),
-                     fadd(fadd(v[1][e], v[5][e]), fadd(v[3][e], v[7][e])))
+            r = _parts_tree([v2[l][p][e][1] for p in range(8)])
             row, col = r0 + g[l] + 8 * (e >> 1), o0 + 2 * t[l] + (e & 1)
             if row < n and col < M:
                 out[(row, col)] = r
     return out
 
 
+def mma6k_s_w(Wb, xq, xd, M, K, n, o0, r0):
+    """One CTA of mma6k_s_w (qmma.cuh, tests/lab/pending/mma-decode.diff): warp s of 4 takes
+    slot s for two 8-output tiles; shared memory part[s][p][output * 16 + row]."""
+    part = [[[None] * 256 for _ in range(8)] for _ in range(4)]
+    for s in range(4):
+        for c in range(2):
+            acc = _slot_acc6(Wb, xq, xd, M, K, n, o0 + 8 * c, r0, s)
+            for l in range(32):
+                g, t = l >> 2, l & 3
+                for p in range(8):
+                    for e in range(4):
+                        part[s][p][(8 * c + 2 * t + (e & 1)) * 16 + g + 8 * (e >> 1)] = acc[l][p][e]
+    out = {}
+    for i in range(256):
+        col, row = o0 + (i >> 4), r0 + (i & 15)
+        v = [fadd(fadd(part[0][p][i], part[2][p][i]), fadd(part[1][p][i], part[3][p][i])) for p in range(8)]
+        if row < n and col < M:
+            out[(row, col)] = _parts_tree(v)
+    return out
+
+
 def check6(M=8, K=1280, n=9, seed=0, order="mvs"):
-    """Outputs of mma6k_s (order "mvs") or mma6k_k (order "mvkt") differing from the product
+    """Outputs of mma6k_s (order "mvs"), mma6k_s_w ("mvs_w") or mma6k_k ("mvkt") differing from the product
     kernel of that order, and its distance from float64."""
     from quant import GGMLType, QTensor
     from quant.dequant import dequantize
@@ -545,14 +577,14 @@ def check6(M=8, K=1280, n=9, seed=0, order="mvs"):
     Wb = Wb.reshape(M, -1).view(np.uint8)
     xq = rng.integers(-127, 128, (n, K)).astype(np.int8)
     xd = (rng.random((n, K // 256)) * 0.02 + 1e-3).astype(np.float32)
-    refk, kern = (mvs6k, mma6k_s) if order == "mvs" else (mvkt6, mma6k_k)
+    refk, kern = {"mvs": (mvs6k, mma6k_s), "mvs_w": (mvs6k, mma6k_s_w), "mvkt": (mvkt6, mma6k_k)}[order]
     ref = {(r, m): refk(Wb, xq, xd, m, r, K) for r in range(n) for m in range(M)}
     Wf = dequantize(QTensor("w", GGMLType.Q6_K, (M, K), Wb)).astype(np.float64)
     f64 = (xq.astype(np.float64) * np.repeat(xd.astype(np.float64), 256, axis=1)) @ Wf.T
     dist = max(abs(float(ref[k]) - f64[k]) for k in ref) / np.abs(f64).max()
     got = {}
     for r0 in range(0, n, 16):
-        for o0 in range(0, M, 8):
+        for o0 in range(0, M, 16 if order == "mvs_w" else 8):
             got.update(kern(Wb, xq, xd, M, K, n, o0, r0))
     assert set(got) == set(ref)
     bad = sum(1 for k in ref if np.float32(got[k]).view(np.uint32) != np.float32(ref[k]).view(np.uint32))

@@ -32,6 +32,12 @@ def test_q6k_kernel_takes_mvs_order(monkeypatch):
     assert emul.check6(M=8, K=1280, n=9, seed=0)[0] > 0
 
 
+def test_q6k_warp_a_slot_keeps_mvs_order():
+    """mma6k_s_w (qmma.cuh, tests/lab/pending/mma-decode.diff): a CTA's 16 outputs and a partial
+    one, 17 rows, K 2304 (9 blocks: slot 0's third chunk alone holds one)."""
+    assert emul.check6(M=24, K=2304, n=17, seed=2, order="mvs_w")[0] == 0
+
+
 def test_q6k_kernel_takes_mvkt_order(monkeypatch):
     bad, dist = emul.check6(M=8, K=2304, n=9, seed=1, order="mvkt")
     assert bad == 0 and dist < 1e-5
