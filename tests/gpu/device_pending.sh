@@ -4,7 +4,7 @@
 #  0. mvf-tiny: its test, then M30 tg128 with it and without (LLAMBA_MVF_UT=2) between two
 #     llama-bench runs (the model written while step 1 runs);
 #  1. mma-decode's kernels and a model's 32-row step bit for bit (tests/gpu/test_mma_rows_gpu.py);
-#  2. a 32-row L8 decode step with it (Q4_K by mma4k_w, then by mma4k) and without it
+#  2. a 32-row L8 decode step with it (the _w kernels, then the one-warp walks) and without it
 #     (lab.serve_engine, LLAMBA_MMA=0): it lands only if faster (session 36, mma4k: 1106
 #     against 1475 tok/s);
 #  3. with SERVE=1 (once 2 shows it faster): L8 serving, ours and llama-server -np 32, 32 then
@@ -33,7 +33,7 @@ timeout 200 python3 -m pytest -q -x tests/gpu/test_mma_rows_gpu.py -p no:cachepr
 MMA_OK=${PIPESTATUS[0]}
 echo "== mma tests rc $MMA_OK at $((SECONDS-T0)) s" | tee -a "$OUT/log.txt"
 wait
-for cfg in "LLAMBA_MMA=1" "LLAMBA_MMA=1 LLAMBA_MMA4K=mma4k" "LLAMBA_MMA=0"; do
+for cfg in "LLAMBA_MMA=1" "LLAMBA_MMA=1 LLAMBA_MMA4K=mma4k LLAMBA_MMA6KS=mma6k_s" "LLAMBA_MMA=0"; do
   echo "== $cfg" | tee -a "$OUT/engine.txt"
   env $cfg timeout 100 python3 -m lab.serve_engine -m /tmp/L8.gguf --device cuda -B 32 --rounds 2 --steps 20 2>&1 \
     | tail -1 | tee -a "$OUT/engine.txt"
