@@ -5,8 +5,8 @@
 #     llama-bench runs (the model written while step 1 runs);
 #  1. mma-decode's kernels and a model's 32-row step bit for bit (tests/gpu/test_mma_rows_gpu.py);
 #  2. a 32-row L8 decode step with it (the _w kernels, then the one-warp walks) and without it
-#     (lab.serve_engine, LLAMBA_MMA=0): it lands only if faster (session 36, mma4k: 1106
-#     against 1475 tok/s);
+#     (lab.serve_engine --exact, LLAMBA_MMA=0: four 8-row forwards, as served): it lands if
+#     clearly faster (session 36, mma4k: 1106 tok/s against ~1030 estimated from 8-row steps);
 #  3. with SERVE=1 (once 2 shows it faster): L8 serving, ours and llama-server -np 32, 32 then
 #     1 clients, same file.
 # Carry .devrun (wheels in .devrun/whl, qwen-tok.tok: tests/gpu/prepare_device.py) and .devpeer
@@ -35,7 +35,7 @@ echo "== mma tests rc $MMA_OK at $((SECONDS-T0)) s" | tee -a "$OUT/log.txt"
 wait
 for cfg in "LLAMBA_MMA=1" "LLAMBA_MMA=1 LLAMBA_MMA4K=mma4k LLAMBA_MMA6KS=mma6k_s" "LLAMBA_MMA=0"; do
   echo "== $cfg" | tee -a "$OUT/engine.txt"
-  env $cfg timeout 100 python3 -m lab.serve_engine -m /tmp/L8.gguf --device cuda -B 32 --rounds 2 --steps 20 2>&1 \
+  env $cfg timeout 100 python3 -m lab.serve_engine -m /tmp/L8.gguf --device cuda -B 32 --rounds 2 --steps 20 --exact 2>&1 \
     | tail -1 | tee -a "$OUT/engine.txt"
 done
 M30B=(timeout 90 /tmp/ll/llama-bench -m /tmp/M30.gguf -ngl 99 -p 0 -n 128 -fa 1 -r 3)

@@ -2,7 +2,12 @@
 (B sequences, one token each) against one row, and the same through the Scheduler alone
 (run_until_idle, no server), with the CPU step plans recorded/replayed counted.
 
-    PYTHONPATH=tests python -m lab.serve_engine -m MODEL -t 2 [--device cuda] [-B 8] [--rounds 5] [--sched]
+    PYTHONPATH=tests python -m lab.serve_engine -m MODEL -t 2 [--device cuda] [-B 8] [--rounds 5] [--sched] [--exact]
+
+Without --exact, B rows go to Engine.step at once: above the backend's exact_rows that is a
+prompt-style forward (CUDA: cuBLAS GEMMs), whose rows are not each one's own alone.  With
+--exact they go in forwards of at most exact_rows rows, one after another, as the Scheduler
+sends decode rows (session 36 compared tensor-core 32-row steps against the former by mistake).
 
 Rounds alternate 1-row and B-row blocks (the machine is shared: medians of ratios).
 """
@@ -13,8 +18,14 @@ import statistics
 import time
 
 
-def engine_rounds(eng, B: int, rounds: int, steps: int, ctx: int = 40):
+def engine_rounds(eng, B: int, rounds: int, steps: int, ctx: int = 40, exact: bool = False):
     vocab = eng.config.vocab_size
+    cap = max(1, getattr(eng.backend, "exact_rows", 1)) if exact else B
+
+    def step(group):
+        for i in range(0, len(group), cap):
+            eng.step(group[i:i + cap], [[1] for _ in group[i:i + cap]], argmax=True)
+
     seqs = [eng.new_sequence() for _ in range(B)]
     for i, s in enumerate(seqs):
         eng.step([s], [[(7919 * (j + 31 * i) + 11) % vocab for j in range(ctx)]])
@@ -25,11 +36,11 @@ def engine_rounds(eng, B: int, rounds: int, steps: int, ctx: int = 40):
         for b in (1, B) if r % 2 == 0 else (B, 1):
             group = seqs[:b]
             for _ in range(2):         # record the plan outside the timing
-                eng.step(group, [[1] for _ in group], argmax=True)
+                step(group)
             rec0 = plans.recorded if plans else 0
             t = time.perf_counter()
             for _ in range(steps):
-                eng.step(group, [[1] for _ in group], argmax=True)
+                step(group)
             dt = time.perf_counter() - t
             row[b] = (b * steps / dt, (plans.recorded - rec0) if plans else 0)
             for s in group:            # keep the context fixed
@@ -119,13 +130,16 @@ def main():
     p.add_argument("--sched", action="store_true", help="through the Scheduler (prompts + decode) too")
     p.add_argument("-n", type=int, default=32, help="tokens a request (--sched)")
     p.add_argument("--ab-merge", action="store_true", help="--sched: B clients with prompt merging off and on")
+    p.add_argument("--exact", action="store_true", help="B rows in forwards of at most exact_rows rows (as served)")
     a = p.parse_args()
     from runtime.engine import Engine
     from runtime.warmup import warm_up
     eng = Engine(a.model, device=a.device, threads=a.threads, n_ctx=4096, cache_blocks=2048)
     warm_up(eng, notice=print)
     if a.steps:
-        engine_rounds(eng, a.B, a.rounds, a.steps)
+        engine_rounds(eng, a.B, a.rounds, a.steps, exact=a.exact)
+        if a.exact:
+            print(f"(forwards of at most {eng.backend.exact_rows} rows)")
     if a.sched:
         sched_rounds(eng, a.B, a.rounds, a.n, a.ab_merge)
     pl = getattr(eng.backend, "plans", None)
