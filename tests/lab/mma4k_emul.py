@@ -252,6 +252,17 @@ def _pieces_out(stk, g, t, M, n, o0, r0):
     return out
 
 
+def _block_fmas(hx, xda, xdb, I, Mn, acc):
+    """mvk4k's two FMAs a block and piece, for a lane's 4 C elements: hx the first header words
+    of outputs 2t and 2t + 1 (d, dmin), xda / xdb rows g's and g + 8's scales, I / Mn float32."""
+    d = (half(hx[0] & 0xFFFF), half(hx[1] & 0xFFFF))
+    m = (half(hx[0] >> 16), half(hx[1] >> 16))
+    for e in range(4):
+        xv = xda if e < 2 else xdb
+        acc[e] = fmaf(fmul(d[e & 1], xv), I[e], acc[e])
+        acc[e] = fmaf(-fmul(m[e & 1], xv), Mn[e], acc[e])
+
+
 # ---------------------------------------------------------------- mma4k_i8, one warp
 def _slot_acc(Wb, xq, xd, xi, M, K, n, o0, r0, q):
     """A warp's class sums of block slot q (blocks q, q + 8, ...), as mma4k's walk makes them
@@ -289,15 +300,9 @@ def _slot_acc(Wb, xq, xd, xi, M, K, n, o0, r0, q):
                             I[l][e] += sc[e & 1] * S[l][e]
                             Mn[l][e] += mn[e & 1] * (ba if e < 2 else bb)
             for l in L:
-                hx0, hx1 = hh[l][0][0], hh[l][1][0]
-                d = (half(hx0 & 0xFFFF), half(hx1 & 0xFFFF))
-                m = (half(hx0 >> 16), half(hx1 >> 16))
-                xda = xd[ra[l], blk] if ok else f32(0)
-                xdb = xd[rb[l], blk] if ok else f32(0)
-                for e in range(4):
-                    xv = xda if e < 2 else xdb
-                    acc[l][j][e] = fmaf(fmul(d[e & 1], xv), f32(I[l][e]), acc[l][j][e])
-                    acc[l][j][e] = fmaf(-fmul(m[e & 1], xv), f32(Mn[l][e]), acc[l][j][e])
+                _block_fmas((hh[l][0][0], hh[l][1][0]), xd[ra[l], blk] if ok else f32(0),
+                            xd[rb[l], blk] if ok else f32(0), [f32(v) for v in I[l]], [f32(v) for v in Mn[l]],
+                            acc[l][j])
     return acc
 
 
@@ -313,28 +318,39 @@ def mma4k_i8(Wb, xq, xd, xi, M, K, n, o0, r0):
     return _pieces_out(stk, g, t, M, n, o0, r0)
 
 
-# ---------------------------------------------------------------- mma4k_w, one CTA
-def mma4k_w(Wb, xq, xd, xi, M, K, n, o0, r0):
-    """Warp q of 8 takes slot q for two 8-output tiles (o0, o0 + 8); shared memory
-    part[q][j][output * 16 + row]; thread i adds its element's 32 class sums."""
-    part = [[[None] * 256 for _ in range(4)] for _ in range(8)]
-    for q in range(8):
+# ---------------------------------------------------------------- the CTA kernels (_w)
+def _cta(slot_acc, n_slots, M, n, o0, r0, total):
+    """One CTA of a _w kernel: warp q of n_slots takes slot q for two 8-output tiles (o0, o0 + 8;
+    slot_acc(o0, q) -> [lane][chain][C element]); shared memory part[q][chain][output * 16 + row]
+    (C element e of tile c: row g + 8 (e >> 1), output 8c + 2t + (e & 1)); thread i adds its
+    element's sums, total(P) with P[q][chain]."""
+    part = [None] * n_slots
+    for q in range(n_slots):
         for c in range(2):
-            acc = _slot_acc(Wb, xq, xd, xi, M, K, n, o0 + 8 * c, r0, q)
+            acc = slot_acc(o0 + 8 * c, q)
+            if part[q] is None:
+                part[q] = [[None] * 256 for _ in acc[0]]
             for l in range(32):
                 g, t = l >> 2, l & 3
-                for j in range(4):
+                for j, chain in enumerate(acc[l]):
                     for e in range(4):
-                        part[q][j][(8 * c + 2 * t + (e & 1)) * 16 + g + 8 * (e >> 1)] = acc[l][j][e]
+                        part[q][j][(8 * c + 2 * t + (e & 1)) * 16 + g + 8 * (e >> 1)] = chain[e]
     out = {}
     for i in range(256):
         col, row = o0 + (i >> 4), r0 + (i & 15)
-        P = [[part[q][j][i] for j in range(4)] for q in range(8)]
+        if row < n and col < M:
+            out[(row, col)] = total([[ch[i] for ch in sl] for sl in part])
+    return out
+
+
+def mma4k_w(Wb, xq, xd, xi, M, K, n, o0, r0):
+    """mma4k_w (qmma.cuh, tests/lab/pending/mma-decode.diff): 8 slots, 4 pieces; over q as
+    _fold adds them, then the pieces."""
+    def total(P):
         S = [fadd(fadd(fadd(P[0][j], P[4][j]), fadd(P[2][j], P[6][j])),
                   fadd(fadd(P[1][j], P[5][j]), fadd(P[3][j], P[7][j]))) for j in range(4)]
-        if row < n and col < M:
-            out[(row, col)] = fadd(fadd(S[0], S[2]), fadd(S[1], S[3]))
-    return out
+        return fadd(fadd(S[0], S[2]), fadd(S[1], S[3]))
+    return _cta(lambda o, q: _slot_acc(Wb, xq, xd, xi, M, K, n, o, r0, q), 8, M, n, o0, r0, total)
 
 
 # ---------------------------------------------------------------- mma4k_t<NT>, one warp
@@ -404,15 +420,8 @@ def mma4k_t(Wb, x16, xd, bs16, M, K, n, o0, r0, NT):
                             bm.append((0, 0))
                     cM = mma_f16_m16n8k16(am, bm, [[f32(0)] * 4 for _ in L])
                     for l in L:
-                        hx0, hx1 = hs[8 * t[l]][1][0], hs[8 * t[l] + 4][1][0]
-                        d = (half(hx0 & 0xFFFF), half(hx1 & 0xFFFF))
-                        m = (half(hx0 >> 16), half(hx1 >> 16))
-                        xda = xd[ra[l], blk] if ok else f32(0)
-                        xdb = xd[rb[l], blk] if ok else f32(0)
-                        for e in range(4):
-                            xv = xda if e < 2 else xdb
-                            acc[l][nt][e] = fmaf(fmul(d[e & 1], xv), cI[l][e], acc[l][nt][e])
-                            acc[l][nt][e] = fmaf(-fmul(m[e & 1], xv), cM[l][e], acc[l][nt][e])
+                        _block_fmas((hs[8 * t[l]][1][0], hs[8 * t[l] + 4][1][0]), xd[ra[l], blk] if ok else f32(0),
+                                    xd[rb[l], blk] if ok else f32(0), cI[l], cM[l], acc[l][nt])
             for l in L:
                 for nt in range(NT):
                     for e in range(4):
@@ -546,24 +555,11 @@ def mma6k_s(Wb, xq, xd, M, K, n, o0, r0):
 
 
 def mma6k_s_w(Wb, xq, xd, M, K, n, o0, r0):
-    """One CTA of mma6k_s_w (qmma.cuh, tests/lab/pending/mma-decode.diff): warp s of 4 takes
-    slot s for two 8-output tiles; shared memory part[s][p][output * 16 + row]."""
-    part = [[[None] * 256 for _ in range(8)] for _ in range(4)]
-    for s in range(4):
-        for c in range(2):
-            acc = _slot_acc6(Wb, xq, xd, M, K, n, o0 + 8 * c, r0, s)
-            for l in range(32):
-                g, t = l >> 2, l & 3
-                for p in range(8):
-                    for e in range(4):
-                        part[s][p][(8 * c + 2 * t + (e & 1)) * 16 + g + 8 * (e >> 1)] = acc[l][p][e]
-    out = {}
-    for i in range(256):
-        col, row = o0 + (i >> 4), r0 + (i & 15)
-        v = [fadd(fadd(part[0][p][i], part[2][p][i]), fadd(part[1][p][i], part[3][p][i])) for p in range(8)]
-        if row < n and col < M:
-            out[(row, col)] = _parts_tree(v)
-    return out
+    """mma6k_s_w (qmma.cuh, tests/lab/pending/mma-decode.diff): 4 slots, 8 parts; over s as
+    _fold4 adds them, then the parts' tree."""
+    def total(P):
+        return _parts_tree([fadd(fadd(P[0][p], P[2][p]), fadd(P[1][p], P[3][p])) for p in range(8)])
+    return _cta(lambda o, s: _slot_acc6(Wb, xq, xd, M, K, n, o, r0, s), 4, M, n, o0, r0, total)
 
 
 def check6(M=8, K=1280, n=9, seed=0, order="mvs"):
