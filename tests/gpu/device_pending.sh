@@ -35,13 +35,13 @@ echo "== mma tests rc $MMA_OK at $((SECONDS-T0)) s" | tee -a "$OUT/log.txt"
 wait
 for cfg in "LLAMBA_MMA=1" "LLAMBA_MMA=1 LLAMBA_MMA4K=mma4k LLAMBA_MMA6KS=mma6k_s" "LLAMBA_MMA=0"; do
   echo "== $cfg" | tee -a "$OUT/engine.txt"
-  env $cfg timeout 100 python3 -m lab.serve_engine -m /tmp/L8.gguf --device cuda -B 32 --rounds 2 --steps 20 --exact 2>&1 \
+  env $cfg timeout 100 python3 -m lab.serve_engine -m /tmp/L8.gguf --device cuda -B 32 --rounds 2 --steps 10 --exact 2>&1 \
     | tail -1 | tee -a "$OUT/engine.txt"
 done
-M30B=(timeout 90 /tmp/ll/llama-bench -m /tmp/M30.gguf -ngl 99 -p 0 -n 128 -fa 1 -r 3)
+M30B=(timeout 90 /tmp/ll/llama-bench -m /tmp/M30.gguf -ngl 99 -p 0 -n 128 -fa 1 -r 2)
 "${PENV[@]}" "${M30B[@]}" 2>&1 | grep -E "^\||error" | tee -a "$OUT/M30.txt"
 for ut in 8 2; do
-  LLAMBA_MVF_UT=$ut timeout 150 python3 -m runtime bench -m /tmp/M30.gguf --device cuda -p 0 -n 128 -r 3 2>&1 | tail -1 | sed "s/^/UT=$ut /" | tee -a "$OUT/M30.txt"
+  LLAMBA_MVF_UT=$ut timeout 150 python3 -m runtime bench -m /tmp/M30.gguf --device cuda -p 0 -n 128 -r 2 2>&1 | tail -1 | sed "s/^/UT=$ut /" | tee -a "$OUT/M30.txt"
 done
 "${PENV[@]}" "${M30B[@]}" 2>&1 | grep -E "^\||error" | tee -a "$OUT/M30.txt"
 if [ "${SERVE:-0}" = 1 ] && [ "$MMA_OK" = 0 ] && [ $(left) -gt 150 ]; then
