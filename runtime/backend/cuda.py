@@ -589,10 +589,14 @@ class CUDABackend:
     def _run(self, model, dstep):
         return self._run_as(model, dstep, self)
 
-    def _run_as(self, model, dstep, ops):
+    def _begin_forward(self):
+        """A forward's start: the arena's buffers free again, no op deferred."""
         self.arena.reset()
         self._pnorm, self._pnorm2, self._pglu, self._propes, self._pmoe = None, None, None, [], None
         self._unmat.clear()
+
+    def _run_as(self, model, dstep, ops):
+        self._begin_forward()
         out = model.forward(ops, dstep)
         self._flush()
         return out
@@ -867,6 +871,7 @@ class CUDABackend:
             self.qc.moe_combine(y, w, k, out)
             self._unmat.discard(out.data.ptr)
         if self._pnorm is not None or self._pnorm2 is not None:
+            # (the second alone where a matmul folded the first into its input's rounding)
             one, two = self._pnorm or self._pnorm2, self._pnorm2 if self._pnorm else None
             self._pnorm = self._pnorm2 = None
             x, w, eps, out = one

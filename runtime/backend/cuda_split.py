@@ -141,9 +141,7 @@ class SplitBackend:
         with self.gpu.stream:
             flat, layout = _pack_step(step)
             dev = _DevStep(step, _views(cp.asarray(flat), layout), 1)
-            self.gpu.arena.reset()
-            self.gpu._pnorm, self.gpu._pnorm2, self.gpu._pglu, self.gpu._propes, self.gpu._pmoe = None, None, None, [], None
-            self.gpu._unmat.clear()
+            self.gpu._begin_forward()
             self.cpu.arena.reset()
             out = model.forward(self, _DualStep(step, dev))
             self.gpu._flush()
