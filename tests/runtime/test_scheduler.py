@@ -58,6 +58,8 @@ LONG = ["The history of bread begins " * 9, "def parse(line):\n    return line.s
 def test_prompts_sharing_a_forward_equal_each_alone(engine):
     """Prompt chunks of 32+ tokens of different requests share forwards (Engine.merge_rows):
     each request's greedy tokens are still its own."""
+    if engine.merge_rows is None:
+        pytest.skip("prompts share forwards only through the bf16 prompt kernel (AVX512_BF16), not on this CPU")
     ids = [engine.tokenizer.encode(p) for p in LONG]
     assert all(len(x) >= 32 for x in ids)
     alone = []
