@@ -539,9 +539,7 @@ def _matvec(x, Ws, outs, biases, accumulate):
         rpw = _rpw(n)
         f = _mods.get(W0.qtype)[f"mv<{STRUCT[W0.qtype]},{n},{rpw}>"]
         grid = ((maxM + rpw - 1) // rpw, len(grp))
-        qk = _KBLOCK[W0.qtype][0]
-        nparts = K // qk * (8 if qk == QK_K else 1)
-        threads = min(128, (nparts + 31) // 32 * 32)
+        threads = min(128, (_parts(W0.qtype, K) + 31) // 32 * 32)
         f(grid, (threads,), tuple(args))
         i = j
 
@@ -714,6 +712,23 @@ def _launch1d(f, n, args, block=256):
     f(((n + block - 1) // block,), (block,), args)
 
 
+def _parts(qtype, K: int) -> int:
+    """Work items a row of K values takes in the dequantizing kernels (mv, deq_f16,
+    deq_rows): one a quant block, eight a 256-value K-quant block."""
+    qk = _KBLOCK[qtype][0]
+    return K // qk * (8 if qk == QK_K else 1)
+
+
+def _deq_f16(qtype, W, rows: int, K: int, row_bytes: int, out, mats=np.uint64(0), Me: int | None = None,
+             mat_bytes: int = 0):
+    """deq_f16: rows x K values of W (a device buffer or address) into out, fp16 [rows, K];
+    with mats (device int32 address), out's rows are matrices mats[0], mats[1], ... of Me
+    rows each, matrix i at W + i * mat_bytes (a layer's chosen experts)."""
+    _launch1d(_mods.get(qtype)[f"deq_f16<{STRUCT[qtype]}>"], rows * _parts(qtype, K),
+              (W, np.int32(rows), np.int32(K), np.int64(row_bytes), out, mats, np.int32(rows if Me is None else Me),
+               np.int64(mat_bytes)), block=DEQ_THREADS)
+
+
 def _gemms(x, Ws, outs, biases, accumulate, ws: Workspace, prologue=None):
     """The prompt path: x (after the prologue) converted to fp16 once for all of Ws, then
     each W dequantized to fp16 a tile of rows at a time for cuBLAS (fp16 x fp16 -> fp32)."""
@@ -806,17 +821,12 @@ def _gemm(gemm_ex, handle, x16, n, K, W, y, bias, accumulate, ws: Workspace):
     M = W.shape[0]
     tile = max(1, min(M, GEMM_TILE_ELEMS // K))
     w16 = ws.get("w16", tile * K)
-    deq = _mods.get(W.qtype)[f"deq_f16<{STRUCT[W.qtype]}>"]
-    qk = _KBLOCK[W.qtype][0]
-    nparts = K // qk * (8 if qk == QK_K else 1)
     ldy = y.strides[0] // 4
     beta = ws._one if accumulate else ws._zero
     base = W.data.data.ptr
     for r0 in range(0, M, tile):
         tm = min(tile, M - r0)
-        _launch1d(deq, tm * nparts, (np.uint64(base + r0 * W.row_nbytes), np.int32(tm), np.int32(K),
-                                     np.int64(W.row_nbytes), w16, np.uint64(0), np.int32(tm), np.int64(0)),
-                  block=DEQ_THREADS)
+        _deq_f16(W.qtype, np.uint64(base + r0 * W.row_nbytes), tm, K, W.row_nbytes, w16)
         # row-major y[n, M] = x[n, K] @ w[M, K]^T  ==  column-major y^T = w^T(op T) x
         gemm_ex(handle, 1, 0, tm, n, K,
                 ws._one.ctypes.data, w16.data.ptr, 2, K,
@@ -839,17 +849,12 @@ def matmul_experts(x16, E: DeviceExperts, plan, y, ws: Workspace):
     assert y.shape[1] == M and x16.size >= plan.rows * K
     blas = _blas()
     handle = blas.on(cp.cuda.get_current_stream().ptr)
-    deq = _mods.get(E.qtype)[f"deq_f16<{STRUCT[E.qtype]}>"]
-    qk = _KBLOCK[E.qtype][0]
-    nparts = K // qk * (8 if qk == QK_K else 1)
     w16 = ws.get("w16", plan.most * M * K)
     ldy = y.strides[0] // 4
     ids = plan.experts_d
     for (j0, j1), base, pad in zip(plan.chunks, plan.base, plan.pad):
         ne = j1 - j0
-        _launch1d(deq, ne * M * nparts, (E.data, np.int32(ne * M), np.int32(K), np.int64(E[0].row_nbytes), w16,
-                                         np.uint64(ids.data.ptr + 4 * j0), np.int32(M), np.int64(E.stride)),
-                  block=DEQ_THREADS)
+        _deq_f16(E.qtype, E.data, ne * M, K, E[0].row_nbytes, w16, np.uint64(ids.data.ptr + 4 * j0), M, E.stride)
         # column-major y_e^T [M, pad] = w_e (op T) [M, K] x_e^T [K, pad], for each expert e of the chunk
         blas.gemm_batched(handle, 1, 0, M, pad, K,
                           ws._one.ctypes.data, w16.data.ptr, 2, K, M * K,
@@ -863,10 +868,8 @@ def embed_rows(W: DeviceWeight, ids, out, scale: float = 1.0):
     """out[i] = W[ids[i]] * scale; ids int32 on the device, out float32 [len(ids), K]."""
     n = ids.shape[0]
     K = W.shape[1]
-    qk = _KBLOCK[W.qtype][0]
-    nparts = K // qk * (8 if qk == QK_K else 1)
     f = _mods.get(W.qtype)[f"deq_rows<{STRUCT[W.qtype]}>"]
-    _launch1d(f, n * nparts, (W.data, ids, np.int32(n), np.int32(K), np.int64(W.row_nbytes),
+    _launch1d(f, n * _parts(W.qtype, K), (W.data, ids, np.int32(n), np.int32(K), np.int64(W.row_nbytes),
                               np.float32(scale), out), block=128)
 
 
@@ -874,9 +877,5 @@ def dequantize_f16(W: DeviceWeight):
     """The whole of W as fp16 [M, K] (tests and debugging only: it is a full copy)."""
     M, K = W.shape
     out = cp.empty((M, K), cp.float16)
-    qk = _KBLOCK[W.qtype][0]
-    nparts = K // qk * (8 if qk == QK_K else 1)
-    _launch1d(_mods.get(W.qtype)[f"deq_f16<{STRUCT[W.qtype]}>"], M * nparts,
-              (W.data, np.int32(M), np.int32(K), np.int64(W.row_nbytes), out, np.uint64(0), np.int32(M), np.int64(0)),
-              block=DEQ_THREADS)
+    _deq_f16(W.qtype, W.data, M, K, W.row_nbytes, out)
     return out
