@@ -40,6 +40,27 @@ def cpu_has(env: str, *features: str) -> bool:
 
 
 HAVE_VNNI = cpu_has("LLAMBA_QUANT_VNNI", "avx512vnni")
+
+
+def _has_avx2() -> bool:
+    if os.environ.get("LLAMBA_QUANT_AVX2", "1") == "0" or not llvm_ok():
+        return False
+    try:
+        from llvmlite import binding
+        f = binding.get_host_cpu_features()
+        return bool(f.get("avx2", False) and f.get("fma", False))
+    except Exception:
+        return False
+
+
+# The u8 x s8 kernels (vnni.py, vnni_kq.py) also run on AVX2-only CPUs (Haswell and later,
+# AMD Zen 1-3: many of the machines local models run on), with vpdpbusd spelled as
+# llama.cpp spells it there: vpmaddubsw (adjacent u8 x s8 products summed to int16,
+# saturating) then vpmaddwd by ones.  The same integers, hence the same bits, as long as
+# a pair's sum fits int16: weight codes up to 127 against |x| <= 128, which every kind
+# keeps (Q6_K's codes reach 63, MXFP4's 24) but Q8_0, whose codes xor 0x80 reach 255:
+# its dots take the codes' bit 7 apart (`wide`).  INT8_DOT: the kernels run here.
+INT8_DOT = HAVE_VNNI or _has_avx2()
 # GFNI (Ice Lake, Zen4 and later; not Cascade Lake) unpacks Q4_K's high nibbles in one instruction
 HAVE_GFNI = HAVE_VNNI and cpu_has("LLAMBA_QUANT_GFNI", "gfni")
 _i1 = ir.IntType(1)
@@ -104,16 +125,96 @@ def _c(v, t=_i64):
     return ir.Constant(t, v)
 
 
-def _vpdpbusd(builder, acc, u8, s8):
+def _vpdpbusd(builder, acc, u8, s8, wide=False):
+    """acc + per int32 lane the sum of its 4 u8 x s8 products (8 lanes).  wide: the u8
+    codes may exceed 127 (Q8_0's), which AVX2 takes in two parts to stay exact."""
+    if not HAVE_VNNI:
+        return (_maddubs_wide if wide else _maddubs_avx2)(builder, acc, u8, s8)
     fn = _fn(builder, "llvm.x86.avx512.vpdpbusd.256", _v8i32, [_v8i32, _v8i32, _v8i32])
     return builder.call(fn, [acc, builder.bitcast(u8, _v8i32), builder.bitcast(s8, _v8i32)])
+
+
+_v16i16 = ir.VectorType(_i16, 16)
+
+
+def _maddubs_avx2(builder, acc, u8, s8):
+    """vpdpbusd (256 bits) on AVX2: vpmaddubsw, vpmaddwd by ones, vpaddd (see INT8_DOT)."""
+    mub = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _v16i16, [_v32i8, _v32i8])
+    p16 = builder.call(mub, [builder.bitcast(u8, _v32i8), builder.bitcast(s8, _v32i8)])
+    return _maddwd_avx2(builder, acc, p16, ir.Constant(_v16i16, [1] * 16))
+
+
+def _maddubs_wide(builder, acc, u8, s8):
+    """_maddubs_avx2 for any u8: its bits 0-6 and its bit 7 apart (each pair sum then fits
+    int16: 127 * 128 * 2 and 128 * 128 * 2), two vpmaddwd."""
+    u8 = builder.bitcast(u8, _v32i8)
+    low = builder.and_(u8, ir.Constant(_v32i8, [0x7F] * 32))
+    top = builder.and_(u8, ir.Constant(_v32i8, [-0x80] * 32))
+    return _maddubs_avx2(builder, _maddubs_avx2(builder, acc, low, s8), top, s8)
+
+
+def _maddwd_avx2(builder, acc, a, b):
+    """vpdpwssd (256 bits) on AVX2: vpmaddwd, vpaddd (the same wrapping int32 sums)."""
+    mwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", _v8i32, [_v16i16, _v16i16])
+    return builder.add(acc, builder.call(mwd, [builder.bitcast(a, _v16i16), builder.bitcast(b, _v16i16)]))
+
+
+def _halves(builder, v):
+    """A 512-bit vector as its two 256-bit halves, as 8 int32 lanes each."""
+    v = builder.bitcast(v, _v16i32)
+    lo = _shuf(builder, v, list(range(8)))
+    hi = _shuf(builder, v, list(range(8, 16)))
+    return lo, hi
+
+
+def _join(builder, lo, hi):
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_i32, 16), list(range(16))))
+
+
+def _by_halves(builder, op, acc, a, b):
+    """A 512-bit int32-lane op as two 256-bit ones (AVX2 has no zmm registers; every
+    lane's result depends on its own lane only)."""
+    al, ah = _halves(builder, acc)
+    xl, xh = _halves(builder, a)
+    yl, yh = _halves(builder, b)
+    return _join(builder, op(builder, al, xl, yl), op(builder, ah, xh, yh))
+
+
+def vpdpwssd(builder, acc, a, b):
+    """acc + per int32 lane (a.lo16 * b.lo16 + a.hi16 * b.hi16), 8 or 16 lanes."""
+    n = acc.type.count
+    half = ir.VectorType(_i16, 2 * n)
+    if not HAVE_VNNI:
+        if n == 8:
+            return _maddwd_avx2(builder, acc, a, b)
+        return _by_halves(builder, _maddwd_avx2, acc, a, b)
+    # (LLVM 22 declares the word operands as <32 x i16>; an i32 declaration is
+    # "auto-upgraded" into wrong code)
+    fn = _fn(builder, f"llvm.x86.avx512.vpdpwssd.{32 * n}", acc.type, [acc.type, half, half])
+    return builder.call(fn, [acc, builder.bitcast(a, half), builder.bitcast(b, half)])
+
+
+def packssdw512(builder, a, b):
+    """Two 16-lane int32 vectors -> 32 int16, per 128-bit lane: a's 4 dwords, then b's."""
+    v32i16 = ir.VectorType(_i16, 32)
+    if not HAVE_VNNI:
+        fn = _fn(builder, "llvm.x86.avx2.packssdw", _v16i16, [_v8i32, _v8i32])
+        al, ah = _halves(builder, a)
+        bl, bh = _halves(builder, b)
+        lo, hi = builder.call(fn, [al, bl]), builder.call(fn, [ah, bh])
+        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
+    fn = _fn(builder, "llvm.x86.avx512.packssdw.512", v32i16, [_v16i32, _v16i32])
+    return builder.call(fn, [a, b])
 
 
 def _literal(t):
     return isinstance(t, types.IntegerLiteral)
 
 
-def _vpdpbusd512(builder, acc, u8, s8):
+def _vpdpbusd512(builder, acc, u8, s8, wide=False):
+    """acc + per int32 lane the sum of its 4 u8 x s8 products (16 lanes); wide as _vpdpbusd's."""
+    if not HAVE_VNNI:
+        return _by_halves(builder, _maddubs_wide if wide else _maddubs_avx2, acc, u8, s8)
     fn = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", _v16i32, [_v16i32, _v16i32, _v16i32])
     return builder.call(fn, [acc, builder.bitcast(u8, _v16i32), builder.bitcast(s8, _v16i32)])
 

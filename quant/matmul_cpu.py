@@ -190,9 +190,10 @@ USE_AMX = BF16_PREFILL and AMX.HAVE_AMX
 # so an unquantized model still reproduces its float reference to KL < 1e-4.
 _BF16_TYPES = frozenset(_K) | frozenset(_LEGACY)
 
-# AVX512-VNNI kernels (quant/vnni.py) where the CPU has them: kind code per type.
+# The u8 x s8 kernels (quant/vnni.py) where the CPU can run them (AVX512-VNNI, or AVX2 with
+# vpdpbusd spelled in two instructions: quant/ir.py, INT8_DOT): kind code per type.
 # USE_VNNI is read per call, so tests can run the int16 fallback too.
-USE_VNNI = KV.HAVE_VNNI
+USE_VNNI = KV.INT8_DOT
 # Q4_0 rows of K % 128 == 0 take vnni_quad's kernel instead of vnni.leg_rows for 1-2
 # activation rows, same bits (USE_QUAD: the CPU has AVX512-VBMI; LLAMBA_QUANT_QUAD=0
 # turns it off).

@@ -14,7 +14,7 @@ against that expert's run of rows, computed by the same VNNI row kernels
 runs for a 2-D matrix of a run's rows: every output is bit for bit what the
 expert-by-expert path (one matmul per expert) gives, whatever the other tokens are.
 
-Experts of the VNNI kernels' types on CPUs with AVX512-VNNI (`fused_kinds` says None
+Experts of the VNNI kernels' types on CPUs with AVX512-VNNI or AVX2 (`fused_kinds` says None
 otherwise: the backend then runs the expert-by-expert path): K-quants (Q4_K, Q6_K: Q4_K_M
 files) and the 32-element formats (Q4_0 ... Q8_0 and MXFP4: gpt-oss's experts).  Gate and up
 share one rounding of x, so they must be of one family; down has its own (of h).

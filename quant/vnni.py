@@ -4,9 +4,12 @@ Generic Numba code never becomes vpdpbusd (LLVM does not match the u8 x s8
 pattern), and the int16 kernels in kernels_legacy / kernels_k are compute
 bound at a quarter of the memory bandwidth.  Here the inner loops are written
 directly in LLVM IR with the target intrinsic `llvm.x86.avx512.vpdpbusd.256`
-(EVEX-encoded, needs AVX512_VNNI + AVX512VL; Zen4, Ice Lake and later).
-HAVE_VNNI says whether this CPU has it; nothing here is compiled otherwise
-(the int16 kernels remain the path for every other x86-64 / ARM CPU).
+(EVEX-encoded, needs AVX512_VNNI + AVX512VL; Zen4, Ice Lake and later).  On
+AVX2-only CPUs (Haswell, Zen 1-3) quant/ir.py spells each vpdpbusd as llama.cpp
+does there (vpmaddubsw + vpmaddwd: the same integers, so the same bits) and the
+512-bit vectors as pairs of 256-bit ones.  INT8_DOT says whether this CPU runs
+them; nothing here is compiled otherwise (the int16 kernels remain the path for
+other CPUs: ARM, x86-64 without AVX2).
 
 How a weight block is used: its codes are unpacked to 32 unsigned bytes
 (nibbles, nibbles + 5th bit, or Q8_0's int8 xor 0x80) and multiplied with the
@@ -42,9 +45,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .act_quant import _grp_r as _grp_r_nb, group_q8_32, quantize_q8_256_i8, quantize_q8_32_i8, quantize_q8_32_quad
-from .ir import HAVE_VNNI  # noqa: F401  (this module's flag for its users: matmul_cpu, tests)
+from .ir import HAVE_VNNI, INT8_DOT  # noqa: F401  (this module's flags for its users: matmul_cpu, tests)
 from .ir import (_c, _data, _f32, _fma_t, _fn, _i1, _i8, _i16, _i32, _i64, _literal, _load_vec, _shuf, _splat, _tree8,
-                 _v8f32, _v8i32, _v16f32, _v16i8, _v16i32, _v32i8, _v64i8, _vpdpbusd, _vpdpbusd512, prefetch_span)
+                 _v8f32, _v8i32, _v16f32, _v16i8, _v16i32, _v32i8, _v64i8, _vpdpbusd, _vpdpbusd512, prefetch_span, vpdpwssd)
 from .vnni_kq import kq_rows, kq_span1
 from .vnni_quad import KIND as QUAD, quad_rows
 
@@ -353,12 +356,6 @@ def _splat16(builder, v):
     return _splat(builder, v, ir.VectorType(v.type, 16))
 
 
-def _vpdpwssd512(builder, acc, a, b):
-    # (LLVM 22 declares the word operands as <32 x i16>; an i32 declaration is
-    # "auto-upgraded" into wrong code)
-    v32i16 = ir.VectorType(_i16, 32)
-    fn = _fn(builder, "llvm.x86.avx512.vpdpwssd.512", _v16i32, [_v16i32, v32i16, v32i16])
-    return builder.call(fn, [acc, builder.bitcast(a, v32i16), builder.bitcast(b, v32i16)])
 
 
 @njit(inline="always")
@@ -541,7 +538,8 @@ def leg_rows(typingctx, kind, R, src, nb, xq, xd, xsum, xs, r0, K, res):
                 else:
                     xl = _load_vec(builder, xqp, xo, _v32i8)
                     xh = _load_vec(builder, xqp, builder.add(xo, _c(32)), _v32i8)
-                out.append(_vpdpbusd(builder, _vpdpbusd(builder, ir.Constant(_v8i32, None), lo, xl), hi, xh))
+                wide = CODE == "i8"
+                out.append(_vpdpbusd(builder, _vpdpbusd(builder, ir.Constant(_v8i32, None), lo, xl, wide), hi, xh, wide))
             return out
 
         def block_sums(b0, t):
@@ -703,7 +701,7 @@ def leg_grp(typingctx, kind, R, src, nb, xg, xdg, xsumg, xsg, res):
                     xo = builder.mul(bt, _c(32 * nr))
                     for c in range(nch):
                         p = _vpdpbusd512(builder, p, _bcast_w(builder, u, c, G),
-                                         _load_vec(builder, xp, builder.add(xo, _c(64 * c)), _v64i8))
+                                         _load_vec(builder, xp, builder.add(xo, _c(64 * c)), _v64i8), CODE == "i8")
                 ps.append(p)
             # transpose-reduce: lane r*G + t <- block b + t of row r (exact)
             sp = G // 2

@@ -52,7 +52,7 @@ from numba.extending import intrinsic
 
 from .ir import (HAVE_GFNI, _c, _gf_bits, _data, _fma_t, _fn, _hsumf, _i8, _i16, _i32, _i64, _literal,
                  _load_half, _load_vec, _shuf, _splat, _v8f32, _v16f32, _v16i32, _v32i8, _v64i8,
-                 _vpdpbusd512, prefetch, prefetch_span)
+                 _vpdpbusd512, packssdw512, prefetch, prefetch_span, vpdpwssd)
 
 Q4_K, Q6_K = 0, 1       # the kernel's kinds (literal arguments)
 
@@ -76,18 +76,6 @@ _PREFETCH = {Q4_K: (2048, 3), Q6_K: (8192, 2)}
 R_MAX = 8
 
 
-def _vpdpwssd(builder, acc, a, b):
-    """acc + per int32 lane (a.lo16 * b.lo16 + a.hi16 * b.hi16), 8 or 16 lanes."""
-    n = acc.type.count
-    half = ir.VectorType(_i16, 2 * n)
-    fn = _fn(builder, f"llvm.x86.avx512.vpdpwssd.{32 * n}", acc.type, [acc.type, half, half])
-    return builder.call(fn, [acc, builder.bitcast(a, half), builder.bitcast(b, half)])
-
-
-def _packssdw(builder, a, b):
-    """Two int32 vectors -> one of int16, per 128-bit lane: a's 4 dwords, then b's."""
-    fn = _fn(builder, "llvm.x86.avx512.packssdw.512", _v32i16, [_v16i32, _v16i32])
-    return builder.call(fn, [a, b])
 
 
 def _twice(builder, v32):
@@ -236,12 +224,12 @@ def _emit_rows(builder, k, nr, w, nsbv, xqp, xdp, xbp, r0v, Kv, acc, macc):
             if k == Q4_K:
                 dots = [_vpdpbusd512(builder, _vpdpbusd512(builder, zero, codes[2 * c], xv[2 * c]), codes[2 * c + 1],
                                      xv[2 * c + 1]) for c in range(2)]
-                isum = _vpdpwssd(builder, zero, _packssdw(builder, *dots), scales[0])
+                isum = vpdpwssd(builder, zero, packssdw512(builder, *dots), scales[0])
             else:
                 isum = zero
                 for c in range(2):
                     dots = [_vpdpbusd512(builder, zero, codes[g], xv[g]) for g in (2 * c, 2 * c + 1)]
-                    isum = _vpdpwssd(builder, isum, _packssdw(builder, *dots), scales[c])
+                    isum = vpdpwssd(builder, isum, packssdw512(builder, *dots), scales[c])
             xbo = builder.add(brow[i], builder.mul(sb, _c(per)))
             dx = builder.load(builder.gep(xdp, [builder.add(drow[i], sb)]))
             if k == Q4_K:
@@ -249,7 +237,7 @@ def _emit_rows(builder, k, nr, w, nsbv, xqp, xdp, xbp, r0v, Kv, acc, macc):
                 builder.store(_fma_t(builder, mnf, xs, builder.load(macc[i])), macc[i])
             else:
                 xs = builder.load(builder.bitcast(builder.gep(xbp, [xbo]), _v16i32.as_pointer()), align=4)
-                isum = _vpdpwssd(builder, isum, xs, ns)
+                isum = vpdpwssd(builder, isum, xs, ns)
             step = _splat(builder, builder.fmul(d, dx), _v16f32)
             builder.store(_fma_t(builder, builder.sitofp(isum, _v16f32), step, builder.load(acc[i])), acc[i])
     ys = []

@@ -26,12 +26,12 @@ TYPES = list(TYPE_INFO)
 
 @pytest.fixture(params=["vnni", "int16"], autouse=True)
 def kernel_path(request, monkeypatch):
-    """Every test runs on both small-batch kernel sets: the AVX512-VNNI one
-    (quant/vnni.py, where this CPU has it) and the portable int16 fallback."""
+    """Every test runs on both small-batch kernel sets: the u8 x s8 one (quant/vnni.py,
+    where this CPU has AVX512-VNNI or AVX2) and the portable int16 fallback."""
     import quant.matmul_cpu as mc
-    from quant.vnni import HAVE_VNNI
-    if request.param == "vnni" and not HAVE_VNNI:
-        pytest.skip("this CPU has no AVX512-VNNI")
+    from quant.vnni import INT8_DOT
+    if request.param == "vnni" and not INT8_DOT:
+        pytest.skip("this CPU has neither AVX512-VNNI nor AVX2")
     monkeypatch.setattr(mc, "USE_VNNI", request.param == "vnni")
     return request.param
 
@@ -229,3 +229,25 @@ def test_q4_0_quad_kernel_same_bits_as_leg_rows(rng, monkeypatch):
     monkeypatch.setattr(MC, "USE_QUAD", False)
     for a, b in zip(quad, matmul_multi(x, Ws)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q5_1, GGMLType.Q4_0, GGMLType.MXFP4],
+                         ids=lambda t: t.name)
+def test_extreme_codes(qtype, rng):
+    """Every code byte at its largest (Q8_0 +127: 255 once xor 0x80; nibbles 15, fifth bits
+    set) against activations at +-127: the products the u8 x s8 kernels take in pairs are as
+    large as they get.  AVX2 sums such a pair in int16 (vpmaddubsw saturates), so this is
+    where a lost bit would show; the results must still be within the bound, rows 1, 2 and
+    a group alike."""
+    M, K = 8, 1248 if qtype != GGMLType.Q8_0 else 1280
+    be, bb = TYPE_INFO[qtype]
+    raw = random_weight_bytes(rng, qtype, M, K).reshape(M, K // be, bb)
+    first = {GGMLType.Q8_0: 2, GGMLType.Q5_1: 4, GGMLType.Q4_0: 2, GGMLType.MXFP4: 1}[qtype]
+    raw[:, :, first:] = 0x7F if qtype == GGMLType.Q8_0 else 0xFF
+    if qtype == GGMLType.MXFP4:
+        raw[:, :, 1:] = 0x77             # code 7: +6, the largest positive E2M1 value (table code 24)
+    W = QTensor("w", qtype, (M, K), raw.reshape(M, -1))
+    x = np.ones((16, K), np.float32)    # all codes +127
+    x[1] = -1                           # all -127
+    for n in (1, 2, 16):
+        _check(x[:n], W, matmul(x[:n], W))

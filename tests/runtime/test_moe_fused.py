@@ -15,7 +15,7 @@ from quant import GGMLType, QTensor
 from quant import matmul_cpu
 from runtime.backend.cpu import CPUBackend
 
-pytestmark = pytest.mark.skipif(not matmul_cpu.USE_VNNI, reason="the fused kernels need AVX512-VNNI")
+pytestmark = pytest.mark.skipif(not matmul_cpu.USE_VNNI, reason="the fused kernels need AVX512-VNNI or AVX2")
 
 _SCALES = {GGMLType.Q4_K: (0, 2), GGMLType.Q6_K: (208,)}
 
