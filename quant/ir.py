@@ -58,9 +58,12 @@ def _has_avx2() -> bool:
 # llama.cpp spells it there: vpmaddubsw (adjacent u8 x s8 products summed to int16,
 # saturating) then vpmaddwd by ones.  The same integers, hence the same bits, as long as
 # a pair's sum fits int16: weight codes up to 127 against |x| <= 128, which every kind
-# keeps (Q6_K's codes reach 63, MXFP4's 24) but Q8_0, whose codes xor 0x80 reach 255:
-# its dots take the codes' bit 7 apart (`wide`).  INT8_DOT: the kernels run here.
+# keeps (Q6_K's codes reach 63, MXFP4's 24) but Q8_0, whose codes xor 0x80 reach 255.
+# So on AVX2 Q8_0's codes stay signed (I8_SIGNED) and their dots take llama.cpp's sign
+# trick (_dpbssd_avx2), with no 128 * sum(x) to take back out: the same integer sums.
+# INT8_DOT: the kernels run here.
 INT8_DOT = HAVE_VNNI or _has_avx2()
+I8_SIGNED = not HAVE_VNNI
 # GFNI (Ice Lake, Zen4 and later; not Cascade Lake) unpacks Q4_K's high nibbles in one instruction
 HAVE_GFNI = HAVE_VNNI and cpu_has("LLAMBA_QUANT_GFNI", "gfni")
 _i1 = ir.IntType(1)
@@ -125,11 +128,12 @@ def _c(v, t=_i64):
     return ir.Constant(t, v)
 
 
-def _vpdpbusd(builder, acc, u8, s8, wide=False):
-    """acc + per int32 lane the sum of its 4 u8 x s8 products (8 lanes).  wide: the u8
-    codes may exceed 127 (Q8_0's), which AVX2 takes in two parts to stay exact."""
+def _vpdpbusd(builder, acc, u8, s8, signed=False):
+    """acc + per int32 lane the sum of its 4 u8 x s8 products (8 lanes).  signed (AVX2
+    only, see I8_SIGNED): the first operand's bytes are signed too."""
     if not HAVE_VNNI:
-        return (_maddubs_wide if wide else _maddubs_avx2)(builder, acc, u8, s8)
+        return (_dpbssd_avx2 if signed else _maddubs_avx2)(builder, acc, u8, s8)
+    assert not signed
     fn = _fn(builder, "llvm.x86.avx512.vpdpbusd.256", _v8i32, [_v8i32, _v8i32, _v8i32])
     return builder.call(fn, [acc, builder.bitcast(u8, _v8i32), builder.bitcast(s8, _v8i32)])
 
@@ -144,13 +148,13 @@ def _maddubs_avx2(builder, acc, u8, s8):
     return _maddwd_avx2(builder, acc, p16, ir.Constant(_v16i16, [1] * 16))
 
 
-def _maddubs_wide(builder, acc, u8, s8):
-    """_maddubs_avx2 for any u8: its bits 0-6 and its bit 7 apart (each pair sum then fits
-    int16: 127 * 128 * 2 and 128 * 128 * 2), two vpmaddwd."""
-    u8 = builder.bitcast(u8, _v32i8)
-    low = builder.and_(u8, ir.Constant(_v32i8, [0x7F] * 32))
-    top = builder.and_(u8, ir.Constant(_v32i8, [-0x80] * 32))
-    return _maddubs_avx2(builder, _maddubs_avx2(builder, acc, low, s8), top, s8)
+def _dpbssd_avx2(builder, acc, w8, x8):
+    """s8 x s8 lane sums on AVX2 by llama.cpp's sign trick: |w| (u8) x sign(x, w).  Exact
+    while x8 holds no -128 (act_quant's codes are within +-127): pairs reach 128 * 127 * 2."""
+    w8, x8 = builder.bitcast(w8, _v32i8), builder.bitcast(x8, _v32i8)
+    absb = _fn(builder, "llvm.abs.v32i8", _v32i8, [_v32i8, _i1])
+    sign = _fn(builder, "llvm.x86.avx2.psign.b", _v32i8, [_v32i8, _v32i8])
+    return _maddubs_avx2(builder, acc, builder.call(absb, [w8, ir.Constant(_i1, 0)]), builder.call(sign, [x8, w8]))
 
 
 def _maddwd_avx2(builder, acc, a, b):
@@ -211,10 +215,11 @@ def _literal(t):
     return isinstance(t, types.IntegerLiteral)
 
 
-def _vpdpbusd512(builder, acc, u8, s8, wide=False):
-    """acc + per int32 lane the sum of its 4 u8 x s8 products (16 lanes); wide as _vpdpbusd's."""
+def _vpdpbusd512(builder, acc, u8, s8, signed=False):
+    """acc + per int32 lane the sum of its 4 u8 x s8 products (16 lanes); signed as _vpdpbusd's."""
     if not HAVE_VNNI:
-        return _by_halves(builder, _maddubs_wide if wide else _maddubs_avx2, acc, u8, s8)
+        return _by_halves(builder, _dpbssd_avx2 if signed else _maddubs_avx2, acc, u8, s8)
+    assert not signed
     fn = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", _v16i32, [_v16i32, _v16i32, _v16i32])
     return builder.call(fn, [acc, builder.bitcast(u8, _v16i32), builder.bitcast(s8, _v16i32)])
 

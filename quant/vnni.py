@@ -45,7 +45,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .act_quant import _grp_r as _grp_r_nb, group_q8_32, quantize_q8_256_i8, quantize_q8_32_i8, quantize_q8_32_quad
-from .ir import HAVE_VNNI, INT8_DOT  # noqa: F401  (this module's flags for its users: matmul_cpu, tests)
+from .ir import HAVE_VNNI, I8_SIGNED, INT8_DOT  # noqa: F401  (this module's flags for its users: matmul_cpu, tests)
 from .ir import (_c, _data, _f32, _fma_t, _fn, _i1, _i8, _i16, _i32, _i64, _literal, _load_vec, _shuf, _splat, _tree8,
                  _v8f32, _v8i32, _v16f32, _v16i8, _v16i32, _v32i8, _v64i8, _vpdpbusd, _vpdpbusd512, prefetch_span, vpdpwssd)
 from .vnni_kq import kq_rows, kq_span1
@@ -77,9 +77,10 @@ def _prefetch_blocks(builder, w, b0, t, BB):
 # doubled E2M1 values plus 12 (vpshufb: unsigned codes 0..24, the 12 taken back out with
 # the code sum as Q4_0's 8 is), and its scale is an E8M0 byte, not an f16 (_scales8).
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4 = 0, 1, 2, 3, 4, 6
+# Q8_0's codes xor 0x80 are unsigned with offset 128, or (I8_SIGNED: AVX2) stay signed, offset 0.
 _LEG = {Q4_0: (18, -1, -1, 2, "nib", 8), Q4_1: (20, 2, -1, 4, "nib", 0),
         Q5_0: (22, -1, 2, 6, "nib5", 16), Q5_1: (24, 2, 4, 8, "nib5", 0),
-        Q8_0: (34, -1, -1, 2, "i8", 128), MXFP4: (17, -1, -1, 1, "mx", 12)}
+        Q8_0: (34, -1, -1, 2, "i8", 0 if I8_SIGNED else 128), MXFP4: (17, -1, -1, 1, "mx", 12)}
 LEG_KINDS = tuple(_LEG)
 _MX_TABLE = [v + 12 for v in (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)]
 
@@ -411,7 +412,7 @@ def _codes32(builder, w, wo, k):
     BB, MOFF, QHOFF, QSOFF, CODE, OFF = _LEG[k]
     if CODE == "i8":
         q = _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v32i8)
-        return builder.xor(q, ir.Constant(_v32i8, [0x80] * 32))
+        return builder.xor(q, ir.Constant(_v32i8, [0x80] * 32)) if OFF else q
     u = _nibbles(builder, _load_vec(builder, w, builder.add(wo, _c(QSOFF)), _v16i8))
     if CODE == "mx":
         return _mx_lookup(builder, u)
@@ -453,6 +454,8 @@ def _pair_codes(builder, w, b, k, lone=False):
         qb = ir.Constant(_v32i8, None) if lone else _load_vec(builder, w, builder.add(ob, _c(QSOFF)), _v32i8)
         lo = builder.shuffle_vector(qa, qb, ir.Constant(ir.VectorType(_i32, 32), list(range(16)) + list(range(32, 48))))
         hi = builder.shuffle_vector(qa, qb, ir.Constant(ir.VectorType(_i32, 32), list(range(16, 32)) + list(range(48, 64))))
+        if not OFF:
+            return lo, hi
         flip = ir.Constant(_v32i8, [0x80] * 16 + [0x80 if not lone else 0] * 16)
         return builder.xor(lo, flip), builder.xor(hi, flip)
     qa = _load_vec(builder, w, builder.add(oa, _c(QSOFF)), _v16i8)
@@ -538,8 +541,8 @@ def leg_rows(typingctx, kind, R, src, nb, xq, xd, xsum, xs, r0, K, res):
                 else:
                     xl = _load_vec(builder, xqp, xo, _v32i8)
                     xh = _load_vec(builder, xqp, builder.add(xo, _c(32)), _v32i8)
-                wide = CODE == "i8"
-                out.append(_vpdpbusd(builder, _vpdpbusd(builder, ir.Constant(_v8i32, None), lo, xl, wide), hi, xh, wide))
+                sg = CODE == "i8" and I8_SIGNED
+                out.append(_vpdpbusd(builder, _vpdpbusd(builder, ir.Constant(_v8i32, None), lo, xl, sg), hi, xh, sg))
             return out
 
         def block_sums(b0, t):
@@ -701,7 +704,8 @@ def leg_grp(typingctx, kind, R, src, nb, xg, xdg, xsumg, xsg, res):
                     xo = builder.mul(bt, _c(32 * nr))
                     for c in range(nch):
                         p = _vpdpbusd512(builder, p, _bcast_w(builder, u, c, G),
-                                         _load_vec(builder, xp, builder.add(xo, _c(64 * c)), _v64i8), CODE == "i8")
+                                         _load_vec(builder, xp, builder.add(xo, _c(64 * c)), _v64i8),
+                                         CODE == "i8" and I8_SIGNED)
                 ps.append(p)
             # transpose-reduce: lane r*G + t <- block b + t of row r (exact)
             sp = G // 2
