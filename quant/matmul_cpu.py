@@ -383,7 +383,19 @@ def _pool_sgemm():
     sg = sgemm_address()
     if sg is not None:
         set_blas_threads(1)
+        _prime_sgemm()
     return sg
+
+
+def _prime_sgemm():
+    """One sgemm of 128 x 4096 x 64 (2-5 ms), once, before the prompt tiles'.  numpy's
+    OpenBLAS (0.3.31, Haswell kernels) runs the tiles' shapes at a third of its speed until
+    some call of enough rows and width has run in the process, whatever came before and
+    however many calls of those shapes follow; after one it stays fast (AMD EPYC, AVX2,
+    one thread, 128 x 256 x 576 from x @ w.T: 11 GFLOP/s before, 35-41 after; 128 x 320 x
+    4096 or 8 x 384 x 576 first did not do it, 128 x 384 x 576 or 128 x 4096 x 64 did).
+    Measured, not understood.  SmolLM2 Q4_1 pp128, 2 threads: 98-104 -> 148-157 t/s."""
+    np.ones((128, 64), np.float32) @ np.ones((4096, 64), np.float32).T
 
 
 def _use_amx(K: int) -> bool:
