@@ -42,6 +42,12 @@ ours() {   # ours LABEL ARGS...: runtime bench, its last line
 }
 peer() { "${PENV[@]}" timeout 120 /tmp/ll/llama-bench "$@" 2>&1 | grep -E "^\||error" | tee -a "$OUT/bench.txt"; }
 
+if [ "$PHASE" = 0 ]; then   # no pending diff: the GPU tests of what is committed and not yet run on a GPU
+  # (quant.cuda's _parts/_deq_f16, the engine's _begin_forward, test_cpu_moe_gpu's fix)
+  timeout $(( $(left) - 20 )) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_kernels.py \
+    tests/gpu/test_cpu_moe_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_models.py 2>&1 | tail -20 | tee "$OUT/tests-0.txt"
+fi
+
 if [ "$PHASE" = 1 ]; then
   if [ ! -f /tmp/writer.started ]; then
     touch /tmp/writer.started
