@@ -25,16 +25,16 @@ def llvm_ok() -> bool:
         return False
 
 
-def cpu_has(env: str, *features: str) -> bool:
+def cpu_has(env: str, *features: str, base: tuple[str, ...] = ("avx512f", "avx512bw", "avx512vl")) -> bool:
     """Whether this CPU, and the LLVM Numba compiles with, can run kernels that
-    need AVX-512 (F, BW, VL) plus `features`; the environment variable env=0
-    turns them off."""
+    need `base` (AVX-512 F, BW, VL unless told) plus `features`; the environment
+    variable env=0 turns them off."""
     if os.environ.get(env, "1") == "0" or not llvm_ok():
         return False
     try:
         from llvmlite import binding
         f = binding.get_host_cpu_features()
-        return all(f.get(k, False) for k in ("avx512f", "avx512bw", "avx512vl") + features)
+        return all(f.get(k, False) for k in base + features)
     except Exception:
         return False
 
@@ -42,27 +42,16 @@ def cpu_has(env: str, *features: str) -> bool:
 HAVE_VNNI = cpu_has("LLAMBA_QUANT_VNNI", "avx512vnni")
 
 
-def _has_avx2() -> bool:
-    if os.environ.get("LLAMBA_QUANT_AVX2", "1") == "0" or not llvm_ok():
-        return False
-    try:
-        from llvmlite import binding
-        f = binding.get_host_cpu_features()
-        return bool(f.get("avx2", False) and f.get("fma", False))
-    except Exception:
-        return False
-
-
 # The u8 x s8 kernels (vnni.py, vnni_kq.py) also run on AVX2-only CPUs (Haswell and later,
 # AMD Zen 1-3: many of the machines local models run on), with vpdpbusd spelled as
 # llama.cpp spells it there: vpmaddubsw (adjacent u8 x s8 products summed to int16,
 # saturating) then vpmaddwd by ones.  The same integers, hence the same bits, as long as
-# a pair's sum fits int16: weight codes up to 127 against |x| <= 128, which every kind
+# a pair's sum fits int16: weight codes up to 127 against |x| <= 127 (act_quant), which every kind
 # keeps (Q6_K's codes reach 63, MXFP4's 24) but Q8_0, whose codes xor 0x80 reach 255.
 # So on AVX2 Q8_0's codes stay signed (I8_SIGNED) and their dots take llama.cpp's sign
 # trick (_dpbssd_avx2), with no 128 * sum(x) to take back out: the same integer sums.
 # INT8_DOT: the kernels run here.
-INT8_DOT = HAVE_VNNI or _has_avx2()
+INT8_DOT = HAVE_VNNI or cpu_has("LLAMBA_QUANT_AVX2", base=("avx2", "fma"))
 I8_SIGNED = not HAVE_VNNI
 # GFNI (Ice Lake, Zen4 and later; not Cascade Lake) unpacks Q4_K's high nibbles in one instruction
 HAVE_GFNI = HAVE_VNNI and cpu_has("LLAMBA_QUANT_GFNI", "gfni")
