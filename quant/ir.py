@@ -161,7 +161,9 @@ def _halves(builder, v):
 
 
 def _join(builder, lo, hi):
-    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_i32, 16), list(range(16))))
+    """Two vectors of one type, lo's lanes then hi's."""
+    n = 2 * lo.type.count
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_i32, n), list(range(n))))
 
 
 def _by_halves(builder, op, acc, a, b):
@@ -176,11 +178,11 @@ def _by_halves(builder, op, acc, a, b):
 def vpdpwssd(builder, acc, a, b):
     """acc + per int32 lane (a.lo16 * b.lo16 + a.hi16 * b.hi16), 8 or 16 lanes."""
     n = acc.type.count
-    half = ir.VectorType(_i16, 2 * n)
     if not HAVE_VNNI:
         if n == 8:
             return _maddwd_avx2(builder, acc, a, b)
         return _by_halves(builder, _maddwd_avx2, acc, a, b)
+    half = ir.VectorType(_i16, 2 * n)
     # (LLVM 22 declares the word operands as <32 x i16>; an i32 declaration is
     # "auto-upgraded" into wrong code)
     fn = _fn(builder, f"llvm.x86.avx512.vpdpwssd.{32 * n}", acc.type, [acc.type, half, half])
@@ -194,8 +196,7 @@ def packssdw512(builder, a, b):
         fn = _fn(builder, "llvm.x86.avx2.packssdw", _v16i16, [_v8i32, _v8i32])
         al, ah = _halves(builder, a)
         bl, bh = _halves(builder, b)
-        lo, hi = builder.call(fn, [al, bl]), builder.call(fn, [ah, bh])
-        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
+        return _join(builder, builder.call(fn, [al, bl]), builder.call(fn, [ah, bh]))
     fn = _fn(builder, "llvm.x86.avx512.packssdw.512", v32i16, [_v16i32, _v16i32])
     return builder.call(fn, [a, b])
 

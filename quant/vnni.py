@@ -77,11 +77,16 @@ def _prefetch_blocks(builder, w, b0, t, BB):
 # doubled E2M1 values plus 12 (vpshufb: unsigned codes 0..24, the 12 taken back out with
 # the code sum as Q4_0's 8 is), and its scale is an E8M0 byte, not an f16 (_scales8).
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4 = 0, 1, 2, 3, 4, 6
-# Q8_0's codes xor 0x80 are unsigned with offset 128, or (I8_SIGNED: AVX2) stay signed, offset 0.
+# Q8_0's codes xor 0x80 are unsigned with offset 128, or (I8_SIGNED: AVX2) stay signed, offset 0
+# (_signed: the kinds whose codes the dots take as signed).
 _LEG = {Q4_0: (18, -1, -1, 2, "nib", 8), Q4_1: (20, 2, -1, 4, "nib", 0),
         Q5_0: (22, -1, 2, 6, "nib5", 16), Q5_1: (24, 2, 4, 8, "nib5", 0),
         Q8_0: (34, -1, -1, 2, "i8", 0 if I8_SIGNED else 128), MXFP4: (17, -1, -1, 1, "mx", 12)}
 LEG_KINDS = tuple(_LEG)
+
+
+def _signed(k):
+    return _LEG[k][4] == "i8" and I8_SIGNED
 _MX_TABLE = [v + 12 for v in (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)]
 
 
@@ -541,8 +546,8 @@ def leg_rows(typingctx, kind, R, src, nb, xq, xd, xsum, xs, r0, K, res):
                 else:
                     xl = _load_vec(builder, xqp, xo, _v32i8)
                     xh = _load_vec(builder, xqp, builder.add(xo, _c(32)), _v32i8)
-                sg = CODE == "i8" and I8_SIGNED
-                out.append(_vpdpbusd(builder, _vpdpbusd(builder, ir.Constant(_v8i32, None), lo, xl, sg), hi, xh, sg))
+                out.append(_vpdpbusd(builder, _vpdpbusd(builder, ir.Constant(_v8i32, None), lo, xl, _signed(k)), hi, xh,
+                                     _signed(k)))
             return out
 
         def block_sums(b0, t):
@@ -704,8 +709,7 @@ def leg_grp(typingctx, kind, R, src, nb, xg, xdg, xsumg, xsg, res):
                     xo = builder.mul(bt, _c(32 * nr))
                     for c in range(nch):
                         p = _vpdpbusd512(builder, p, _bcast_w(builder, u, c, G),
-                                         _load_vec(builder, xp, builder.add(xo, _c(64 * c)), _v64i8),
-                                         CODE == "i8" and I8_SIGNED)
+                                         _load_vec(builder, xp, builder.add(xo, _c(64 * c)), _v64i8), _signed(k))
                 ps.append(p)
             # transpose-reduce: lane r*G + t <- block b + t of row r (exact)
             sp = G // 2
