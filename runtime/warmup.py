@@ -69,7 +69,7 @@ def warm_up(engine, notice=None, force: bool = False) -> float:
     if not (force or first_run(engine)):
         return 0.0
     if notice:
-        notice("Compiling kernels for this CPU (first run only, about a minute)…")
+        notice("Compiling kernels for this CPU (first run only: one to several minutes)…")
     t = time.perf_counter()
     vocab = engine.config.vocab_size
     room = engine.n_ctx
